@@ -1,0 +1,112 @@
+"""Atomic checkpoints: trainable weights (safetensors), optimizer, step, RNG states, recipe, score.
+
+A checkpoint directory is written under a temporary name, every file fsync'd, then swapped in with
+renames, so a kill at any moment leaves a loadable checkpoint: either the new one, or the previous
+one (kept as `<name>.old` for the instant between the two renames; `load` falls back to it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+WEIGHTS = "trainable.safetensors"
+OPTIMIZER = "optimizer.pt"
+RNG = "rng.pt"
+STATE = "state.json"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def save(path: Path, *, weights: dict[str, torch.Tensor], optimizer: dict | None, state: dict) -> None:
+    """Write a checkpoint atomically at `path` (a directory)."""
+    path = Path(path)
+    parent = path.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f".tmp-{path.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
+    if optimizer is not None:
+        torch.save(optimizer, tmp / OPTIMIZER)
+    torch.save(rng_state(), tmp / RNG)
+    (tmp / STATE).write_text(json.dumps(state, indent=2, sort_keys=True))
+    for f in tmp.iterdir():
+        _fsync_file(f)
+    _fsync_dir(tmp)
+    old = parent / f"{path.name}.old"
+    if old.exists():
+        shutil.rmtree(old)
+    if path.exists():
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync_dir(parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def resolve(path: Path) -> Path | None:
+    """The loadable checkpoint at `path`, or its `.old` twin if a swap was interrupted."""
+    path = Path(path)
+    for cand in (path, path.parent / f"{path.name}.old"):
+        if (cand / STATE).is_file() and (cand / WEIGHTS).is_file():
+            return cand
+    return None
+
+
+def load(path: Path, *, map_location: str = "cpu") -> dict[str, Any]:
+    found = resolve(path)
+    if found is None:
+        raise FileNotFoundError(f"no loadable checkpoint at {path}")
+    out: dict[str, Any] = {
+        "path": found,
+        "weights": load_file(str(found / WEIGHTS), device=map_location),
+        "state": json.loads((found / STATE).read_text()),
+    }
+    if (found / OPTIMIZER).is_file():
+        out["optimizer"] = torch.load(found / OPTIMIZER, map_location=map_location, weights_only=False)
+    if (found / RNG).is_file():
+        out["rng"] = torch.load(found / RNG, weights_only=False)
+    return out
+
+
+def weights_sha256(path: Path) -> str:
+    found = resolve(path)
+    if found is None:
+        raise FileNotFoundError(f"no loadable checkpoint at {path}")
+    h = hashlib.sha256()
+    with open(found / WEIGHTS, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
