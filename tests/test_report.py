@@ -1,0 +1,166 @@
+"""evaluation.json from prediction rows (deterministic, regenerable) and the report on a tiny run dir."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from rlcd import metrics as M
+from rlcd.calibrate import fit_per_type
+from rlcd.report import (evaluation_from_predictions, evaluation_json, load_predictions, regenerate_evaluation,
+                         write_evaluation, write_report)
+
+torch.set_num_threads(1)
+
+GROUPS = ("synth/en/colour", "vqa/en/yesno", "td/en/rating")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _softmax(z):
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def make_rows(split, n, seed, *, posterior=True):
+    """Prediction rows of all three types; the model's logits are 2x too sharp (T* ~ 2)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        type_ = ("choice", "noul", "score")[i % 3]
+        k = {"choice": int(rng.integers(3, 13)), "noul": 2, "score": 5}[type_]
+        z = rng.normal(0, 1.5, size=k)
+        truth = _softmax(z)
+        target = np.eye(k)[rng.choice(k, p=truth)] if i % 2 else truth
+        labels = [f"c{j}" for j in range(k)] if type_ == "choice" else (
+            ["false", "true"] if type_ == "noul" else [str(j) for j in range(k)])
+        group = GROUPS[i % 3] if i % 5 else GROUPS[(i + 1) % 3]
+        rows.append({"id": f"{split}-{i:04d}", "group": group, "type": type_, "labels": labels,
+                     "target": target.tolist(),
+                     "posterior": truth.tolist() if posterior and group.startswith("synth") else None,
+                     "logits": (2.0 * z + rng.normal(0, 0.1, size=k)).tolist(),
+                     "instructions": f"question {type_} {i % 4}"})
+    return rows
+
+
+def make_run(tmp_path, *, with_eval=True, with_log=True, posterior=True, diagnostics=True):
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    preds = {s: make_rows(s, n, seed, posterior=posterior)
+             for s, n, seed in (("dev", 30, 1), ("calibration", 60, 2), ("test", 60, 3))}
+    for split, rows in preds.items():
+        with open(run / "eval" / f"predictions-{split}.jsonl", "w") as fh:
+            for r in rows:
+                fh.write(json.dumps(r) + "\n")
+    temps, infos = fit_per_type(preds["calibration"])
+    train = make_rows("train", 90, 4)
+    meta = {"run": "tiny", "selected_step": 40, "checkpoint_sha256": "ab" * 32,
+            "data_hashes": {"train.jsonl": "cd" * 32}, "calibration": infos}
+    mb = M.majority_baseline(train, preds["test"])
+    if with_eval:
+        write_evaluation(run, evaluation_from_predictions(preds, temps, meta, majority_baseline=mb))
+    if with_log:
+        with open(run / "metrics.jsonl", "w") as fh:
+            for step in range(1, 41):
+                line = {"step": step, "loss": 2.0 / step, "ce_loss": 1.5 / step, "lr_lora": 1e-4 * min(1, step / 5),
+                        "lr_head": 5e-4 * min(1, step / 5), "grad_norm": 1.0 / step ** 0.5}
+                if diagnostics:
+                    line.update(policy_loss=0.1 - step / 400, reward_mean=-1 + step / 40, log_score_mean=-1.2 + step / 50,
+                                spherical_mean=0.4 + step / 200, advantage_std=1.0, grad_cosine=0.3,
+                                grad_norm_ratio=0.8)
+                fh.write(json.dumps(line) + "\n")
+                if step % 10 == 0:
+                    fh.write(json.dumps({"event": "eval", "step": step, "dev_macro_accuracy": 0.3 + step / 100,
+                                         "dev_accuracy": {g: 0.3 + step / 100 for g in GROUPS}}) + "\n")
+            fh.write("{not json\n")
+    return run, preds, temps, meta, mb
+
+
+def test_evaluation_structure_and_determinism(tmp_path):
+    _, preds, temps, meta, mb = make_run(tmp_path, with_log=False)
+    ev = evaluation_from_predictions(preds, temps, meta, majority_baseline=mb)
+    assert ev["headline_split"] == "test" and ev["n_rows"] == {"dev": 30, "calibration": 60, "test": 60}
+    assert set(ev["temperatures"]) == {"choice", "noul", "score"}
+    assert all(1.4 < t < 3.2 for t in ev["temperatures"].values())  # logits 2x too sharp; 20 rows a type
+    for side in ("raw", "calibrated"):
+        o = ev[side]["overall"]
+        for key in ("accuracy", "nll", "brier", "ece", "ece_target", "sharpness_gap"):
+            assert isinstance(o[key], float), key
+        assert set(ev[side]["per_type"]) == {"choice", "noul", "score"}
+        assert set(ev[side]["per_group"]) == set(GROUPS)
+        assert "posterior" in o and "rps" in o
+    assert ev["raw"]["overall"]["accuracy"] == ev["calibrated"]["overall"]["accuracy"]  # T > 0 keeps argmax
+    assert ev["calibrated"]["overall"]["nll"] < ev["raw"]["overall"]["nll"]
+    assert set(ev["other_splits"]) == {"dev", "calibration"}
+    assert ev["majority_baseline"] == json.loads(json.dumps(mb)) and ev["meta"]["selected_step"] == 40
+
+    text = evaluation_json(ev)
+    shuffled = {s: random.Random(len(s)).sample(rows, len(rows)) for s, rows in reversed(list(preds.items()))}
+    again = evaluation_from_predictions(shuffled, dict(reversed(list(temps.items()))), meta, majority_baseline=mb)
+    assert evaluation_json(again) == text
+    assert evaluation_json(evaluation_from_predictions(preds, {**temps, "noul": 1.0}, meta,
+                                                       majority_baseline=mb)) != text
+
+
+def test_prediction_files_regenerate_evaluation_json_exactly(tmp_path):
+    run, *_ = make_run(tmp_path, with_log=False)
+    stored = (run / "eval" / "evaluation.json").read_text()
+    assert evaluation_json(regenerate_evaluation(run)) == stored
+    # editing one logit in a prediction file changes the regenerated evaluation
+    path = run / "eval" / "predictions-test.jsonl"
+    lines = path.read_text().splitlines()
+    first = json.loads(lines[0])
+    first["logits"][0] += 3.0
+    path.write_text("\n".join([json.dumps(first)] + lines[1:]) + "\n")
+    assert evaluation_json(regenerate_evaluation(run)) != stored
+
+
+def test_report_and_plots_exist_for_a_tiny_run(tmp_path):
+    run, *_ = make_run(tmp_path)
+    report = write_report(run)
+    assert report == run / "eval" / "report.md"
+    text = report.read_text()
+    plots = ["reliability_overall", "reliability_choice", "reliability_noul", "reliability_score", "coverage_risk",
+             "group_accuracy", "training_curves", "rlcd_diagnostics"]
+    for name in plots:
+        png = run / "eval" / "plots" / f"{name}.png"
+        assert png.read_bytes()[:8] == PNG and png.stat().st_size > 5000, name
+        assert f"](plots/{name}.png)" in text, name
+    for heading in ("## Headline: test split (n = 60)", "## Temperatures", "## Per type", "## Majority baseline",
+                    "## Known posterior", "## Per group", "## Other splits", "## Training"):
+        assert heading in text, heading
+    assert "matches the prediction files exactly" in text
+    assert "1 unreadable line(s) skipped" in text
+    assert "not available" not in text.lower() and "missing" not in text.lower()
+
+
+def test_report_without_optional_inputs(tmp_path):
+    run, preds, *_ = make_run(tmp_path, with_eval=False, with_log=False, posterior=False)
+    text = write_report(run).read_text()
+    assert "`eval/evaluation.json` is missing" in text
+    assert "fitted here on `predictions-calibration.jsonl`" in text
+    assert "No rows carry a posterior" in text
+    assert "Not available" in text  # majority baseline
+    assert "`metrics.jsonl` is missing" in text
+    plots = run / "eval" / "plots"
+    assert not (plots / "training_curves.png").exists()
+    assert (plots / "coverage_risk.png").stat().st_size > 0
+    # a CE-only log: curves, but the diagnostics section says nothing was logged
+    (run / "eval" / "predictions-calibration.jsonl").unlink()
+    (run / "eval" / "predictions-dev.jsonl").unlink()
+    with open(run / "metrics.jsonl", "w") as fh:
+        for step in range(1, 6):
+            fh.write(json.dumps({"step": step, "ce_loss": 1.0 / step, "lr_lora": 1e-4}) + "\n")
+    text = write_report(run).read_text()
+    assert "calibrated = raw (T = 1)" in text
+    assert (plots / "training_curves.png").stat().st_size > 0
+    assert not (plots / "rlcd_diagnostics.png").exists()
+    assert "No reward parts" in text
+    assert list(load_predictions(run)) == ["test"]
+
+
+def test_report_needs_predictions(tmp_path):
+    (tmp_path / "eval").mkdir()
+    with pytest.raises(FileNotFoundError, match="predictions"):
+        write_report(tmp_path)
