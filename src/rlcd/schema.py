@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
@@ -89,7 +89,7 @@ class Question(BaseModel):
 
     type: QuestionType
     instructions: JSONValue
-    criteria: Union[list[str], dict[str, str], None] = None
+    criteria: Union[list[str], dict[str, Optional[str]], None] = None
 
     @model_validator(mode="after")
     def _rules(self) -> "Question":

@@ -1,0 +1,107 @@
+"""Eligible pools and the deterministic training sampler.
+
+* `eligible_pool` / `dev_subset`: per sampling group (`source/language/task`) the first `cap` ids in
+  sha256 order of the id. The order depends on the ids alone, so a run can freeze the lists and
+  any later run over the same records picks the same rows.
+* `microbatch(pool, seed, index)`: each example draws a group uniformly (groups sorted by name),
+  then a row of that group uniformly, with replacement, plus a permutation seed. The draw comes
+  from `numpy.random.default_rng([seed, index])` alone, so a resumed run continues the same stream
+  from its absolute microbatch index.
+* `shuffle_choice`: permutes a choice question's candidates together with target and posterior,
+  so the model cannot learn a position prior; noul and score keep their fixed order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from rlcd.schema import Record
+
+TRAIN_CAP = 6000
+DEV_CAP = 256
+
+
+def hash_order_key(record_id: str) -> str:
+    """Sort key of an id: its sha256 (stable across machines and Python versions)."""
+    return hashlib.sha256(record_id.encode("utf-8")).hexdigest()
+
+
+def _capped_by_group(records: Iterable[Record], cap: int) -> dict[str, list[str]]:
+    by_group: dict[str, list[str]] = defaultdict(list)
+    for r in records:
+        by_group[r.sampling_group].append(r.id)
+    return {g: sorted(ids, key=hash_order_key)[:cap] for g, ids in sorted(by_group.items())}
+
+
+def eligible_pool(records: Iterable[Record], cap: int = TRAIN_CAP) -> dict[str, list[str]]:
+    """Training pool: per sampling group, at most `cap` ids in hash order (pass the train split)."""
+    return _capped_by_group(records, cap)
+
+
+def dev_subset(records: Iterable[Record], cap: int = DEV_CAP) -> dict[str, list[str]]:
+    """Fixed dev subset: per sampling group, at most `cap` ids in hash order (pass the dev split)."""
+    return _capped_by_group(records, cap)
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One sampled example: which group, which row, and the seed for its candidate permutation."""
+
+    group: str
+    id: str
+    perm_seed: int
+
+
+class Sampler:
+    """Precomputes the pool once so that each microbatch costs one small RNG call."""
+
+    def __init__(self, pool: dict[str, list[str]]):
+        self.groups = sorted(g for g, ids in pool.items() if ids)
+        if not self.groups:
+            raise ValueError("the pool has no rows: every group is empty")
+        self.ids = [list(pool[g]) for g in self.groups]
+        self.sizes = np.array([len(ids) for ids in self.ids], dtype=np.float64)
+
+    def microbatch(self, seed: int, index: int, size: int = 8) -> list[Draw]:
+        """The `size` draws of microbatch `index`: a pure function of (pool, seed, index)."""
+        rng = np.random.default_rng([seed, index])
+        u = rng.random((2, size))
+        perm = rng.integers(0, 2**32, size=size, dtype=np.uint64).tolist()
+        gi = (u[0] * len(self.groups)).astype(np.int64)
+        ri = (u[1] * self.sizes[gi]).astype(np.int64).tolist()
+        groups, ids = self.groups, self.ids
+        return [Draw(groups[g], ids[g][r], p) for g, r, p in zip(gi.tolist(), ri, perm)]
+
+
+def microbatch(pool: dict[str, list[str]], seed: int, index: int, size: int = 8) -> list[Draw]:
+    """Convenience form of `Sampler(pool).microbatch`; build a Sampler once in loops."""
+    return Sampler(pool).microbatch(seed, index, size)
+
+
+def shuffle_choice(record: Record, seed: int) -> Record:
+    """A copy of a choice record with candidates, target and posterior permuted together.
+
+    List criteria are reordered; dict criteria keep each description with its label. Noul and
+    score records are returned unchanged (their order carries meaning).
+    """
+    q = record.question
+    if q.type != "choice":
+        return record
+    perm = np.random.default_rng(seed).permutation(q.k).tolist()
+    labels = q.labels
+    if isinstance(q.criteria, dict):
+        criteria: list[str] | dict[str, str] = {labels[i]: q.criteria[labels[i]] for i in perm}
+    else:
+        criteria = [labels[i] for i in perm]
+    update = {
+        "question": q.model_copy(update={"criteria": criteria}),
+        "target": [record.target[i] for i in perm],
+    }
+    if record.posterior is not None:
+        update["posterior"] = [record.posterior[i] for i in perm]
+    return record.model_copy(update=update)

@@ -1,0 +1,74 @@
+"""`rlcd data` commands end to end on fixtures, and demo_data."""
+
+import json
+import time
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from rlcd.data.cli import app, demo_data
+from rlcd.data.io import read_jsonl, sha256_file
+from rlcd.schema import SPLITS
+
+FIX = Path(__file__).parent / "fixtures" / "data"
+runner = CliRunner()
+
+
+def invoke(*args):
+    result = runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def lines(path):
+    return [obj for _, obj in read_jsonl(path)]
+
+
+def test_import_every_kind(tmp_path):
+    out = tmp_path / "imported"
+    invoke("import", "--kind", "typed-decisions", "--input", FIX / "typed_decisions.jsonl", "--out", out / "td.jsonl")
+    assert len(lines(out / "td.jsonl")) == 8 and len(lines(out / "td.excluded.jsonl")) == 7
+    text = invoke("import", "--kind", "text", "--input", FIX / "text.jsonl", "--text-column", "sentence",
+                  "--label-column", "intent", "--labels", "reservation,hours,menu,cancellation", "--out", out / "text.jsonl")
+    assert "text.jsonl" in text and len(lines(out / "text.jsonl")) == 4
+    invoke("import", "--kind", "vqav2", "--input", FIX / "vqav2.jsonl", "--images", FIX / "vqav2_images",
+           "--out", out / "vqa.jsonl")
+    assert len(lines(out / "vqa.jsonl")) == 3
+    output = invoke("import", "--kind", "easy-vqa", "--limit", "30", "--out", out / "easy.jsonl")
+    assert "easy-vqa/en/yes-no" in output and 25 <= len(lines(out / "easy.jsonl")) <= 35
+    invoke("import", "--kind", "jsonl", "--input", out / "easy.jsonl", "--out", tmp_path / "copy" / "easy.jsonl")
+    first = lines(tmp_path / "copy" / "easy.jsonl")[0]
+    assert first["image"].startswith("../imported/images/") and (tmp_path / "copy" / first["image"]).is_file()
+
+
+def test_missing_required_options_fail():
+    assert runner.invoke(app, ["import", "--kind", "text", "--out", "x.jsonl"]).exit_code != 0
+    assert runner.invoke(app, ["import", "--kind", "vqav2", "--input", str(FIX / "vqav2.jsonl"), "--out", "x.jsonl"]).exit_code != 0
+
+
+def test_synth_prepare_validate(tmp_path):
+    output = invoke("synth", "--out", tmp_path / "s.jsonl", "--cases", 24, "--seed", 2, "--votes", 3)
+    assert "synth/de/invoice-approval" in output
+    assert len(lines(tmp_path / "s.jsonl")) == 24 * 6
+    with open(tmp_path / "s.jsonl", "a") as fh:
+        fh.write("{broken\n")
+    output = invoke("validate", tmp_path / "s.jsonl")
+    assert "unparsable" in output and "s.jsonl:145" in output and "read 145 = used 144 + excluded 1" in output
+    assert not (tmp_path / "out").exists()
+    output = invoke("prepare", tmp_path / "s.jsonl", "--out", tmp_path / "out", "--seed", 1)
+    assert "read 145 = used 144 + excluded 1" in output
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["seed"] == 1 and manifest["exclusions"] == {"unparsable": 1}
+
+
+def test_demo_data_is_fast_and_complete(tmp_path):
+    start = time.perf_counter()
+    manifest = demo_data(tmp_path, seed=0, n_cases=80, easy_vqa_limit=100)
+    assert time.perf_counter() - start < 20
+    assert {g.split("/")[0] for g in manifest["counts"]} == {"synth", "easy-vqa"}
+    assert manifest["read"] == manifest["used"] + manifest["excluded"]
+    assert all(manifest["splits"][s] > 0 for s in SPLITS)
+    processed = tmp_path / "processed"
+    for name, digest in manifest["outputs"].items():
+        assert sha256_file(processed / name) == digest
+    assert any(name.startswith("images/") for name in manifest["outputs"])

@@ -1,0 +1,199 @@
+"""Each importer on a fixture that mirrors its real schema."""
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from rlcd.data import importers
+from rlcd.data.io import read_jsonl, sha256_file, write_jsonl
+from rlcd.schema import parse_record
+
+FIX = Path(__file__).parent / "fixtures" / "data"
+
+
+def _by_id(records):
+    return {r.id: r for r in records}
+
+
+def _reasons(excluded):
+    return {e["row"]: e["reason"] for e in excluded}
+
+
+def _input_rows(path):
+    return sum(1 for _ in read_jsonl(path))
+
+
+# --- typed-decisions ------------------------------------------------------------------------
+
+
+def _check_typed_decisions(records, excluded, source_file):
+    recs = _by_id(records)
+    assert set(recs) == {"td-1:action", "td-1:urgent", "td-1:severity", "td-2:approve", "td-2:route",
+                         "td-3:approve", "td-4:route", "td-10:urgent"}
+    action = recs["td-1:action"]
+    assert (action.source, action.language, action.task, action.case_id) == ("typed-decisions", "en", "customer_service", "td-1")
+    assert action.question.labels == ["refund", "replace", "escalate"] and action.target == pytest.approx([0.7, 0.2, 0.1])
+    assert isinstance(action.state, dict) and action.state["customer"] == "C-1042"
+    assert recs["td-1:urgent"].target == pytest.approx([0.2, 0.8])  # noul order is false, true
+    assert recs["td-1:severity"].target == pytest.approx([0.1, 0.6, 0.3, 0.0])  # missing level "3" -> 0
+    assert recs["td-2:route"].target == pytest.approx([0.0, 2 / 3, 1 / 3])  # missing label -> 0, renormalised
+    assert recs["td-10:urgent"].split == "test" and recs["td-1:urgent"].split is None
+    reasons = _reasons(excluded)
+    assert reasons == {"td-3:route": "missing_gold", "td-4:approve": "zero_target", "td-5:action": "invalid",
+                       "td-6": "unparsable", 7: "unparsable", "td-8:action": "invalid", "td-9:urgent": "invalid"}
+    details = {e["row"]: e["detail"] for e in excluded}
+    assert "store_credit" in details["td-5:action"] and "td-5:action" in details["td-5:action"]
+    assert "ranking" in details["td-8:action"] or "'choice', 'noul' or 'score'" in details["td-8:action"]
+    assert "reserved token" in details["td-9:urgent"]
+    assert all(e["source_file"] == str(source_file) for e in excluded)
+
+
+def test_typed_decisions_jsonl():
+    path = FIX / "typed_decisions.jsonl"
+    _check_typed_decisions(*importers.import_typed_decisions(path), path)
+
+
+def test_typed_decisions_parquet_matches_jsonl(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [obj for _, obj in read_jsonl(FIX / "typed_decisions.jsonl") if isinstance(obj, dict)]
+    columns = ("id", "workflow", "state", "questions", "gold", "split")
+    table = pa.table({c: [r.get(c) for r in rows] for c in columns})
+    pq.write_table(table, tmp_path / "td.parquet")
+    records, excluded = importers.import_typed_decisions(tmp_path / "td.parquet")
+    ref, _ = importers.import_typed_decisions(FIX / "typed_decisions.jsonl")
+    assert [r.model_dump() for r in records] == [r.model_dump() for r in ref]
+    assert sorted(e["reason"] for e in excluded) == sorted(
+        ["missing_gold", "zero_target", "invalid", "unparsable", "invalid", "invalid"])
+
+
+def test_typed_decisions_split_argument_overrides_column():
+    records, _ = importers.import_typed_decisions(FIX / "typed_decisions.jsonl", split="validation")
+    assert {r.split for r in records} == {"dev"}
+
+
+def test_a_hub_id_without_datasets_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails, as when not installed
+    with pytest.raises(FileNotFoundError, match="datasets"):
+        importers.import_typed_decisions("some-org/some-set:train")
+
+
+# --- VQAv2 ----------------------------------------------------------------------------------
+
+
+def test_vqav2_yes_no_votes(tmp_path):
+    out_dir = tmp_path / "imported"
+    out_dir.mkdir()
+    records, excluded = importers.import_vqav2(FIX / "vqav2.jsonl", FIX / "vqav2_images", out_dir)
+    recs = _by_id(records)
+    assert set(recs) == {"vqav2:101", "vqav2:102", "vqav2:104"}
+    assert recs["vqav2:101"].target == pytest.approx([0.3, 0.7])  # [#no, #yes] / (#no + #yes)
+    assert recs["vqav2:102"].target == pytest.approx([6 / 7, 1 / 7])  # "maybe" votes do not count
+    assert recs["vqav2:104"].target == [0.0, 1.0]  # no votes: hard target from multiple_choice_answer
+    assert all(r.question.type == "noul" and r.task == "yes-no" for r in records)
+    assert recs["vqav2:101"].case_id == recs["vqav2:102"].case_id != recs["vqav2:104"].case_id
+    assert _reasons(excluded) == {"vqav2:103": "not_yes_no", "vqav2:105": "no_yes_no_votes", "vqav2:106": "missing_image"}
+    for r in records:  # image paths are relative to the output directory and resolve to the fixture image
+        assert not Path(r.image).is_absolute()
+        assert sha256_file(out_dir / r.image) == sha256_file(FIX / "vqav2_images" / Path(r.image).name)
+    assert len(records) + len(excluded) == _input_rows(FIX / "vqav2.jsonl")
+
+
+def test_vqav2_embedded_image_bytes_are_stored_content_addressed(tmp_path):
+    data = (FIX / "vqav2_images" / "img_a.png").read_bytes()
+    row = {"question_id": 1, "image": {"bytes": data, "path": "x.png"}, "question": "Red?",
+           "answer_type": "yes/no", "answers": ["yes", "yes", "no"], "multiple_choice_answer": "yes"}
+    src = tmp_path / "rows.parquet"
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([row]), src)
+    (record,), excluded = importers.import_vqav2(src, tmp_path, tmp_path / "out")
+    assert not excluded and record.target == pytest.approx([1 / 3, 2 / 3])
+    assert record.image == f"images/{sha256_file(FIX / 'vqav2_images' / 'img_a.png')}.png"
+    assert (tmp_path / "out" / record.image).read_bytes() == data
+
+
+# --- text classification --------------------------------------------------------------------
+
+
+def test_text_csv_infers_sorted_labels():
+    records, excluded = importers.import_text(FIX / "text.csv")
+    assert [r.id for r in records] == ["text:1", "text:2", "text:3", "text:6"]
+    assert all(r.question.labels == ["negative", "neutral", "positive"] for r in records)
+    assert _by_id(records)["text:2"].target == [1.0, 0.0, 0.0]
+    assert _by_id(records)["text:1"].state == "The food was great, thanks!"
+    assert _reasons(excluded) == {"text:4": "invalid", "text:5": "invalid"}
+    assert all(r.task == "text" and r.question.type == "choice" for r in records)
+
+
+def test_text_jsonl_custom_columns_and_given_labels():
+    labels = ["reservation", "hours", "menu"]
+    records, excluded = importers.import_text(FIX / "text.jsonl", text_column="sentence", label_column="intent",
+                                              labels=labels, task="intents")
+    assert [r.question.labels for r in records] == [labels] * 3
+    assert [r.target.index(1.0) for r in records] == [0, 1, 2]
+    assert Counter(e["reason"] for e in excluded) == {"unknown_label": 1, "unparsable": 1}
+    assert "cancellation" in next(e["detail"] for e in excluded if e["reason"] == "unknown_label")
+
+
+def test_text_with_a_single_label_is_refused(tmp_path):
+    (tmp_path / "one.csv").write_text("text,label\na,x\nb,x\n")
+    with pytest.raises(ValueError, match="at least 2 labels"):
+        importers.import_text(tmp_path / "one.csv")
+
+
+# --- easy-vqa -------------------------------------------------------------------------------
+
+
+def test_easy_vqa_subset(tmp_path):
+    records, excluded = importers.import_easy_vqa(tmp_path, limit=120)
+    assert not excluded and 115 <= len(records) <= 125
+    splits = Counter(r.split for r in records)
+    assert set(splits) == {"train", "test"} and splits["train"] > splits["test"]
+    by_task = {r.task: r for r in records}
+    assert set(by_task) == {"yes-no", "color", "shape"}
+    assert by_task["yes-no"].question.type == "noul"
+    assert by_task["color"].question.labels == list(importers.EASY_VQA_COLOURS) and len(importers.EASY_VQA_COLOURS) == 8
+    assert by_task["shape"].question.labels == ["circle", "rectangle", "triangle"]
+    for r in records:
+        assert sum(r.target) == 1.0 and max(r.target) == 1.0
+        path = tmp_path / r.image
+        assert r.image == f"images/{sha256_file(path)}.png"
+    again, _ = importers.import_easy_vqa(tmp_path / "again", limit=120)
+    assert [r.model_dump() for r in again] == [r.model_dump() for r in records]
+
+
+def test_easy_vqa_answers_match_the_question_text(tmp_path):
+    records, _ = importers.import_easy_vqa(tmp_path, limit=60)
+    for r in records:
+        text = r.question.instructions
+        assert ("color" in text) == (r.task == "color")
+        assert (text.split()[0] in ("is", "does")) == (r.task == "yes-no")
+
+
+# --- native JSONL ---------------------------------------------------------------------------
+
+
+def test_native_jsonl_validates_and_rebases_images(tmp_path):
+    src_dir = tmp_path / "src"
+    (src_dir / "pics").mkdir(parents=True)
+    (src_dir / "pics" / "a.png").write_bytes((FIX / "vqav2_images" / "img_a.png").read_bytes())
+    base = {"source": "mine", "task": "t", "state": "s", "question": {"type": "noul", "instructions": "ok?"},
+            "target": [0.5, 0.5]}
+    rows = [{**base, "id": "a", "image": "pics/a.png"}, {**base, "id": "b"}, {**base, "id": "a"},
+            {**base, "id": "c", "image": "pics/none.png"}, {**base, "id": "d", "target": [1, 1]}]
+    write_jsonl(src_dir / "in.jsonl", rows)
+    with open(src_dir / "in.jsonl", "a") as fh:
+        fh.write("{oops\n")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    records, excluded = importers.import_jsonl(src_dir / "in.jsonl", out_dir)
+    assert [r.id for r in records] == ["a", "b"]
+    assert (out_dir / records[0].image).resolve() == (src_dir / "pics" / "a.png").resolve()
+    assert _reasons(excluded) == {"a": "duplicate_id", "c": "missing_image", "d": "invalid", 6: "unparsable"}
+    assert parse_record(json.loads(records[0].model_dump_json())).image == records[0].image
