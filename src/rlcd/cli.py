@@ -28,6 +28,15 @@ def _mount_subapps() -> None:
     app.add_typer(analyze_app, name="analyze", help="Model-free analyses (toy bias of the smoothed score).")
     app.command("compare", help="Paired bootstrap of two runs (or comma-separated run lists) on one metric.")(
         compare_command)
+    # these three import torch; registered here so their options come from one signature
+    from rlcd.bench.serve import bench_serve_command
+    from rlcd.predict import predict_command
+    from rlcd.server import serve_command
+
+    app.command("predict", help="Answer one /v1/systemone request with a trained run.")(predict_command)
+    app.command("serve", help="Serve POST /v1/systemone, GET /healthz, GET /v1/models (FastAPI).")(serve_command)
+    bench_app.command("serve", help="Bounded loopback load on `rlcd serve`: latency, decisions/s, 4xx/5xx.")(
+        bench_serve_command)
 
 
 _mount_subapps()

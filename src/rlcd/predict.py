@@ -1,0 +1,444 @@
+"""Predictor: load a run's `export/` and answer `/v1/systemone` requests.
+
+Request (a dict, the TypeSafe-style wire format)::
+
+    {"model"?: str, "state": str | object, "questions": {qid: {"type", "instructions", "criteria"}}}
+
+plus an optional image (a file path or a PIL image, passed separately). Response::
+
+    {"model": name, "answers": {qid: answer}, "usage": {"input_tokens": n, "images": m}}
+
+with, after the run's per-type temperature `T` (probabilities are `softmax(logits / T)`):
+
+* choice -> `{"type", "choice": argmax label, "probabilities": {label: p}, "confidence"}`
+* noul   -> `{"type", "noul": P(true), "confidence"}`
+* score  -> `{"type", "score": sum_i i * p_i, "probabilities": {"0".."K-1": p}, "confidence"}`
+
+**Confidence** is the probability of the most likely candidate after temperature scaling:
+`max_k p_k` (for noul `max(P(true), P(false))`, for score the probability of the modal level). It
+is in `[1/K, 1]`; with calibrated temperatures it is the expected accuracy of the top answer.
+
+All questions of a request are scored in one `DecisionModel.score_case` call: the shared prefix
+(image + state) runs once, the image is encoded once, the question suffixes run batched.
+`usage.input_tokens` counts the tokens processed that way (shared prefix once, plus every
+question's suffix; image tokens included); `usage.images` is 0 or 1.
+
+Answers are deterministic: the model is in eval mode, the scorer's centring buffers are frozen, no
+cache or state survives a call, so the same request gives the same answer whatever came before.
+Requests are serialised: one lock guards the model call (validation and image decoding happen
+outside it), so a `Predictor` may be shared by threads.
+
+Validation errors raise `PredictError` (a `RecordError`): `.field` is a path into the request
+(`"questions.q1.criteria"`), `.question` the question id where there is one, `.rule` the message.
+Limits (`Limits`): questions per request, candidates per question, tokens per row (image tokens
+included), request bytes (the server's body limit; `predict` checks the JSON size of the request)
+and image pixels.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import threading
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Annotated, Any, Mapping, Optional
+
+import torch
+import typer
+
+from .schema import MAX_CANDIDATES, QUESTION_TYPES, Question, RecordError, find_reserved, parse_question
+
+REQUEST_KEYS = ("model", "state", "questions")
+MAX_QID_CHARS = 256
+MAX_ASPECT_RATIO = 200  # the Qwen image processor refuses images with a larger side ratio
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request limits (all configurable on the CLI / server)."""
+
+    max_questions: int = 64            # questions per request
+    max_candidates: int = MAX_CANDIDATES  # candidates per question (<= 255)
+    max_tokens: int = 8192             # tokens per rendered row, image tokens included
+    max_request_bytes: int = 8 << 20   # HTTP body (and JSON size of a request given to predict)
+    max_image_pixels: int = 4096 * 4096  # width * height of a decoded image
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"limit {name} must be a positive integer, got {value!r}")
+        if not 2 <= self.max_candidates <= MAX_CANDIDATES:
+            raise ValueError(f"max_candidates must be in 2..{MAX_CANDIDATES}, got {self.max_candidates}")
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def with_(self, **kw: Any) -> "Limits":
+        return replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+
+class PredictError(RecordError):
+    """A request broke a rule. `field` is a path into the request, `question` the question id (or None).
+
+    `status` is the HTTP status the server answers with (422 unless the rule says otherwise:
+    413 for size limits, 404 for an unknown model, 400 for undecodable input).
+    """
+
+    def __init__(self, field: str, message: str, *, question: str | None = None, status: int = 422):
+        self.question = question
+        self.message = message
+        self.status = int(status)
+        super().__init__(question, field, message)
+
+    def to_json(self) -> dict[str, Any]:
+        err: dict[str, Any] = {"field": self.field, "message": self.message}
+        if self.question is not None:
+            err["question"] = self.question
+        return {"error": err}
+
+    def __str__(self) -> str:
+        where = f"question {self.question!r}: " if self.question is not None else ""
+        return f"{where}field {self.field!r}: {self.message}"
+
+
+# ----------------------------------------------------------------------------------- answers
+def probabilities(logits: torch.Tensor | list[float], temperature: float) -> torch.Tensor:
+    """softmax(logits / T) in float64."""
+    z = torch.as_tensor(logits, dtype=torch.float64) / float(temperature)
+    return torch.softmax(z, dim=-1)
+
+
+def make_answer(question: Question, logits: torch.Tensor | list[float], temperature: float) -> dict[str, Any]:
+    """The wire answer for one question from its raw logits and its type's temperature."""
+    p = probabilities(logits, temperature)
+    probs = [float(x) for x in p.tolist()]
+    top = max(range(len(probs)), key=lambda i: probs[i])  # first maximum on ties
+    confidence = probs[top]
+    labels = question.labels
+    if question.type == "choice":
+        return {"type": "choice", "choice": labels[top], "probabilities": dict(zip(labels, probs)),
+                "confidence": confidence}
+    if question.type == "noul":
+        return {"type": "noul", "noul": probs[1], "confidence": confidence}
+    return {"type": "score", "score": math.fsum(i * x for i, x in enumerate(probs)),
+            "probabilities": dict(zip(labels, probs)), "confidence": confidence}
+
+
+# ----------------------------------------------------------------------------------- images
+def open_image(source: Any, *, field: str = "image", max_pixels: int = Limits.max_image_pixels) -> Any:
+    """A decoded RGB PIL image from a path, bytes or a PIL image; PredictError when it is not one."""
+    import io
+
+    from PIL import Image
+
+    if isinstance(source, Image.Image):
+        im = source
+        opened = None
+    else:
+        try:
+            if isinstance(source, (bytes, bytearray)):
+                opened = Image.open(io.BytesIO(bytes(source)))
+            else:
+                path = Path(source)
+                if not path.is_file():
+                    raise PredictError(field, f"image file not found: {path}", status=422)
+                opened = Image.open(path)
+        except PredictError:
+            raise
+        except Exception as e:
+            raise PredictError(field, f"not a decodable image ({type(e).__name__}: {e})", status=400) from None
+        im = opened
+    try:
+        w, h = im.size
+        if w < 1 or h < 1:
+            raise PredictError(field, f"image has no pixels ({w}x{h})", status=422)
+        if w * h > max_pixels:
+            raise PredictError(field, f"image has {w}x{h} = {w * h} pixels, more than max_image_pixels="
+                                      f"{max_pixels}", status=413)
+        if max(w, h) / min(w, h) >= MAX_ASPECT_RATIO:
+            raise PredictError(field, f"image aspect ratio {max(w, h) / min(w, h):.0f} is not below "
+                                      f"{MAX_ASPECT_RATIO}", status=422)
+        try:
+            im.load()
+            rgb = im.convert("RGB")
+            rgb.load()
+        except Exception as e:
+            raise PredictError(field, f"not a decodable image ({type(e).__name__}: {e})", status=400) from None
+        return rgb
+    finally:
+        if opened is not None:
+            opened.close()
+
+
+# ----------------------------------------------------------------------------------- validation
+def _json_size(obj: Any) -> int:
+    try:
+        return len(json.dumps(obj, ensure_ascii=False).encode("utf-8"))
+    except (TypeError, ValueError) as e:
+        raise PredictError("request", f"must be JSON-serialisable ({e})", status=400) from None
+    except RecursionError:
+        raise PredictError("request", "is nested too deeply", status=400) from None
+
+
+def validate_request(request: Any, limits: Limits, *, model_names: tuple[str, ...] = ()) -> tuple[Any, list[str], list[Question]]:
+    """Check a request against the wire format and the limits -> (state, qids, questions)."""
+    if not isinstance(request, Mapping):
+        raise PredictError("request", f"must be a JSON object, got {type(request).__name__}", status=400)
+    unknown = sorted(str(k) for k in request if k not in REQUEST_KEYS)
+    if "image" in unknown:
+        raise PredictError("image", "pass the image to Predictor.predict(request, image=...) (a path or a PIL "
+                                    "image); only the HTTP server reads an image member from the request")
+    if unknown:
+        raise PredictError(unknown[0], f"unknown field; a request has {', '.join(REQUEST_KEYS)} (and an "
+                                       "optional image)")
+    size = _json_size(request)
+    if size > limits.max_request_bytes:
+        raise PredictError("request", f"is {size} bytes, more than max_request_bytes={limits.max_request_bytes}",
+                           status=413)
+    name = request.get("model")
+    if name is not None:
+        if not isinstance(name, str):
+            raise PredictError("model", "must be a string")
+        if model_names and name not in model_names:
+            raise PredictError("model", f"unknown model {name!r}; this server serves {model_names[0]!r}", status=404)
+    if "state" not in request or request["state"] is None:
+        raise PredictError("state", "is required (a string or a JSON object)")
+    state = request["state"]
+    if not isinstance(state, (str, dict, list)):
+        raise PredictError("state", f"must be a string or a JSON object/array, got {type(state).__name__}")
+    tok = find_reserved(state)
+    if tok is not None:
+        raise PredictError("state", f"contains the reserved token {tok!r}; special-token text is not allowed "
+                                    "in inputs")
+    if "questions" not in request or request["questions"] is None:
+        raise PredictError("questions", "is required: an object mapping question id -> {type, instructions, "
+                                        "criteria}")
+    qs = request["questions"]
+    if not isinstance(qs, Mapping):
+        raise PredictError("questions", f"must be an object mapping question id -> question, got "
+                                        f"{type(qs).__name__}")
+    if not qs:
+        raise PredictError("questions", "must contain at least one question")
+    if len(qs) > limits.max_questions:
+        raise PredictError("questions", f"has {len(qs)} questions, more than max_questions={limits.max_questions}",
+                           status=413)
+    qids: list[str] = []
+    questions: list[Question] = []
+    for qid, raw in qs.items():
+        if not isinstance(qid, str) or not qid.strip() or len(qid) > MAX_QID_CHARS:
+            raise PredictError("questions", f"question ids must be non-empty strings of at most {MAX_QID_CHARS} "
+                                            f"characters (got {str(qid)[:40]!r})", question=str(qid))
+        base = f"questions.{qid}"
+        if isinstance(raw, Mapping):
+            t = raw.get("type")
+            if t not in QUESTION_TYPES:
+                raise PredictError(f"{base}.type", f"unknown question type {t!r}; use one of "
+                                                   f"{', '.join(QUESTION_TYPES)}", question=qid)
+            if "instructions" not in raw:
+                raise PredictError(f"{base}.instructions", "is required", question=qid)
+        try:
+            q = parse_question(raw if not isinstance(raw, Mapping) else dict(raw), qid=qid)
+        except RecordError as e:
+            sub = e.field
+            if sub == "record":  # a whole-question rule: name the part it is about
+                sub = "instructions" if e.rule.startswith("instructions") else "criteria"
+            field = base if sub == "question" else f"{base}.{sub}"
+            raise PredictError(field, e.rule, question=qid) from None
+        if q.k > limits.max_candidates:
+            raise PredictError(f"{base}.criteria", f"has {q.k} candidates, more than max_candidates="
+                                                   f"{limits.max_candidates}", question=qid, status=413)
+        qids.append(qid)
+        questions.append(q)
+    return state, qids, questions
+
+
+# ----------------------------------------------------------------------------------- predictor
+def _run_name(path: Path) -> str:
+    path = Path(path).resolve()
+    if path.name == "export":
+        path = path.parent
+    return path.name or "rlcd"
+
+
+class Predictor:
+    """Answers typed-decision requests with one merged, calibrated model.
+
+    Requests are serialised: a lock around the model call makes a shared `Predictor` thread-safe
+    (validation and image decoding run outside it). See the module docstring for the wire format
+    and the confidence definition.
+    """
+
+    def __init__(self, model: Any, meta: Mapping[str, Any], *, name: str | None = None,
+                 limits: Limits | None = None):
+        temps = dict(meta.get("temperatures") or {})
+        missing = [t for t in QUESTION_TYPES if t not in temps]
+        if missing:
+            raise ValueError(f"export meta has no temperature for {missing}")
+        for t in QUESTION_TYPES:
+            if not (isinstance(temps[t], (int, float)) and math.isfinite(temps[t]) and temps[t] > 0):
+                raise ValueError(f"temperature for {t} must be a positive finite number, got {temps[t]!r}")
+        self.model = model
+        self.meta = dict(meta)
+        self.temperatures = {t: float(temps[t]) for t in QUESTION_TYPES}
+        self.name = name or str(meta.get("model") or "rlcd")
+        self.limits = limits or Limits()
+        self._lock = threading.Lock()
+        model.eval()
+
+    @classmethod
+    def from_run(cls, path: str | Path, *, device: str = "cpu", name: str | None = None,
+                 limits: Limits | None = None) -> "Predictor":
+        """Load from a run dir (its `export/`) or an export dir (merged model, temperatures)."""
+        from .export import load_export
+
+        model, meta = load_export(Path(path), device=device)
+        return cls(model, meta, name=name or _run_name(Path(path)), limits=limits)
+
+    # ------------------------------------------------------------------ info
+    def info(self) -> dict[str, Any]:
+        """What `/v1/models` shows: name, backbone, temperatures, limits, question types."""
+        bb = self.meta.get("backbone") or {}
+        return {
+            "id": self.name,
+            "object": "model",
+            "backbone": self.meta.get("model"),
+            "preset": bb.get("preset"),
+            "revision": bb.get("revision"),
+            "temperatures": dict(self.temperatures),
+            "question_types": list(QUESTION_TYPES),
+            "selected_step": self.meta.get("selected_step"),
+            "checkpoint_sha256": self.meta.get("checkpoint_sha256"),
+            "limits": self.limits.to_dict(),
+            "confidence": "probability of the most likely candidate after temperature scaling",
+        }
+
+    # ------------------------------------------------------------------ answering
+    def validate(self, request: Any, limits: Limits | None = None) -> tuple[Any, list[str], list[Question]]:
+        return validate_request(request, limits or self.limits, model_names=(self.name, str(self.meta.get("model"))))
+
+    def predict(self, request: Mapping[str, Any], image: Any = None, *, limits: Limits | None = None) -> dict[str, Any]:
+        """Answer one request (see the module docstring). Raises PredictError on bad input."""
+        lim = limits or self.limits
+        state, qids, questions = self.validate(request, lim)
+        if image is not None:
+            image = open_image(image, max_pixels=lim.max_image_pixels)
+        with self._lock:
+            encoder = getattr(self.model, "encoder", None)
+            old = getattr(encoder, "max_tokens", None)
+            if encoder is not None:
+                encoder.max_tokens = lim.max_tokens
+            try:
+                logits, usage = self.model.score_case_with_usage(state, questions, image, qids)
+            except RecordError as e:
+                raise self._from_record_error(e, qids) from None
+            finally:
+                if encoder is not None:
+                    encoder.max_tokens = old
+        answers = {qid: make_answer(q, lg, self.temperatures[q.type]) for qid, q, lg in zip(qids, questions, logits)}
+        return {"model": self.name, "answers": answers,
+                "usage": {"input_tokens": int(usage["input_tokens"]), "images": 0 if image is None else 1}}
+
+    @staticmethod
+    def _from_record_error(e: RecordError, qids: list[str]) -> PredictError:
+        field = e.field
+        qid = e.row if e.row in qids else None
+        status = 413 if field == "tokens" else 422
+        if field in ("state", "image"):
+            return PredictError(field, e.rule, question=qid, status=status)
+        if qid is None:
+            return PredictError("request" if field == "tokens" else f"request.{field}", e.rule, status=status)
+        if field == "tokens":  # the whole rendered row is too long
+            return PredictError(f"questions.{qid}", e.rule, question=qid, status=status)
+        field = field[len("question."):] if field.startswith("question.") else field
+        return PredictError(f"questions.{qid}.{field}", e.rule, question=qid, status=status)
+
+
+# ----------------------------------------------------------------------------------- CLI
+def _parse_state(text: str) -> Any:
+    s = text.strip()
+    if s.startswith(("{", "[")):
+        try:
+            return json.loads(s)
+        except json.JSONDecodeError:
+            return text
+    return text
+
+
+def _parse_question_arg(text: str, index: int) -> tuple[str, Any]:
+    """`{"id": "q1", "type": ...}` or `q1={"type": ...}` -> (qid, question dict)."""
+    s = text.strip()
+    if not s.startswith("{") and "=" in s:
+        qid, _, body = s.partition("=")
+        obj = json.loads(body)
+        if not isinstance(obj, dict):
+            raise ValueError(f"--question {qid}: the part after '=' must be a JSON object")
+        return qid.strip(), obj
+    obj = json.loads(s)
+    if not isinstance(obj, dict):
+        raise ValueError(f"--question #{index + 1} must be a JSON object (with an \"id\") or qid=JSON")
+    obj = dict(obj)
+    qid = obj.pop("id", None) or f"q{index + 1}"
+    return str(qid), obj
+
+
+def build_cli_request(request: Path | None, state: str | None, question: list[str] | None) -> tuple[dict, Any]:
+    """The request dict (and an image source from the request file, if any) from the CLI options."""
+    image = None
+    if request is not None:
+        text = sys.stdin.read() if str(request) == "-" else Path(request).read_text()
+        req = json.loads(text)
+        if not isinstance(req, dict):
+            raise ValueError("the request file must hold a JSON object")
+        req = dict(req)
+        img = req.pop("image", None)
+        if isinstance(img, dict) and "path" in img:
+            p = Path(img["path"])
+            image = p if p.is_absolute() or str(request) == "-" else Path(request).parent / p
+        elif isinstance(img, dict) and "base64" in img:
+            from .server import decode_base64_image
+
+            image = decode_base64_image(img["base64"])
+        elif img is not None:
+            raise ValueError('request "image" must be {"path": ...} or {"base64": ...}')
+    else:
+        req = {}
+    if state is not None:
+        req["state"] = _parse_state(state)
+    if question:
+        qs = dict(req.get("questions") or {})
+        for i, q in enumerate(question):
+            qid, obj = _parse_question_arg(q, i)
+            qs[qid] = obj
+        req["questions"] = qs
+    return req, image
+
+
+def predict_command(
+    run: Annotated[Path, typer.Option("--run", help="run directory (or its export/ directory)")],
+    request: Annotated[Optional[Path], typer.Option("--request", help="request JSON file ('-' = stdin)")] = None,
+    state: Annotated[Optional[str], typer.Option("--state", help="state text (or a JSON object)")] = None,
+    question: Annotated[Optional[list[str]], typer.Option(
+        "--question", "-q", help='a question: JSON with an "id" key, or qid=JSON (repeatable)')] = None,
+    image: Annotated[Optional[Path], typer.Option("--image", help="image file for the request")] = None,
+) -> None:
+    """Answer one /v1/systemone request with a run's export and print the JSON response."""
+    try:
+        req, img = build_cli_request(request, state, question)
+    except (ValueError, OSError) as e:
+        typer.echo(json.dumps({"error": {"field": "request", "message": str(e)}}), err=True)
+        raise typer.Exit(2)
+    if image is not None:
+        img = image
+    predictor = Predictor.from_run(run)
+    try:
+        out = predictor.predict(req, img)
+    except PredictError as e:
+        typer.echo(json.dumps(e.to_json()), err=True)
+        raise typer.Exit(2)
+    typer.echo(json.dumps(out, indent=2, ensure_ascii=False))
+
+
+__all__ = ["Limits", "PredictError", "Predictor", "make_answer", "probabilities", "open_image",
+           "validate_request", "predict_command", "build_cli_request"]

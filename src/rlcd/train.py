@@ -1,0 +1,562 @@
+"""The training loop: sample, step, evaluate, select, checkpoint, resume, DDP.
+
+Data order is a pure function of (seed, absolute micro-batch index), and the logit noise of the
+RLCD objective is drawn from a generator seeded by the same pair, so a resumed run continues the
+exact stream of an uninterrupted one. Under `torchrun`, rank r of N takes the contiguous block
+`[step*A*N + r*A, step*A*N + (r+1)*A)` of micro-batch indices (A = grad_accum); DDP averages
+gradients; rank 0 alone evaluates and writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from rlcd import checkpoint as ckpt
+from rlcd.objectives import ce_loss, gradient_diagnostics, rlcd_loss
+from rlcd.recipe import Recipe, lr_factor
+from rlcd.schema import QUESTION_TYPES, Record
+
+DATA_FILES = ("train.jsonl", "dev.jsonl", "calibration.jsonl", "test.jsonl")
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss or gradient: the update was not applied, the last checkpoint is intact."""
+
+
+class ResumeRefused(RuntimeError):
+    """The run directory cannot be resumed with the given data or recipe."""
+
+
+# ----------------------------------------------------------------------------------------------
+# distributed helpers
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+
+def init_distributed() -> Dist:
+    """Join the torchrun process group when launched by torchrun; a plain launch uses none."""
+    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) <= 1:
+        return Dist()
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend)
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+    return Dist(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local)
+
+
+def micro_indices(step: int, *, accum: int, rank: int = 0, world: int = 1) -> list[int]:
+    """Absolute micro-batch indices of update `step` for `rank` (a contiguous block per rank)."""
+    base = step * accum * world + rank * accum
+    return list(range(base, base + accum))
+
+
+def noise_generator(seed: int, index: int) -> torch.Generator:
+    """CPU generator for the logit noise of micro-batch `index`: resume- and device-independent."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + index) % (2**63 - 1))
+
+
+# ----------------------------------------------------------------------------------------------
+# run metadata
+
+
+def git_revision() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except Exception:  # noqa: BLE001 - a missing git is not an error
+        return None
+
+
+def library_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": sys.version.split()[0]}
+    for name in ("rlcd", "torch", "transformers", "peft", "safetensors", "numpy"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = "missing"
+    return out
+
+
+def data_hashes(data_dir: Path) -> dict[str, str]:
+    from rlcd.data.io import sha256_file
+
+    return {name: sha256_file(data_dir / name) for name in DATA_FILES if (data_dir / name).is_file()}
+
+
+# ----------------------------------------------------------------------------------------------
+# the session
+
+
+@dataclass
+class Session:
+    """Everything one process needs to run updates: model, optimizer, data, sampler, recipe."""
+
+    recipe: Recipe
+    horizon: int
+    model: Any                      # DecisionModel
+    wrapped: Any                    # DDP(model) or model
+    optimizer: torch.optim.Optimizer
+    collator: Any
+    records: dict[str, Record]
+    dev: dict[str, list[Record]]
+    sampler: Any
+    dist: Dist
+    device: torch.device
+    consumed: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    objective_fn: Callable | None = None
+
+    def objective(self, logits, batch, index):
+        r = self.recipe
+        if r.objective == "ce":
+            return ce_loss(logits, batch.cand_mask, batch.target)
+        noise = torch.randn((4, *logits.shape), generator=noise_generator(r.seed, index))
+        return rlcd_loss(logits, batch.cand_mask, batch.target, batch.ordinal, sigma=r.sigma,
+                         ce_weight=r.ce_weight, noise=noise.to(logits.device))
+
+    def set_lr(self, step: int) -> dict[str, float]:
+        f = lr_factor(step, self.horizon, warmup_frac=self.recipe.warmup_frac, floor=self.recipe.lr_floor)
+        out = {}
+        for g in self.optimizer.param_groups:
+            peak = self.recipe.lr_lora if g["name"] == "lora" else self.recipe.lr_head
+            g["lr"] = peak * f
+            out[f"lr_{g['name']}"] = g["lr"]
+        return out
+
+    def microbatch(self, index: int):
+        from rlcd.data.sampling import shuffle_choice
+
+        draws = self.sampler.microbatch(self.recipe.seed, index, self.recipe.batch_size)
+        rows = [shuffle_choice(self.records[d.id], d.perm_seed) for d in draws]
+        for d in draws:
+            self.consumed[d.group] += 1
+        return self.collator(rows).to(self.device)
+
+    def accumulate(self, step: int, *, diagnostics: bool = False) -> dict[str, Any]:
+        """Forward/backward the micro-batches of update `step`; gradients left in .grad."""
+        r = self.recipe
+        self.optimizer.zero_grad(set_to_none=True)
+        indices = micro_indices(step, accum=r.grad_accum, rank=self.dist.rank, world=self.dist.world)
+        stats_sum: dict[str, float] = defaultdict(float)
+        per_type = TypeDiagnostics()
+        tokens = examples = 0
+        finite = True
+        diag = None
+        for j, index in enumerate(indices):
+            batch = self.microbatch(index)
+            sync = j == len(indices) - 1
+            ctx = self.wrapped.no_sync() if (self.dist.active and not sync) else contextlib.nullcontext()
+            with ctx:
+                logits = self.wrapped(batch)
+                loss, stats = (self.objective_fn or self.objective)(logits, batch, index)
+                finite &= math.isfinite(stats["loss"])
+                (loss / r.grad_accum).backward()
+            for k, v in stats.items():
+                stats_sum[k] += v / r.grad_accum
+            per_type.add(logits.detach(), batch)
+            tokens += int(batch.n_tokens)
+            examples += len(batch.ids)
+            if diagnostics and diag is None and r.objective == "rlcd":
+                noise = torch.randn((4, *logits.shape), generator=noise_generator(r.seed, index))
+                d = gradient_diagnostics(logits.detach(), batch.cand_mask, batch.target, batch.ordinal,
+                                         sigma=r.sigma, noise=noise.to(logits.device))
+                diag = {"grad_cosine": float(d["grad_cosine"]), "grad_norm_ratio": float(d["grad_norm_ratio"])}
+        out = dict(stats_sum)
+        out.update(per_type.summary())
+        if diag:
+            out.update(diag)
+        out["_finite"] = finite
+        out["_tokens"] = tokens
+        out["_examples"] = examples
+        return out
+
+
+class TypeDiagnostics:
+    """Per decision type: mean entropy, mean max probability, effective candidate count (exp H)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, list[float]] = {t: [0.0, 0.0, 0.0, 0] for t in QUESTION_TYPES}
+
+    def add(self, logits: torch.Tensor, batch) -> None:
+        mask = batch.cand_mask
+        z = logits.float().masked_fill(~mask, float("-inf"))
+        p = torch.softmax(z, dim=-1)
+        logp = torch.log_softmax(z, dim=-1).masked_fill(~mask, 0.0)
+        ent = -(p * logp).sum(-1)
+        mx = p.max(-1).values
+        for i, t in enumerate(batch.types):
+            s = self.sums[t]
+            s[0] += float(ent[i]); s[1] += float(mx[i]); s[2] += float(torch.exp(ent[i])); s[3] += 1
+
+    def summary(self) -> dict[str, Any]:
+        out = {}
+        for t, (h, m, e, n) in self.sums.items():
+            if n:
+                out[t] = {"entropy": h / n, "max_prob": m / n, "effective_candidates": e / n, "n": n}
+        return {"per_type": out}
+
+
+def reduce_stats(stats: dict[str, Any], d: Dist) -> dict[str, Any]:
+    """Average float stats over ranks (rank 0 logs the mean)."""
+    if not d.active:
+        return stats
+    keys = sorted(k for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+    t = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t)
+    out = dict(stats)
+    for k, v in zip(keys, (t / d.world).tolist()):
+        out[k] = v if not k.startswith("_") else v * d.world  # token/example counts are sums
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# evaluation on the frozen dev subset
+
+
+@torch.no_grad()
+def dev_accuracy(model, dev: dict[str, list[Record]], collator, device, batch_size: int = 16) -> dict[str, Any]:
+    """Top-1 accuracy per sampling group and the unweighted group macro (the selection score)."""
+    was_training = model.training
+    model.eval()
+    per_group = {}
+    for group in sorted(dev):
+        rows = dev[group]
+        correct = 0
+        for i in range(0, len(rows), batch_size):
+            batch = collator(rows[i:i + batch_size]).to(device)
+            logits = model(batch)
+            pred = logits.argmax(-1)
+            tgt = batch.target.masked_fill(~batch.cand_mask, -1.0).argmax(-1)
+            correct += int((pred == tgt).sum())
+        per_group[group] = correct / max(1, len(rows))
+    model.train(was_training)
+    macro = sum(per_group.values()) / max(1, len(per_group))
+    return {"dev_accuracy": per_group, "dev_macro_accuracy": macro}
+
+
+# ----------------------------------------------------------------------------------------------
+# building a session from a run directory
+
+
+def _load_records(data_dir: Path):
+    from rlcd.data.io import load_split
+
+    train = load_split(data_dir, "train")
+    dev = load_split(data_dir, "dev")
+    return train, dev
+
+
+def _device(d: Dist) -> torch.device:
+    return torch.device(f"cuda:{d.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def build_session(config: dict, samples: dict, d: Dist, *, objective_fn=None) -> Session:
+    from rlcd.data.sampling import Sampler
+    from rlcd.model.collate import Collator
+    from rlcd.model.decision import DecisionModel
+
+    recipe = Recipe.from_dict(config["recipe"])
+    data_dir = Path(config["data_dir"])
+    train, dev_rows = _load_records(data_dir)
+    by_id = {r.id: r for r in train}
+    pool = {g: list(ids) for g, ids in samples["train"].items()}
+    dev_by_id = {r.id: r for r in dev_rows}
+    dev = {g: [dev_by_id[i] for i in ids] for g, ids in samples["dev"].items()}
+    device = _device(d)
+    dtype = torch.bfloat16 if (device.type == "cuda" and config.get("dtype", "auto") != "float32") else torch.float32
+    torch.manual_seed(recipe.seed)
+    model = DecisionModel.from_backbone_spec(config["model"], seed=config.get("model_seed", 0), dtype=dtype,
+                                             proj_dim=recipe.proj_dim, centring=recipe.centring)
+    model.to(device)
+    model.train()
+    groups = model.param_groups()
+    optimizer = torch.optim.AdamW(
+        [{"params": groups["lora"], "lr": recipe.lr_lora, "name": "lora"},
+         {"params": groups["head"], "lr": recipe.lr_head, "name": "head"}],
+        weight_decay=recipe.weight_decay,
+    )
+    wrapped = model
+    if d.active:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        wrapped = DDP(model, device_ids=[d.local_rank] if device.type == "cuda" else None)
+    collator = Collator(model.backbone.tokenizer, model.backbone.image_processor, image_root=data_dir)
+    return Session(recipe=recipe, horizon=int(config["decay_horizon"]), model=model, wrapped=wrapped,
+                   optimizer=optimizer, collator=collator, records=by_id, dev=dev, sampler=Sampler(pool),
+                   dist=d, device=device, objective_fn=objective_fn)
+
+
+def init_centring(s: Session, n_batches: int = 4) -> None:
+    """Estimate the scorer's centring statistics from fixed micro-batches before the first update.
+
+    Uses micro-batch indices far outside the training stream (negative-free offset), so the
+    estimate is identical on every rank and for every world size.
+    """
+    from rlcd.data.sampling import shuffle_choice
+
+    batches = []
+    for i in range(n_batches):
+        draws = s.sampler.microbatch(s.recipe.seed + 7919, i, s.recipe.batch_size)
+        rows = [shuffle_choice(s.records[dd.id], dd.perm_seed) for dd in draws]
+        batches.append(s.collator(rows).to(s.device))
+    s.model.init_centring(batches)
+
+
+# ----------------------------------------------------------------------------------------------
+# run directory I/O
+
+
+class RunWriter:
+    """Rank-0-only writer of metrics.jsonl and checkpoints."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled
+
+    def log(self, row: dict) -> None:
+        if self.enabled:
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row, sort_keys=True) + "\n")
+
+    def checkpoint(self, name: str, s: Session, state: dict) -> None:
+        if self.enabled:
+            ckpt.save(self.run_dir / "checkpoints" / name, weights=s.model.trainable_state_dict(),
+                      optimizer=s.optimizer.state_dict(), state=state)
+
+
+def trim_metrics(path: Path, step: int) -> None:
+    """Drop log lines after `step` (written after the checkpoint a resume starts from)."""
+    if not path.is_file():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
+    path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def _check_resume(run_dir: Path, config: dict, samples: dict, steps: int | None, d: Dist) -> dict:
+    data_dir = Path(config["data_dir"])
+    now = data_hashes(data_dir)
+    if now != samples["files"]:
+        changed = sorted(k for k in set(now) | set(samples["files"]) if now.get(k) != samples["files"].get(k))
+        raise ResumeRefused(f"refusing to resume {run_dir}: data files changed since the run started "
+                            f"({', '.join(changed)} in {data_dir}); start a new run instead")
+    if config.get("world_size", 1) != d.world:
+        raise ResumeRefused(f"refusing to resume {run_dir}: it was started with world size "
+                            f"{config.get('world_size', 1)}, this launch has {d.world}")
+    if steps is not None:
+        old = config["recipe"]["steps"]
+        if steps < old:
+            raise ResumeRefused(f"refusing to resume {run_dir}: --steps {steps} is smaller than the run's "
+                                f"{old}; only a larger budget is allowed")
+        config = json.loads(json.dumps(config))
+        config["recipe"]["steps"] = steps
+    return config
+
+
+def new_run(run_dir: Path, data_dir: Path, model: str, recipe: Recipe, *, model_seed: int = 0,
+            world_size: int = 1, dtype: str = "auto") -> tuple[dict, dict]:
+    """Freeze config.json and samples.json for a fresh run (the caller writes them on rank 0)."""
+    from rlcd.data.sampling import dev_subset, eligible_pool
+
+    data_dir = Path(data_dir).resolve()
+    train, dev = _load_records(data_dir)
+    if not train:
+        raise ValueError(f"{data_dir}/train.jsonl has no rows")
+    samples = {
+        "train": eligible_pool(train, cap=recipe.pool_cap),
+        "dev": dev_subset(dev, cap=recipe.dev_cap),
+        "files": data_hashes(data_dir),
+    }
+    config = {
+        "recipe": recipe.to_dict(),
+        "decay_horizon": recipe.decay_horizon(),
+        "model": model,
+        "model_seed": model_seed,
+        "dtype": dtype,
+        "data_dir": str(data_dir),
+        "world_size": world_size,
+        "versions": library_versions(),
+        "git_revision": git_revision(),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    return config, samples
+
+
+# ----------------------------------------------------------------------------------------------
+# the loop
+
+
+def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-0.8b",
+          recipe: Recipe | None = None, resume: bool = False, steps: int | None = None,
+          stop_after: int | None = None, progress: bool | None = None, model_seed: int = 0,
+          objective_fn: Callable | None = None) -> dict:
+    """Train (or resume) the run at `run_dir`; returns the final state dict.
+
+    `stop_after` ends the process after that many updates without a final evaluation, as a kill
+    would (used to test resume equivalence).
+    """
+    run_dir = Path(run_dir)
+    d = init_distributed()
+    if resume:
+        if not (run_dir / "config.json").is_file():
+            raise ResumeRefused(f"refusing to resume {run_dir}: no config.json there")
+        config = json.loads((run_dir / "config.json").read_text())
+        samples = json.loads((run_dir / "samples.json").read_text())
+        config = _check_resume(run_dir, config, samples, steps, d)
+    else:
+        if data_dir is None:
+            raise ValueError("a new run needs --data")
+        if (run_dir / "config.json").exists():
+            raise FileExistsError(f"{run_dir} already holds a run; use --resume or another --run")
+        recipe = recipe or Recipe()
+        if steps is not None:
+            recipe = recipe.with_(steps=steps)
+        config, samples = new_run(run_dir, data_dir, model, recipe, model_seed=model_seed, world_size=d.world)
+    writer = RunWriter(run_dir, enabled=d.main)
+    if d.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        (run_dir / "samples.json").write_text(json.dumps(samples, indent=2, sort_keys=True))
+
+    s = build_session(config, samples, d, objective_fn=objective_fn)
+    r = s.recipe
+    state = {"step": 0, "best_score": None, "best_step": None, "score": None, "consumed": {}}
+    if resume:
+        loaded = ckpt.load(run_dir / "checkpoints" / "last", map_location=str(s.device))
+        s.model.load_trainable_state_dict(loaded["weights"])
+        s.optimizer.load_state_dict(loaded["optimizer"])
+        ckpt.set_rng_state(loaded["rng"])
+        state.update({k: loaded["state"][k] for k in ("step", "best_score", "best_step", "score", "consumed")})
+        s.consumed.update(state["consumed"])
+        if d.main:
+            trim_metrics(run_dir / "metrics.jsonl", state["step"])
+    else:
+        init_centring(s)
+        if d.main:
+            (run_dir / "metrics.jsonl").write_text("")
+
+    def snapshot() -> dict:
+        return {**state, "recipe": r.to_dict(), "consumed": dict(s.consumed), "world_size": d.world,
+                "decay_horizon": s.horizon}
+
+    def evaluate_and_select(step: int) -> None:
+        if d.main:
+            ev = dev_accuracy(s.model, s.dev, s.collator, s.device)
+            state["score"] = ev["dev_macro_accuracy"]
+            writer.log({"event": "eval", "step": step, **ev})
+            if state["best_score"] is None or ev["dev_macro_accuracy"] > state["best_score"]:
+                state["best_score"], state["best_step"] = ev["dev_macro_accuracy"], step
+                writer.checkpoint("best", s, snapshot())
+        if d.active:
+            dist.barrier()
+
+    if state["step"] == 0:
+        evaluate_and_select(0)
+        writer.checkpoint("last", s, snapshot())
+
+    bar = _Progress(total=r.steps, start=state["step"], enabled=d.main, rich=progress)
+    trainable = [p for ps in s.model.param_groups().values() for p in ps]
+    t_last, window_examples, window_tokens = time.perf_counter(), 0, 0
+    start = state["step"]
+    for step in range(start, r.steps):
+        if stop_after is not None and step - start >= stop_after:
+            break
+        lrs = s.set_lr(step)
+        diag_due = r.diagnostics_every > 0 and (step + 1) % r.diagnostics_every == 0
+        stats = s.accumulate(step, diagnostics=diag_due)
+        stats = reduce_stats(stats, d)
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, r.grad_clip)
+        if not (stats["_finite"] and math.isfinite(float(grad_norm))):
+            raise TrainingDiverged(f"non-finite loss or gradient at update {step + 1} (loss "
+                                   f"{stats.get('loss')}, grad norm {float(grad_norm)}); the optimizer step "
+                                   f"was not applied and {run_dir}/checkpoints/last is intact")
+        s.optimizer.step()
+        done = step + 1
+        state["step"] = done
+        window_examples += stats["_examples"]
+        window_tokens += stats["_tokens"]
+        if done % r.log_every == 0 or done == r.steps:
+            now = time.perf_counter()
+            dt = max(now - t_last, 1e-9)
+            row = {"event": "train", "step": done, "grad_norm": float(grad_norm), **lrs,
+                   **{k: v for k, v in stats.items() if not k.startswith("_")},
+                   "examples_per_s": window_examples / dt, "tokens_per_s": window_tokens / dt,
+                   "consumed": dict(sorted(s.consumed.items()))}
+            writer.log(row)
+            t_last, window_examples, window_tokens = now, 0, 0
+        bar.update(done, stats.get("loss"), stats.get("ce_loss"), state["score"])
+        if done % r.eval_every == 0 or done == r.steps:
+            evaluate_and_select(done)
+        if done % r.checkpoint_every == 0 or done == r.steps:
+            writer.checkpoint("last", s, snapshot())
+    bar.close()
+    if d.active:
+        dist.barrier()
+    return snapshot()
+
+
+class _Progress:
+    """A rich progress bar on a terminal; plain periodic lines in CI logs."""
+
+    def __init__(self, total: int, start: int, enabled: bool, rich: bool | None):
+        self.enabled = enabled
+        self.total = total
+        self.rich = sys.stdout.isatty() if rich is None else rich
+        self.t0 = time.perf_counter()
+        self.start = start
+        self.p = None
+        if enabled and self.rich:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.p = Progress(TextColumn("update {task.completed}/{task.total}"), BarColumn(),
+                              TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+            self.p.start()
+            self.task = self.p.add_task("train", total=total, completed=start, info="")
+
+    def update(self, done: int, loss, ce, score) -> None:
+        if not self.enabled:
+            return
+        info = f"loss {loss:.4f} ce {ce:.4f} dev {score if score is None else round(score, 4)}" \
+            if loss is not None and ce is not None else ""
+        if self.p is not None:
+            self.p.update(self.task, completed=done, info=info)
+        elif done == self.total or done % max(1, self.total // 20) == 0:
+            el = time.perf_counter() - self.t0
+            eta = el / max(1, done - self.start) * (self.total - done)
+            print(f"update {done}/{self.total} {info} eta {eta:.0f}s", flush=True)
+
+    def close(self) -> None:
+        if self.p is not None:
+            self.p.stop()

@@ -1,0 +1,379 @@
+"""Predictor: response schema, temperatures vs the evaluation's logits, batching, determinism, validation, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+from _tiny_export import TEMPERATURES, tiny_export, tiny_predictor  # noqa: E402
+
+from rlcd.predict import Limits, PredictError, Predictor  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    return tiny_export(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="module")
+def predictor(run_dir) -> Predictor:
+    return tiny_predictor(run_dir.parent)
+
+
+@pytest.fixture(scope="module")
+def png(tmp_path_factory) -> Path:
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("img")
+    im = Image.new("RGB", (40, 28))
+    for x in range(40):
+        for y in range(28):
+            im.putpixel((x, y), ((x * 6) % 256, (y * 9) % 256, (x * y) % 256))
+    path = root / "a.png"
+    im.save(path)
+    return path
+
+
+QUESTIONS = {
+    "dept": {"type": "choice", "instructions": "Which department handles this?",
+             "criteria": ["billing", "shipping", "returns", "sales"]},
+    "dept2": {"type": "choice", "instructions": "Pick the channel",
+              "criteria": {"email": "written message", "phone": "a call", "chat": "live chat"}},
+    "angry": {"type": "noul", "instructions": "Is the customer angry?"},
+    "late": {"type": "noul", "instructions": "Was the parcel late?",
+             "criteria": {"false": "on time", "true": "late"}},
+    "urgency": {"type": "score", "instructions": "How urgent is it?",
+                "criteria": ["not urgent", "somewhat", "urgent", "critical", "emergency"]},
+}
+STATE = "The parcel arrived two weeks late, the box was damaged and nobody answers the phone."
+
+
+def _mixed_questions(n: int) -> dict:
+    out = {}
+    words = ["billing", "shipping", "returns", "sales", "refund", "invoice", "courier", "label", "store"]
+    for i in range(n):
+        kind = ("choice", "noul", "score")[i % 3]
+        if kind == "choice":
+            k = 2 + i % 5
+            out[f"q{i}"] = {"type": "choice", "instructions": f"Which topic (#{i})?",
+                            "criteria": [f"{words[(i + j) % len(words)]}{j}" for j in range(k)]}
+        elif kind == "noul":
+            out[f"q{i}"] = {"type": "noul", "instructions": f"Does it mention {words[i % len(words)]}?"}
+        else:
+            out[f"q{i}"] = {"type": "score", "instructions": f"Severity #{i}?",
+                            "criteria": ["none", "low", "mid", "high"][: 2 + i % 3]}
+    return out
+
+
+def _probs(answer: dict) -> list[float]:
+    if answer["type"] == "noul":
+        return [1.0 - answer["noul"], answer["noul"]]
+    return list(answer["probabilities"].values())
+
+
+# ------------------------------------------------------------------------------------- schema
+def test_response_schema_for_each_type(predictor):
+    out = predictor.predict({"model": predictor.name, "state": STATE, "questions": QUESTIONS})
+    assert set(out) == {"model", "answers", "usage"}
+    assert out["model"] == predictor.name == "tiny-run"
+    assert list(out["answers"]) == list(QUESTIONS)
+    assert isinstance(out["usage"]["input_tokens"], int) and out["usage"]["input_tokens"] > 0
+    assert out["usage"]["images"] == 0
+    spread = 0.0
+    for qid, ans in out["answers"].items():
+        q = QUESTIONS[qid]
+        assert ans["type"] == q["type"]
+        p = _probs(ans)
+        assert all(0.0 < x < 1.0 for x in p)
+        assert math.isclose(sum(p), 1.0, abs_tol=1e-9)
+        assert ans["confidence"] == pytest.approx(max(p), abs=1e-12)  # the documented definition
+        spread = max(spread, max(p) - min(p))
+        if q["type"] == "choice":
+            assert set(ans) == {"type", "choice", "probabilities", "confidence"}
+            labels = list(q["criteria"])
+            assert list(ans["probabilities"]) == labels
+            assert ans["choice"] == labels[max(range(len(p)), key=p.__getitem__)]
+        elif q["type"] == "noul":
+            assert set(ans) == {"type", "noul", "confidence"}
+            assert isinstance(ans["noul"], float)
+        else:
+            assert set(ans) == {"type", "score", "probabilities", "confidence"}
+            assert list(ans["probabilities"]) == [str(i) for i in range(len(q["criteria"]))]
+            assert ans["score"] == pytest.approx(sum(i * x for i, x in enumerate(p)), abs=1e-12)
+            assert 0.0 <= ans["score"] <= len(q["criteria"]) - 1
+    assert spread > 0.1, "the tiny export should give non-trivial predictions"
+    json.dumps(out)  # JSON-serialisable as is
+
+
+# ------------------------------------------------------------------------------------- temperatures
+@pytest.mark.parametrize("with_image", [False, True])
+def test_probabilities_are_softmax_of_evaluation_logits_over_temperature(predictor, png, with_image):
+    from rlcd.evaluate import predict_rows
+    from rlcd.model.collate import Collator
+    from rlcd.schema import Record, parse_question
+
+    records = []
+    for qid, raw in QUESTIONS.items():
+        q = parse_question(raw, qid=qid)
+        records.append(Record(id=qid, source="t", task="t", state=STATE, question=q, target=[1.0 / q.k] * q.k,
+                              image=png.name if with_image else None))
+    collator = Collator(predictor.model.tokenizer, predictor.model.image_processor, image_root=png.parent)
+    rows = predict_rows(predictor.model, records, collator)
+    out = predictor.predict({"state": STATE, "questions": QUESTIONS}, png if with_image else None)
+    assert out["usage"]["images"] == int(with_image)
+    for row in rows:
+        ans = out["answers"][row["id"]]
+        t = TEMPERATURES[row["type"]]
+        logits = torch.tensor(row["logits"], dtype=torch.float64)
+        expected = torch.softmax(logits / t, -1).tolist()
+        got = _probs(ans)
+        assert got == pytest.approx(expected, abs=1e-5), row["id"]
+        # the temperature matters: the raw softmax is measurably different
+        raw = torch.softmax(logits, -1).tolist()
+        assert max(abs(a - b) for a, b in zip(raw, got)) > 1e-3, row["id"]
+
+
+def test_temperatures_come_from_the_export(run_dir, predictor):
+    meta = json.loads((run_dir / "export" / "model.json").read_text())
+    assert meta["temperatures"] == TEMPERATURES
+    assert predictor.temperatures == TEMPERATURES
+    assert Predictor.from_run(run_dir / "export").temperatures == TEMPERATURES
+
+
+# ------------------------------------------------------------------------------------- batching
+@pytest.mark.parametrize("with_image", [False, True])
+def test_one_request_of_20_equals_20_single_requests(predictor, png, with_image):
+    qs = _mixed_questions(20)
+    image = png if with_image else None
+    batched = predictor.predict({"state": STATE, "questions": qs}, image)
+    assert batched["usage"]["images"] == int(with_image)
+    single_tokens = 0
+    for qid, q in qs.items():
+        one = predictor.predict({"state": STATE, "questions": {qid: q}}, image)
+        a, b = batched["answers"][qid], one["answers"][qid]
+        assert a["type"] == b["type"]
+        assert _probs(a) == pytest.approx(_probs(b), abs=1e-5), qid
+        if a["type"] == "score":
+            assert a["score"] == pytest.approx(b["score"], abs=1e-5)
+        if a["type"] == "choice":
+            assert a["choice"] == b["choice"]
+        single_tokens += one["usage"]["input_tokens"]
+    # the shared prefix is processed once in the batched request
+    assert batched["usage"]["input_tokens"] < single_tokens
+
+
+def test_same_request_same_answer_whatever_came_before(predictor, png):
+    a = {"state": STATE, "questions": QUESTIONS}
+    b = {"state": {"ticket": 7, "text": "Refund for a blue jacket"}, "questions": _mixed_questions(7)}
+    first = predictor.predict(a)
+    predictor.predict(b, png)
+    predictor.predict(b)
+    again = predictor.predict(a)
+    assert again == first
+    first_img = predictor.predict(a, png)
+    predictor.predict(b)
+    assert predictor.predict(a, png) == first_img
+    assert first_img["answers"] != first["answers"]  # the image is used
+
+
+def test_concurrent_requests_are_serialised_and_identical(predictor):
+    reqs = [{"state": f"{STATE} #{i}", "questions": _mixed_questions(3 + i)} for i in range(4)]
+    expected = [predictor.predict(r) for r in reqs]
+    results: dict[int, dict] = {}
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            for _ in range(3):
+                results[i] = predictor.predict(reqs[i])
+                assert results[i] == expected[i]
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert [results[i] for i in range(4)] == expected
+
+
+def test_model_calls_never_overlap(predictor):
+    """Requests are serialised: at most one thread is inside the model at any time."""
+    import time
+
+    class Probe:
+        def __init__(self, model):
+            self._model, self.inside, self.most = model, 0, 0
+            self._count = threading.Lock()
+
+        def __getattr__(self, name):
+            return getattr(self._model, name)
+
+        def score_case_with_usage(self, *args, **kw):
+            with self._count:
+                self.inside += 1
+                self.most = max(self.most, self.inside)
+            time.sleep(0.02)
+            try:
+                return self._model.score_case_with_usage(*args, **kw)
+            finally:
+                with self._count:
+                    self.inside -= 1
+
+    probe = Probe(predictor.model)
+    shared = Predictor(probe, predictor.meta, name=predictor.name)
+    req = {"state": STATE, "questions": {"a": QUESTIONS["angry"]}}
+    want = predictor.predict(req)
+    got: list[dict] = []
+    threads = [threading.Thread(target=lambda: got.append(shared.predict(req))) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(got) == 6 and all(g == want for g in got)
+    assert probe.most == 1
+
+
+# ------------------------------------------------------------------------------------- images
+def test_image_as_path_or_pil_gives_the_same_answer(predictor, png):
+    from PIL import Image
+
+    req = {"state": STATE, "questions": QUESTIONS}
+    by_path = predictor.predict(req, png)
+    by_str = predictor.predict(req, str(png))
+    with Image.open(png) as im:
+        by_pil = predictor.predict(req, im.copy())
+    assert by_path == by_str == by_pil
+    assert by_path["usage"]["images"] == 1
+    assert by_path["usage"]["input_tokens"] > predictor.predict(req)["usage"]["input_tokens"]
+
+
+@pytest.mark.parametrize("kind", ["missing", "garbage", "aspect"])
+def test_bad_images_are_refused(predictor, tmp_path, kind):
+    from PIL import Image
+
+    if kind == "missing":
+        path = tmp_path / "nope.png"
+    elif kind == "garbage":
+        path = tmp_path / "g.png"
+        path.write_bytes(b"\x89PNG\r\n\x1a\n" + b"garbage" * 10)
+    else:
+        path = tmp_path / "thin.png"
+        Image.new("RGB", (400, 1)).save(path)
+    with pytest.raises(PredictError) as ei:
+        predictor.predict({"state": STATE, "questions": {"a": QUESTIONS["angry"]}}, path)
+    assert ei.value.field == "image"
+    assert 400 <= ei.value.status < 500
+
+
+# ------------------------------------------------------------------------------------- validation
+def _req(**kw):
+    r = {"state": STATE, "questions": {"q1": dict(QUESTIONS["dept"])}}
+    r.update(kw)
+    return r
+
+
+VALIDATION_CASES = [
+    ("not_object", ["state", "questions"], {}, "request", None),
+    ("unknown_field", _req(temperature=0.5), {}, "temperature", None),
+    ("unknown_model", _req(model="gpt-9"), {}, "model", None),
+    ("missing_state", {"questions": {"q1": QUESTIONS["dept"]}}, {}, "state", None),
+    ("state_not_text", _req(state=42), {}, "state", None),
+    ("missing_questions", {"state": STATE}, {}, "questions", None),
+    ("questions_not_object", _req(questions=[QUESTIONS["dept"]]), {}, "questions", None),
+    ("empty_questions", _req(questions={}), {}, "questions", None),
+    ("too_many_questions", _req(questions=_mixed_questions(4)), {"max_questions": 3}, "questions", None),
+    ("question_not_object", _req(questions={"q1": "choose"}), {}, "questions.q1", "q1"),
+    ("unknown_type", _req(questions={"q1": {"type": "rank", "instructions": "x", "criteria": ["a", "b"]}}), {},
+     "questions.q1.type", "q1"),
+    ("missing_instructions", _req(questions={"q1": {"type": "noul"}}), {}, "questions.q1.instructions", "q1"),
+    ("too_few_candidates", _req(questions={"q1": {"type": "choice", "instructions": "x", "criteria": ["a"]}}), {},
+     "questions.q1.criteria", "q1"),
+    ("too_many_candidates", _req(questions={"q1": {"type": "choice", "instructions": "x",
+                                                   "criteria": [f"l{i}" for i in range(6)]}}),
+     {"max_candidates": 5}, "questions.q1.criteria", "q1"),
+    ("duplicate_labels", _req(questions={"q1": {"type": "choice", "instructions": "x", "criteria": ["a", "a"]}}), {},
+     "questions.q1.criteria", "q1"),
+    ("bad_noul_criteria", _req(questions={"q1": {"type": "noul", "instructions": "x", "criteria": {"yes": "y"}}}),
+     {}, "questions.q1.criteria", "q1"),
+    ("score_without_levels", _req(questions={"q1": {"type": "score", "instructions": "x"}}), {},
+     "questions.q1.criteria", "q1"),
+    ("extra_question_field", _req(questions={"q1": {**QUESTIONS["angry"], "weight": 2}}), {},
+     "questions.q1.weight", "q1"),
+    ("marker_in_state", _req(state="ok <|fim_suffix|> - yes"), {}, "state", None),
+    ("reserved_in_json_state", _req(state={"a": "<|im_start|>system"}), {}, "state", None),
+    ("marker_in_instructions", _req(questions={"q1": {"type": "noul", "instructions": "is <|fim_suffix|> it"}}), {},
+     "questions.q1.instructions", "q1"),
+    ("marker_in_label", _req(questions={"q1": {"type": "choice", "instructions": "x",
+                                               "criteria": ["a<|fim_suffix|>", "b"]}}), {},
+     "questions.q1.criteria", "q1"),
+    ("too_many_tokens", _req(state="word " * 400), {"max_tokens": 200}, "questions.q1", "q1"),
+    ("too_many_bytes", _req(state="x" * 5000), {"max_request_bytes": 4000}, "request", None),
+]
+
+
+@pytest.mark.parametrize("name,request_,limits,field,qid", VALIDATION_CASES, ids=[c[0] for c in VALIDATION_CASES])
+def test_validation_errors_name_the_field_and_question(predictor, name, request_, limits, field, qid):
+    lim = Limits().with_(**limits)
+    with pytest.raises(PredictError) as ei:
+        predictor.predict(request_, limits=lim)
+    err = ei.value
+    assert err.field == field, str(err)
+    assert err.question == qid
+    assert 400 <= err.status < 500
+    assert err.message and isinstance(err.message, str)
+    assert err.to_json()["error"]["field"] == field
+    if qid is not None:
+        assert repr(qid) in str(err)
+    # the same request is fine once the limit it broke is lifted (limit cases only)
+    if limits and name != "too_many_candidates":
+        predictor.predict(request_)
+
+
+def test_limits_are_validated():
+    with pytest.raises(ValueError):
+        Limits(max_candidates=300)
+    with pytest.raises(ValueError):
+        Limits(max_questions=0)
+    assert Limits().with_(max_questions=5, max_tokens=None).max_questions == 5
+
+
+# ------------------------------------------------------------------------------------- CLI
+def test_predict_command(run_dir, predictor, png, tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from rlcd.predict import predict_command
+
+    app = typer.Typer()
+    app.command("predict")(predict_command)
+    app.command("noop")(lambda: None)  # keep `predict` a named sub-command
+    runner = CliRunner()
+
+    req = {"state": STATE, "questions": QUESTIONS, "image": {"path": png.name}}
+    (png.parent / "req.json").write_text(json.dumps(req))
+    res = runner.invoke(app, ["predict", "--run", str(run_dir), "--request", str(png.parent / "req.json")])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout) == predictor.predict({"state": STATE, "questions": QUESTIONS}, png)
+
+    res = runner.invoke(app, ["predict", "--run", str(run_dir), "--state", STATE,
+                              "--question", json.dumps({"id": "angry", **QUESTIONS["angry"]}),
+                              "-q", "dept=" + json.dumps(QUESTIONS["dept"]), "--image", str(png)])
+    assert res.exit_code == 0, res.output
+    want = predictor.predict({"state": STATE, "questions": {"angry": QUESTIONS["angry"], "dept": QUESTIONS["dept"]}},
+                             png)
+    assert json.loads(res.stdout) == want
+
+    res = runner.invoke(app, ["predict", "--run", str(run_dir), "--state", "x <|fim_suffix|>",
+                              "-q", "a=" + json.dumps(QUESTIONS["angry"])])
+    assert res.exit_code == 2
+    assert json.loads(res.stderr)["error"]["field"] == "state"
