@@ -1,0 +1,170 @@
+"""`rlcd bench prefix`: shared-prefix scoring vs row-by-row full forwards on one request.
+
+Builds a model (default the random `tiny` preset, hidden >= 256), a request of N mixed-type
+questions over one state of about L tokens, and scores it (a) row by row with one full forward per
+question (batch 1) and (b) with `DecisionModel.score_case` (prefix once, suffixes batched). Reports
+the largest absolute logit difference, the median times, the measured speedup and the token-count
+bound `(B*L) / (P + B*(L-P))` (B rows, L mean row length, P shared prefix length), and
+ratio = speedup / bound. The last printed line is machine-readable:
+
+    prefix: max_abs_diff=... speedup=... bound=... ratio=...
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from ..schema import Question
+
+_WORDS = (
+    "order ticket customer account payment refund delivery parcel address invoice warehouse late damaged "
+    "replacement courier tracking priority support agent message email phone call week month yesterday "
+    "today urgent request issue problem solved pending escalated billing card bank transfer discount "
+    "coupon product size colour blue red green large small fragile box label return policy store online"
+).split()
+
+
+def make_state(tokenizer: Any, n_tokens: int, seed: int = 0) -> str:
+    """Deterministic ticket-like text of about `n_tokens` tokens (`State: ...` segment excluded)."""
+    rng = random.Random(seed)
+    parts: list[str] = []
+    count = 0
+    while count < n_tokens:
+        sentence = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(6, 14))).capitalize() + "."
+        parts.append(sentence)
+        count = len(tokenizer.encode(" ".join(parts), add_special_tokens=False))
+    return " ".join(parts)
+
+
+def make_questions(n: int, seed: int = 0) -> list[Question]:
+    """N mixed-type questions (choice / noul / score in turn) with varied wording and K."""
+    rng = random.Random(seed + 1)
+    out: list[Question] = []
+    for i in range(n):
+        kind = ("choice", "noul", "score")[i % 3]
+        topic = rng.choice(_WORDS)
+        if kind == "choice":
+            labels = rng.sample(_WORDS, rng.randint(3, 6))
+            if i % 2:
+                crit: Any = {lab: f"the ticket is mainly about {lab}" for lab in labels}
+            else:
+                crit = labels
+            out.append(Question(type="choice", instructions=f"Which category fits the {topic} (#{i})?", criteria=crit))
+        elif kind == "noul":
+            out.append(Question(type="noul", instructions=f"Does the ticket mention {topic} (#{i})?"))
+        else:
+            k = rng.randint(3, 5)
+            out.append(Question(type="score", instructions=f"How urgent is the {topic} issue (#{i})?",
+                                criteria=[f"urgency {j} of {k - 1}" for j in range(k)]))
+    return out
+
+
+def run_prefix_bench(model: str = "tiny", questions: int = 32, state_tokens: int = 512, repeats: int = 5,
+                     hidden: int | None = None, seed: int = 0, *, logit_std: float | None = None,
+                     exact: bool = False,
+                     print_fn: Callable[[str], None] | None = print, decision_model: Any = None) -> dict:
+    """Run the benchmark; returns the numbers (and prints them unless `print_fn` is None).
+
+    The head is the model's own random head with its centring buffers set on a small synthetic batch.
+    `logit_std` rescales W_d so the logits have that standard deviation (logits are linear in W_d, so
+    differences scale with them: compare `rel_diff`, or `tol_ok` = within atol 1e-4 + rtol 1e-5).
+    `exact` runs `score_case(exact=True)` (cut on the DeltaNet chunk grid).
+    """
+    from ..model.decision import DecisionModel
+
+    dm = decision_model
+    if dm is None:
+        dm = DecisionModel.from_backbone_spec(model, seed=seed, hidden=hidden)
+    dm.eval()
+    with torch.no_grad():
+        _centre_on_request(dm, seed, logit_std)
+    state = make_state(dm.tokenizer, state_tokens, seed)
+    qs = make_questions(questions, seed)
+    qids = [f"q{i}" for i in range(len(qs))]
+
+    # warm-up (allocator, lazy inits), then medians
+    dm.score_full(state, qs[:2], ids=qids[:2])
+    dm.score_case_with_usage(state, qs, ids=qids, exact=exact)
+    # interleaved, so a load change on a shared machine hits both paths alike
+    times_full, times_shared = [], []
+    full = shared = None
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        full = dm.score_full(state, qs, ids=qids, batch_size=1)
+        t1 = time.perf_counter()
+        shared = dm.score_case_with_usage(state, qs, ids=qids, exact=exact)[0]
+        t2 = time.perf_counter()
+        times_full.append(t1 - t0)
+        times_shared.append(t2 - t1)
+    t_full, t_shared = statistics.median(times_full), statistics.median(times_shared)
+    usage = dict(dm.last_usage)
+
+    diff = max(float((a - b).abs().max()) for a, b in zip(full, shared))
+    max_logit = max(float(a.abs().max()) for a in full)
+    tol_ok = all(bool(torch.allclose(b_, a_, atol=1e-4, rtol=1e-5)) for a_, b_ in zip(full, shared))
+    b = len(qs)
+    p = usage["prefix_tokens"]
+    mean_len = usage["full_tokens"] / b
+    bound = (b * mean_len) / (p + b * (mean_len - p))
+    speedup = t_full / t_shared
+    res = {
+        "model": model if decision_model is None else dm.info.get("preset"),
+        "hidden": dm.info.get("hidden_size"),
+        "questions": b,
+        "state_tokens": state_tokens,
+        "prefix_tokens": p,
+        "mean_row_tokens": mean_len,
+        "input_tokens_shared": usage["input_tokens"],
+        "input_tokens_full": usage["full_tokens"],
+        "calls": usage["calls"],
+        "max_abs_logit": max_logit,
+        "max_abs_diff": diff,
+        "rel_diff": diff / max_logit if max_logit > 0 else 0.0,
+        "tol_ok": tol_ok,
+        "logit_std": logit_std,
+        "exact": exact,
+        "time_full_s": t_full,
+        "time_shared_s": t_shared,
+        "speedup": speedup,
+        "bound": bound,
+        "ratio": speedup / bound,
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
+    }
+    if print_fn is not None:
+        print_fn(f"model={res['model']} hidden={res['hidden']} questions={b} prefix_tokens={p} "
+                 f"mean_row_tokens={mean_len:.1f} threads={res['threads']} repeats={repeats}")
+        print_fn(f"full forwards (batch 1): median {t_full * 1000:.1f} ms; shared prefix: median "
+                 f"{t_shared * 1000:.1f} ms ({usage['calls']} calls)")
+        print_fn(f"max |logit| {max_logit:.3g}; max |diff| / max |logit| {res['rel_diff']:.2g}; "
+                 f"within atol 1e-4 + rtol 1e-5: {tol_ok}")
+        print_fn(f"prefix: max_abs_diff={diff:.3g} speedup={speedup:.2f} bound={bound:.2f} ratio={speedup / bound:.2f}")
+    return res
+
+
+def _centre_on_request(dm: Any, seed: int, logit_std: float | None = None) -> None:
+    """Set the head's centring buffers on a small synthetic batch; optionally rescale W_d.
+
+    A random scorer on a random backbone gives logits of ~0.03; with `logit_std` W_d is rescaled so
+    that the logits on that batch have that standard deviation (trained heads reach |logits| of
+    10-50, see QWEN35-NOTES.md).
+    """
+    from ..model.collate import pad_rows
+
+    state = make_state(dm.tokenizer, 64, seed + 7)
+    qs = make_questions(6, seed + 7)
+    rows = dm.encode_case(state, qs)
+    batch = pad_rows(rows, pad_id=dm.encoder.pad_id, image_pad_id=dm.encoder.image_pad_id,
+                     types=[q.type for q in qs])
+    dm.init_centring([batch])
+    if logit_std is None:
+        return
+    lg = dm(batch)
+    std = float(lg[batch.cand_mask].std())
+    if std > 0:
+        dm.head.w_d.weight.mul_(logit_std / std)
