@@ -108,25 +108,47 @@ def test_running_mean_uses_buffers_not_batch_statistics():
     torch.testing.assert_close(alone, together[:1], atol=1e-6, rtol=1e-6)
 
 
-def test_ema_update_in_training_only():
+def test_ema_update_once_per_optimizer_update():
     s = _scorer("running_mean")
     h_dec, h_cand, mask = _inputs(b=3, k=5)
     mu_d0, mu_c0 = s.mu_d.clone(), s.mu_c.clone()
     s.eval()
     s(h_dec, h_cand, mask)
-    assert torch.equal(s.mu_d, mu_d0) and torch.equal(s.mu_c, mu_c0)
+    s.apply_centring_update()
+    assert torch.equal(s.mu_d, mu_d0) and torch.equal(s.mu_c, mu_c0), "eval forwards never move the buffers"
     s.train()
     s(h_dec, h_cand, mask, update=False)
+    s.apply_centring_update()
     assert torch.equal(s.mu_d, mu_d0)
-    out = s(h_dec, h_cand, mask)
+    out1 = s(h_dec[:2], h_cand[:2], mask[:2])
+    out2 = s(h_dec[2:], h_cand[2:], mask[2:])  # a second micro-batch of the same update
+    assert torch.equal(s.mu_d, mu_d0), "buffers stay fixed within an update"
     ref = _reference(_scorer("running_mean"), h_dec, h_cand, mask)  # computed with the *old* buffers
+    out = torch.cat([out1, out2])
     torch.testing.assert_close(out[mask].double(), ref[mask], atol=1e-5, rtol=1e-5)
-    cand_mean = h_cand[mask].mean(0)  # padded candidates excluded
+    summed = []
+    s.apply_centring_update(reduce=lambda t: summed.append(t.clone()))
+    assert len(summed) == 1
+    cand_mean = h_cand[mask].mean(0)  # padded candidates excluded; both micro-batches pooled
     torch.testing.assert_close(s.mu_d, 0.99 * mu_d0 + 0.01 * h_dec.mean(0), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(s.mu_c, 0.99 * mu_c0 + 0.01 * cand_mean, atol=1e-6, rtol=1e-6)
 
 
-def test_init_centring_and_first_training_forward():
+def test_reduce_pools_accumulators_across_processes():
+    """Two 'ranks' with half the rows each, summed by reduce, equal one process with all rows."""
+    h_dec, h_cand, mask = _inputs(b=4, k=5)
+    one, r0, r1 = (_scorer("running_mean").train() for _ in range(3))
+    one(h_dec, h_cand, mask)
+    one.apply_centring_update()
+    r0(h_dec[:2], h_cand[:2], mask[:2])
+    r1(h_dec[2:], h_cand[2:], mask[2:])
+    other = r1.pending.clone()
+    r0.apply_centring_update(reduce=lambda t: t.add_(other))
+    torch.testing.assert_close(r0.mu_d, one.mu_d, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(r0.mu_c, one.mu_c, atol=1e-6, rtol=1e-6)
+
+
+def test_init_centring_and_first_training_update():
     h_dec, h_cand, mask = _inputs(b=3, k=5)
     s = CandidateScorer(H, proj_dim=P)
     assert float(s.centring_ready) == 0.0 and not s.mu_d.any()
@@ -136,9 +158,10 @@ def test_init_centring_and_first_training_forward():
     assert float(s.centring_ready) == 1.0
     s.init_centring(h_dec, h_cand[mask])  # flattened candidates work too
     torch.testing.assert_close(s.mu_c, h_cand[mask].mean(0))
-    # without init, the first training forward sets the buffers to its batch means
+    # without init, the first update sets the buffers to its means
     s2 = CandidateScorer(H, proj_dim=P).train()
     s2(h_dec, h_cand, mask)
+    s2.apply_centring_update()
     torch.testing.assert_close(s2.mu_d, h_dec.mean(0))
     torch.testing.assert_close(s2.mu_c, h_cand[mask].mean(0))
     assert {"mu_d", "mu_c", "centring_ready", "w_d.weight", "w_c.weight"} == set(s2.state_dict())

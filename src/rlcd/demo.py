@@ -38,7 +38,7 @@ def run_demo(out: Path, *, steps: int | None = None, cases: int = DEMO_CASES, ea
         shutil.rmtree(out)
     out.mkdir(parents=True)
     print(f"[1/4] data: {cases} known-posterior cases + {easy_vqa} easy-vqa questions -> {out / 'processed'}")
-    manifest = demo_data(out / "processed", seed=0, n_cases=cases, easy_vqa_limit=easy_vqa)
+    manifest = demo_data(out, seed=0, n_cases=cases, easy_vqa_limit=easy_vqa)
     print_manifest(manifest)
     recipe = demo_recipe(steps or DEMO_STEPS)
     print(f"[2/4] train: preset {DEMO_MODEL!r}, {recipe.steps} updates x {recipe.batch_size * recipe.grad_accum} "

@@ -45,7 +45,7 @@ def predict_rows(model, records: list[Record], collator, *, device="cpu", batch_
 def _collator(model, data_dir: Path):
     from rlcd.model.collate import Collator
 
-    return Collator(model.backbone.tokenizer, model.backbone.image_processor, image_root=data_dir)
+    return Collator(model.tokenizer, model.image_processor, image_root=data_dir)
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:

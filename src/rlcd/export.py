@@ -34,7 +34,7 @@ def backbone_fingerprint(model) -> str:
     Catches a different random init or base model; identical before and after `merge()`.
     """
     h = hashlib.sha256()
-    named = [(n, p) for n, p in model.backbone.model.named_parameters()
+    named = [(n, p) for n, p in model.backbone.named_parameters()
              if "lora_" not in n and ("embed_tokens" in n or "visual" in n)]
     for _, p in named[:4]:  # names differ with and without the peft wrapper; bytes do not
         h.update(p.detach().float().cpu().contiguous().numpy().tobytes())

@@ -313,7 +313,7 @@ def build_session(config: dict, samples: dict, d: Dist, *, objective_fn=None) ->
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         wrapped = DDP(model, device_ids=[d.local_rank] if device.type == "cuda" else None)
-    collator = Collator(model.backbone.tokenizer, model.backbone.image_processor, image_root=data_dir)
+    collator = Collator(model.tokenizer, model.image_processor, image_root=data_dir)
     return Session(recipe=recipe, horizon=int(config["decay_horizon"]), model=model, wrapped=wrapped,
                    optimizer=optimizer, collator=collator, records=by_id, dev=dev, sampler=Sampler(pool),
                    dist=d, device=device, objective_fn=objective_fn)
@@ -503,6 +503,7 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
                                    f"{stats.get('loss')}, grad norm {float(grad_norm)}); the optimizer step "
                                    f"was not applied and {run_dir}/checkpoints/last is intact")
         s.optimizer.step()
+        s.model.head.apply_centring_update(reduce=dist.all_reduce if d.active else None)
         done = step + 1
         state["step"] = done
         window_examples += stats["_examples"]

@@ -10,11 +10,12 @@ Centring (`centring=`):
 * `"running_mean"` (default): the scorer's inputs are centred with *buffers* `mu_d`, `mu_c` (never
   with batch statistics, so a row's logits do not depend on the other rows of its batch).
   `init_centring(h_dec, h_cand)` sets them from given features (the trainer calls
-  `DecisionModel.init_centring(batches)` once before training); in training mode every forward then
-  updates them by EMA (momentum 0.01, detached batch means). If a training forward runs before
-  `init_centring`, that forward sets the buffers to its batch means instead (its own logits are
-  still computed with the previous buffers). Buffers travel with `state_dict()` (resume-exact) and
-  DDP's buffer broadcast keeps ranks in sync.
+  `DecisionModel.init_centring(batches)` once before training). Training forwards only *accumulate*
+  detached feature sums; `apply_centring_update()` (called by the trainer once per optimizer update,
+  after summing the accumulators over DDP ranks) moves the buffers by EMA (momentum 0.01) towards
+  the update's mean. So every micro-batch of one update sees the same buffers, on every rank, and
+  N ranks x A micro-batches equal 1 process x N*A micro-batches exactly. Buffers travel with
+  `state_dict()` (resume-exact); the accumulators are plain attributes, not buffers.
 * `"layernorm"`: LayerNorm without affine parameters on both inputs.
 * `"none"`: raw features.
 
@@ -44,6 +45,7 @@ class CandidateScorer(nn.Module):
         self.register_buffer("mu_d", torch.zeros(hidden, dtype=torch.float32))
         self.register_buffer("mu_c", torch.zeros(hidden, dtype=torch.float32))
         self.register_buffer("centring_ready", torch.zeros((), dtype=torch.float32))
+        self.reset_pending()
 
     @property
     def config(self) -> dict:
@@ -68,14 +70,38 @@ class CandidateScorer(nn.Module):
         self.mu_c.copy_(self._cand_mean(h_cand, cand_mask))
         self.centring_ready.fill_(1.0)
 
+    def reset_pending(self) -> None:
+        self.pending = None  # [sum_d (H), sum_c (H), n_d, n_c] accumulated since the last update
+
     @torch.no_grad()
-    def _update(self, h_dec: torch.Tensor, h_cand: torch.Tensor, cand_mask: torch.Tensor) -> None:
-        md = h_dec.detach().float().mean(0)
-        mc = self._cand_mean(h_cand, cand_mask)
+    def _accumulate(self, h_dec: torch.Tensor, h_cand: torch.Tensor, cand_mask: torch.Tensor) -> None:
+        m = cand_mask.to(torch.float32).unsqueeze(-1)
+        sum_d = h_dec.detach().float().sum(0)
+        sum_c = (h_cand.detach().float() * m).sum((0, 1))
+        counts = torch.stack([torch.tensor(float(h_dec.shape[0]), device=m.device), m.sum()])
+        add = torch.cat([sum_d, sum_c, counts])
+        self.pending = add if self.pending is None else self.pending + add
+
+    @torch.no_grad()
+    def apply_centring_update(self, reduce=None) -> None:
+        """EMA-move the buffers towards the mean of the features accumulated since the last call.
+
+        `reduce(tensor)` sums the accumulator across processes in place (DDP all_reduce).
+        """
+        if self.centring != "running_mean" or self.pending is None:
+            self.reset_pending()
+            return
+        acc = self.pending.clone()
+        if reduce is not None:
+            reduce(acc)
+        h = self.hidden
+        md = acc[:h] / acc[2 * h].clamp_min(1.0)
+        mc = acc[h:2 * h] / acc[2 * h + 1].clamp_min(1.0)
         ready = self.centring_ready > 0.5  # branch-free: no host sync on accelerators
         self.mu_d.copy_(torch.where(ready, torch.lerp(self.mu_d, md, self.momentum), md))
         self.mu_c.copy_(torch.where(ready, torch.lerp(self.mu_c, mc, self.momentum), mc))
         self.centring_ready.fill_(1.0)
+        self.reset_pending()
 
     def _centre(self, h: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
         if self.centring == "running_mean":
@@ -100,5 +126,5 @@ class CandidateScorer(nn.Module):
             logits = torch.einsum("bkp,bp->bk", pc, pd) / math.sqrt(self.proj_dim)
             logits = logits.masked_fill(~cand_mask, float("-inf"))
         if self.centring == "running_mean" and self.training and update is not False:
-            self._update(h_dec, h_cand, cand_mask)
+            self._accumulate(h_dec, h_cand, cand_mask)
         return logits

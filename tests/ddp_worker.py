@@ -1,0 +1,38 @@
+"""Worker for the DDP tests, launched by torchrun (2 gloo ranks) or plainly (1 process).
+
+`grads DATA OUT`: first-update gradients with 8 micro-batches in total (8 // world per rank),
+saved by rank 0 as OUT/grads-world{N}.pt.  `train DATA RUN`: a 3-update training run.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+from rlcd.recipe import Recipe
+from rlcd.train import build_session, init_centring, init_distributed, new_run, train
+
+torch.set_num_threads(1)
+
+
+def grads(data_dir: Path, out: Path) -> None:
+    d = init_distributed()
+    recipe = Recipe(steps=10, grad_accum=8 // d.world)
+    config, samples = new_run(out / "unused", data_dir, "tiny-toy", recipe, world_size=d.world)
+    s = build_session(config, samples, d)
+    init_centring(s)
+    s.set_lr(0)
+    s.accumulate(0)
+    if d.main:
+        torch.save({n: p.grad.detach().clone() for n, p in s.model.named_parameters() if p.grad is not None},
+                   out / f"grads-world{d.world}.pt")
+
+
+def run(data_dir: Path, run_dir: Path) -> None:
+    recipe = Recipe(steps=3, eval_every=2, checkpoint_every=1, log_every=1, diagnostics_every=2)
+    train(run_dir, data_dir=data_dir, model="tiny-toy", recipe=recipe, progress=False)
+
+
+if __name__ == "__main__":
+    mode, data, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    grads(data, out) if mode == "grads" else run(data, out)

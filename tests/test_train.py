@@ -1,0 +1,199 @@
+"""The training loop on a toy-vocabulary tiny Qwen3.5: resume equivalence, extension, NaN stop,
+atomic checkpoints, refused resumes, and DDP under torchrun (gloo, 2 ranks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlcd import checkpoint as ckpt
+from rlcd.data.io import write_jsonl
+from rlcd.data.prepare import prepare
+from rlcd.data.synth import generate
+from rlcd.recipe import Recipe
+from rlcd.train import ResumeRefused, TrainingDiverged, train
+
+torch.set_num_threads(1)
+HERE = Path(__file__).parent
+FAST = dict(eval_every=2, checkpoint_every=1, log_every=1, diagnostics_every=2)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("data")
+    write_jsonl(base / "synth.jsonl", generate(60, seed=3))
+    prepare([base / "synth.jsonl"], base / "processed", seed=0)
+    return base / "processed"
+
+
+def _train(run, data_dir, **kw):
+    recipe = Recipe(steps=kw.pop("steps", 4), **{**FAST, **kw.pop("recipe", {})})
+    return train(run, data_dir=data_dir, model="tiny-toy", recipe=recipe, progress=False, **kw)
+
+
+def _weights(run, which="last"):
+    return ckpt.load(Path(run) / "checkpoints" / which)["weights"]
+
+
+def _losses(run):
+    rows = [json.loads(x) for x in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r["ce_loss"], r["policy_loss"]) for r in rows if r["event"] == "train"]
+
+
+def _evals(run):
+    rows = [json.loads(x) for x in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["dev_macro_accuracy"]) for r in rows if r["event"] == "eval"]
+
+
+def test_run_directory_layout(tmp_path, data_dir):
+    run = tmp_path / "run"
+    state = _train(run, data_dir, steps=2)
+    assert state["step"] == 2
+    config = json.loads((run / "config.json").read_text())
+    samples = json.loads((run / "samples.json").read_text())
+    assert config["recipe"]["steps"] == 2 and config["decay_horizon"] == 2
+    assert {"torch", "transformers", "peft"} <= set(config["versions"])
+    assert set(samples["files"]) >= {"train.jsonl", "dev.jsonl"}
+    assert all(len(ids) <= 6000 for ids in samples["train"].values())
+    for which in ("last", "best"):
+        loaded = ckpt.load(run / "checkpoints" / which)
+        assert {"step", "best_score", "recipe", "consumed"} <= set(loaded["state"])
+        assert loaded["optimizer"]["state"], "optimizer moments are saved"
+    assert _evals(run)[0][0] == 0 and _evals(run)[-1][0] == 2  # step 0 and the last update
+    train_rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+    assert {"lr_lora", "lr_head", "grad_norm", "tokens_per_s", "advantage_std", "per_type"} <= set(train_rows[-1])
+
+
+def test_resume_reproduces_uninterrupted_run(tmp_path, data_dir):
+    full, part = tmp_path / "full", tmp_path / "part"
+    _train(full, data_dir, steps=4)
+    _train(part, data_dir, steps=4, stop_after=2)
+    assert ckpt.load(part / "checkpoints" / "last")["state"]["step"] == 2
+    # a stale line past the checkpoint (as a kill after logging would leave) is trimmed on resume
+    with open(part / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"event": "train", "step": 3, "loss": 99.0, "ce_loss": 0, "policy_loss": 0}) + "\n")
+    train(part, resume=True, progress=False)
+    a, b = _weights(full), _weights(part)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert _losses(full) == _losses(part)
+    assert _evals(full) == _evals(part)
+    assert ckpt.load(full / "checkpoints" / "best")["state"]["best_step"] == \
+        ckpt.load(part / "checkpoints" / "best")["state"]["best_step"]
+
+
+def test_extension_keeps_horizon_and_moments(tmp_path, data_dir):
+    run = tmp_path / "run"
+    _train(run, data_dir, steps=3)
+    moments = ckpt.load(run / "checkpoints" / "last")["optimizer"]["state"]
+    train(run, resume=True, steps=5, progress=False)
+    config = json.loads((run / "config.json").read_text())
+    assert config["recipe"]["steps"] == 5 and config["decay_horizon"] == 3
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+    lr = {r["step"]: r["lr_head"] for r in rows}
+    assert lr[4] == pytest.approx(0.1 * 5e-4) and lr[5] == pytest.approx(0.1 * 5e-4)  # the 10% floor
+    after = ckpt.load(run / "checkpoints" / "last")["optimizer"]["state"]
+    assert after[0]["step"] == moments[0]["step"] + 2  # Adam moments continued, not reset
+    with pytest.raises(ResumeRefused, match="smaller"):
+        train(run, resume=True, steps=4, progress=False)
+
+
+def test_nan_stops_before_the_optimizer_step(tmp_path, data_dir):
+    run = tmp_path / "run"
+    _train(run, data_dir, steps=2)
+    before = _weights(run)
+    from rlcd.objectives import ce_loss
+
+    def poisoned(logits, batch, index):
+        loss, stats = ce_loss(logits, batch.cand_mask, batch.target)
+        return loss * float("nan"), {**stats, "loss": float("nan")}
+
+    with pytest.raises(TrainingDiverged, match="update 3"):
+        train(run, resume=True, steps=4, progress=False, objective_fn=poisoned)
+    after = ckpt.load(run / "checkpoints" / "last")
+    assert after["state"]["step"] == 2
+    for k in before:
+        assert torch.equal(before[k], after["weights"][k])
+
+
+def test_checkpoint_write_killed_half_way_keeps_previous(tmp_path, data_dir, monkeypatch):
+    run = tmp_path / "run"
+    _train(run, data_dir, steps=2)
+    real = ckpt.save_file
+
+    def dies(*a, **k):
+        real(*a, **k)
+        raise KeyboardInterrupt("killed during the checkpoint write")
+
+    monkeypatch.setattr(ckpt, "save_file", dies)
+    with pytest.raises(KeyboardInterrupt):
+        train(run, resume=True, steps=3, progress=False)
+    monkeypatch.undo()
+    assert ckpt.load(run / "checkpoints" / "last")["state"]["step"] == 2
+    train(run, resume=True, steps=3, progress=False)
+    assert ckpt.load(run / "checkpoints" / "last")["state"]["step"] == 3
+
+
+def test_resume_refuses_changed_data(tmp_path, data_dir):
+    import shutil
+
+    copy = tmp_path / "data"
+    shutil.copytree(data_dir, copy)
+    run = tmp_path / "run"
+    _train(run, copy, steps=1)
+    lines = (copy / "train.jsonl").read_text().splitlines()
+    (copy / "train.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    with pytest.raises(ResumeRefused, match="data files changed.*train.jsonl"):
+        train(run, resume=True, steps=2, progress=False)
+
+
+def test_new_run_refuses_existing_dir(tmp_path, data_dir):
+    run = tmp_path / "run"
+    _train(run, data_dir, steps=1)
+    with pytest.raises(FileExistsError, match="--resume"):
+        _train(run, data_dir, steps=1)
+
+
+def _torchrun(*args, cwd):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_ddp_first_step_gradients_match_single_process(tmp_path, data_dir):
+    """2 gloo ranks x 4 micro-batches == 1 process x 8 micro-batches (the same indices), within 1e-5."""
+    worker = str(HERE / "ddp_worker.py")
+    _torchrun(worker, "grads", str(data_dir), str(tmp_path), cwd=tmp_path)
+    single = subprocess.run([sys.executable, worker, "grads", str(data_dir), str(tmp_path)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert single.returncode == 0, single.stderr[-3000:]
+    ddp, ref = torch.load(tmp_path / "grads-world2.pt"), torch.load(tmp_path / "grads-world1.pt")
+    assert ddp.keys() == ref.keys() and len(ref) > 10
+    assert any(float(g.abs().max()) > 0 for g in ref.values())
+    for name in ref:
+        torch.testing.assert_close(ddp[name], ref[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_ddp_training_run_rank0_writes(tmp_path, data_dir):
+    run = tmp_path / "run"
+    out = _torchrun(str(HERE / "ddp_worker.py"), "train", str(data_dir), str(run), cwd=tmp_path)
+    config = json.loads((run / "config.json").read_text())
+    assert config["world_size"] == 2
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+    assert steps == [1, 2, 3], "each update logged once (rank 0 alone writes)"
+    consumed = ckpt.load(run / "checkpoints" / "last")["state"]["consumed"]
+    assert sum(consumed.values()) == 3 * 8 * 4 * 1, "rank 0 counts its own block of micro-batches"
+    assert not list(run.glob("checkpoints/.tmp-*")), out.stdout[-2000:]
+    with pytest.raises(ResumeRefused, match="world size 2"):
+        train(run, resume=True, steps=4, progress=False)
