@@ -1,0 +1,111 @@
+"""End to end on a tiny run: train a few updates, evaluate, export, report, predictor parity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlcd.data.io import write_jsonl
+from rlcd.data.prepare import prepare
+from rlcd.data.synth import generate
+from rlcd.recipe import Recipe
+from rlcd.train import train
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("eval")
+    write_jsonl(base / "synth.jsonl", generate(80, seed=5))
+    prepare([base / "synth.jsonl"], base / "processed", seed=0)
+    recipe = Recipe(steps=3, eval_every=1, checkpoint_every=1, log_every=1, diagnostics_every=1, lr_head=5e-3)
+    train(base / "run", data_dir=base / "processed", model="tiny-toy", recipe=recipe, progress=False)
+    return base / "run"
+
+
+@pytest.fixture(scope="module")
+def evaluated(run):
+    from rlcd.evaluate import evaluate_run
+
+    return evaluate_run(run)
+
+
+def test_calibration_reads_only_the_calibration_split(run, monkeypatch):
+    import rlcd.data.io as io
+    from rlcd.evaluate import calibrate_run
+
+    seen = []
+    real = io.load_split
+
+    def spy(d, split):
+        seen.append(split)
+        return real(d, split)
+
+    monkeypatch.setattr(io, "load_split", spy)
+    out = calibrate_run(run)
+    assert seen == ["calibration"]
+    assert set(out["temperatures"]) == {"choice", "noul", "score"}
+    assert all(0.1 <= t <= 10 for t in out["temperatures"].values())
+
+
+def test_evaluation_artefacts(run, evaluated):
+    ev = json.loads((run / "eval" / "evaluation.json").read_text())
+    for block in ("raw", "calibrated"):
+        assert {"accuracy", "nll", "brier", "ece", "ece_target", "sharpness_gap"} <= set(ev[block]["overall"])
+        assert set(ev[block]["per_type"]) <= {"choice", "noul", "score"}
+    assert ev["majority_baseline"]["accuracy"] is not None
+    assert ev["meta"]["selected_step"] is not None and len(ev["meta"]["checkpoint_sha256"]) == 64
+    for split in ("dev", "calibration", "test"):
+        rows = [json.loads(x) for x in (run / "eval" / f"predictions-{split}.jsonl").read_text().splitlines()]
+        assert rows and all(len(r["logits"]) == len(r["labels"]) == len(r["target"]) for r in rows)
+    model_json = json.loads((run / "export" / "model.json").read_text())
+    assert model_json["temperatures"] == ev["temperatures"]
+    assert (run / "export" / "trainable.safetensors").stat().st_size > 0
+    report = (run / "eval" / "report.md").read_text()
+    plots = list((run / "eval" / "plots").glob("*.png"))
+    assert len(plots) >= 4 and all(p.stat().st_size > 1000 for p in plots)
+    missing = [p.name for p in plots if p.name not in report]
+    assert not missing, f"plots not embedded in report.md: {missing}"
+
+
+def test_predictions_regenerate_evaluation_exactly(run, evaluated):
+    from rlcd.report import evaluation_json, regenerate_evaluation
+
+    stored = (run / "eval" / "evaluation.json").read_text()
+    assert evaluation_json(regenerate_evaluation(run)) == stored
+
+
+def test_merged_equals_unmerged_and_export_predictor_matches_eval(run, evaluated):
+    from rlcd.data.io import load_split
+    from rlcd.evaluate import _collator, predict_rows
+    from rlcd.export import load_checkpoint_model
+
+    unmerged, config, _ = load_checkpoint_model(run, "best", merge=False)
+    merged, _, _ = load_checkpoint_model(run, "best", merge=True)
+    records = load_split(Path(config["data_dir"]), "test")[:12]
+    a = predict_rows(unmerged, records, _collator(unmerged, Path(config["data_dir"])))
+    b = predict_rows(merged, records, _collator(merged, Path(config["data_dir"])))
+    for ra, rb in zip(a, b):
+        torch.testing.assert_close(torch.tensor(ra["logits"]), torch.tensor(rb["logits"]), atol=1e-4, rtol=0)
+    stored = {json.loads(x)["id"]: json.loads(x) for x in (run / "eval" / "predictions-test.jsonl").read_text().splitlines()}
+    for row in b:
+        torch.testing.assert_close(torch.tensor(row["logits"]), torch.tensor(stored[row["id"]]["logits"]),
+                                   atol=1e-5, rtol=0)
+
+
+def test_export_refuses_a_different_backbone(run, evaluated, tmp_path):
+    import shutil
+
+    from rlcd.export import load_export
+
+    copy = tmp_path / "export"
+    shutil.copytree(run / "export", copy)
+    meta = json.loads((copy / "model.json").read_text())
+    meta["model_seed"] = meta["model_seed"] + 1
+    (copy / "model.json").write_text(json.dumps(meta))
+    with pytest.raises(RuntimeError, match="fingerprint"):
+        load_export(copy)
