@@ -21,13 +21,18 @@ app.add_typer(probe_app, name="probe")
 
 
 def _mount_subapps() -> None:
-    from rlcd.analysis.cli import analyze_app, compare_command
+    from rlcd.analysis.cli import analyze_app, compare_command, probe_noise_command, probe_order_command, sweep_command
     from rlcd.data.cli import app as data_app
 
     app.add_typer(data_app, name="data", help="Import, generate, validate and split typed-decision records.")
     app.add_typer(analyze_app, name="analyze", help="Model-free analyses (toy bias of the smoothed score).")
     app.command("compare", help="Paired bootstrap of two runs (or comma-separated run lists) on one metric.")(
         compare_command)
+    app.command("sweep", help="Run a recipe grid x seeds (one process per run), evaluate, summarise.")(sweep_command)
+    probe_app.command("order", help="Top-label flip rate / TV under candidate reversal and cyclic shifts.")(
+        probe_order_command)
+    probe_app.command("noise", help="Noise-free vs noise-averaged predictions (over-sharpening diagnostic).")(
+        probe_noise_command)
     # these three import torch; registered here so their options come from one signature
     from rlcd.bench.serve import bench_serve_command
     from rlcd.predict import predict_command

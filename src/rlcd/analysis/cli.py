@@ -121,3 +121,174 @@ def compare_command(
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(text + "\n")
     return result
+
+
+# ----------------------------------------------------------------------------------------------
+# sweep and probes (registered by rlcd.cli as `rlcd sweep`, `rlcd probe order`, `rlcd probe noise`)
+
+
+def _fail(prefix: str, e: Exception) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"{prefix}: {e}", style="red", highlight=False, markup=False, soft_wrap=True)
+    raise typer.Exit(code=2)
+
+
+def _write_json(path: Optional[Path], obj: Any) -> None:
+    if path is None:
+        return
+    from rlcd.metrics import dumps
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dumps(obj), encoding="utf-8")
+    typer.echo(f"wrote {path}", err=True)
+
+
+def _num(v: Any, digits: int = 3) -> str:
+    return "–" if v is None else f"{v:.{digits}f}"
+
+
+def sweep_command(
+    data: Annotated[Path, typer.Option(help="processed data dir (rlcd data prepare)")],
+    out: Annotated[Path, typer.Option(help="sweep directory: runs/, configs/, logs/, summary.json/.md, plots")],
+    model: Annotated[str, typer.Option(help="preset (qwen3.5-0.8b, qwen3.5-2b, tiny, tiny-toy) or local dir")] = "qwen3.5-0.8b",
+    grid: Annotated[Optional[list[str]], typer.Option(help="KEY=V1,V2,... over recipe fields; repeat for more keys "
+                                                           "(e.g. --grid sigma=0.25,1,4 --grid objective=rlcd,ce)")] = None,
+    seeds: Annotated[str, typer.Option(help="N (seeds 0..N-1) or a comma-separated list of seeds")] = "3",
+    steps: Annotated[int, typer.Option(help="optimizer updates per run")] = 3600,
+    recipe: Annotated[Optional[list[str]], typer.Option(help="KEY=VALUE recipe override for every run (repeatable)")] = None,
+    scale_cadence: Annotated[bool, typer.Option(help="scale eval/checkpoint/log/diagnostics cadence to a budget "
+                                                     "below 3,600 updates")] = True,
+    in_process: Annotated[bool, typer.Option(help="run every arm in this process instead of one process per run")] = False,
+    devices: Annotated[Optional[str], typer.Option(help="comma-separated CUDA devices: one run per device at a time")] = None,
+    dry_run: Annotated[bool, typer.Option(help="write the run configs and print the worker commands; train nothing")] = False,
+) -> dict[str, Any]:
+    """Run a grid of recipe arms x seeds (one run dir and process each), evaluate each, and summarise.
+
+    Finished runs (eval/evaluation.json present) are skipped, so re-running resumes a sweep. The ce
+    objective ignores sigma/ce_weight: its arm runs once per seed. Writes summary.json, summary.md,
+    fitted_T_vs_sigma.png and nll_vs_sigma.png under --out; exits 1 if a run failed.
+    """
+    from rlcd.analysis.sweep import SweepError, parse_grid, parse_overrides, run_sweep
+
+    try:
+        g = parse_grid(grid or [])
+        overrides = parse_overrides(recipe or [])
+        dev = [d.strip() for d in devices.split(",") if d.strip()] if devices else None
+        summary = run_sweep(data, model, g, seeds, steps, out, overrides, scale_cadence=scale_cadence,
+                            in_process=in_process, devices=dev, dry_run=dry_run)
+    except (SweepError, ValueError, FileNotFoundError) as e:
+        _fail("rlcd sweep", e)
+    if dry_run:
+        for cmd in summary["commands"]:
+            typer.echo(cmd)
+        return summary
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"sweep summary ({out / 'summary.md'})", box=box.SIMPLE, padding=(0, 1))
+    for col in ("arm", "ok", "accuracy", "NLL", "Brier", "ECE-t", "sharp gap", "T choice", "T noul", "T score",
+                "Bayes gap"):
+        table.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
+
+    def cell(arm, key, digits=3):
+        st = arm["metrics"].get(key)
+        if not st or st.get("mean") is None:
+            return "–"
+        return f"{st['mean']:.{digits}f}" + (f"±{st['std']:.{digits}f}" if st.get("std") is not None else "")
+
+    for a in summary["arms"]:
+        table.add_row(a["name"], f"{a['n_ok']}/{len(a['seeds'])}", cell(a, "raw.overall.accuracy"),
+                      cell(a, "raw.overall.nll"), cell(a, "raw.overall.brier"), cell(a, "raw.overall.ece_target"),
+                      cell(a, "raw.overall.sharpness_gap"), cell(a, "temperature.choice", 2),
+                      cell(a, "temperature.noul", 2), cell(a, "temperature.score", 2),
+                      cell(a, "raw.overall.posterior.bayes_gap"))
+    Console().print(table)
+    if summary["failed"]:
+        typer.echo(f"{len(summary['failed'])} run(s) failed: {', '.join(summary['failed'])} (see summary.md)", err=True)
+        raise typer.Exit(code=1)
+    return summary
+
+
+def probe_order_command(
+    run: Annotated[Path, typer.Argument(help="run directory (export/ or checkpoints/best)")],
+    split: Annotated[str, typer.Option(help="data split to re-score")] = "test",
+    limit: Annotated[Optional[int], typer.Option(help="at most this many choice questions (file order)")] = None,
+    data: Annotated[Optional[Path], typer.Option(help="processed data dir (default: the run's)")] = None,
+    max_perms: Annotated[int, typer.Option(help="permutations per question: the reversal + evenly spaced cyclic shifts")] = 8,
+    calibrated: Annotated[bool, typer.Option(help="apply the run's choice temperature (TV only; flips do not change)")] = False,
+    batch_size: Annotated[int, typer.Option()] = 32,
+    out: Annotated[Optional[Path], typer.Option(help="write the JSON result here")] = None,
+) -> dict[str, Any]:
+    """Re-score choice questions under candidate reversal and cyclic shifts: top-label flip rate and
+    mean total-variation distance of the label-aligned distributions, per type."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from rlcd.analysis.probes import probe_order_run
+
+    try:
+        result = probe_order_run(run, split=split, limit=limit, data_dir=data, max_perms=max_perms,
+                                 calibrated=calibrated, batch_size=batch_size)
+    except (ValueError, FileNotFoundError) as e:
+        _fail("rlcd probe order", e)
+    table = Table(title=f"candidate-order probe: {run} ({split})", box=box.SIMPLE, padding=(0, 1))
+    for col in ("type", "rows", "comparisons", "flip rate", "rows w/ flip", "mean TV", "max TV", "top at 1st",
+                "1/K"):
+        table.add_column(col, justify="left" if col == "type" else "right", no_wrap=True)
+    for t, b in result["per_type"].items():
+        if not b.get("applicable"):
+            table.add_row(t, str(b["n_rows"]), "n/a", "n/a", "n/a", "n/a", "n/a", "n/a", "n/a")
+        elif b["n_rows"] == 0:
+            table.add_row(t, "0", "0", "–", "–", "–", "–", "–", "–")
+        else:
+            table.add_row(t, str(b["n_rows"]), str(b["n_comparisons"]), _num(b["flip_rate"]),
+                          _num(b["rows_with_flip"]), _num(b["mean_tv"], 4), _num(b["max_tv"], 4),
+                          _num(b["top_at_first"]), _num(b["top_at_first_uniform"]))
+    console = Console()
+    console.print(table)
+    console.print("noul/score: not permuted (their candidate order is fixed and carries meaning).", highlight=False)
+    _write_json(out, result)
+    return result
+
+
+def probe_noise_command(
+    run: Annotated[Path, typer.Argument(help="run directory with eval/predictions-<split>.jsonl")],
+    sigma: Annotated[Optional[float], typer.Option(help="noise std (default: the run's training sigma)")] = None,
+    split: Annotated[str, typer.Option(help="prediction split")] = "test",
+    samples: Annotated[int, typer.Option(help="noise samples per row")] = 128,
+    seed: Annotated[int, typer.Option()] = 0,
+    symmetrize: Annotated[bool, typer.Option(help="reuse each draw cyclically shifted and negated (unbiased, "
+                                                  "far less Monte-Carlo error)")] = True,
+    out: Annotated[Optional[Path], typer.Option(help="write the JSON result here")] = None,
+) -> dict[str, Any]:
+    """Noise-free softmax(z) vs noise-averaged E[softmax(z + eps)] from the raw prediction logits:
+    mean max-prob of each, mean KL, argmax change rate (the over-sharpening diagnostic)."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from rlcd.analysis.probes import probe_noise_run
+
+    try:
+        result = probe_noise_run(run, sigma, split=split, samples=samples, seed=seed, symmetrize=symmetrize)
+    except (ValueError, FileNotFoundError) as e:
+        _fail("rlcd probe noise", e)
+    table = Table(title=f"noise probe: {run} ({split}), sigma {result['sigma']:g}, {samples} samples",
+                  box=box.SIMPLE, padding=(0, 1))
+    for col in ("type", "n", "max p free", "max p avg", "sharpening", "KL(avg||free)", "argmax changed",
+                "NLL free", "NLL avg", "target max"):
+        table.add_column(col, justify="left" if col == "type" else "right", no_wrap=True)
+    for name, b in [*result["per_type"].items(), ("all", result["overall"])]:
+        table.add_row(name, str(b["n"]), _num(b["mean_max_prob_noise_free"]), _num(b["mean_max_prob_noise_averaged"]),
+                      _num(b.get("sharpening")), _num(b["mean_kl_averaged_to_free"], 4), _num(b["argmax_change_rate"]),
+                      _num(b["nll_noise_free"]), _num(b["nll_noise_averaged"]), _num(b["mean_target_max"]))
+    console = Console()
+    console.print(table)
+    if result.get("trained_sigma") is not None:
+        console.print(f"run trained with objective {result.get('trained_objective')}, sigma "
+                      f"{result['trained_sigma']:g}", highlight=False)
+    _write_json(out, result)
+    return result

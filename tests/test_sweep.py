@@ -1,0 +1,265 @@
+"""Sweeps: grid parsing and expansion (the ce arm deduplicated), resolved recipes, aggregation of
+fake evaluation.json files (mean / sample std), resume-by-skip, and one small real sweep."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from rlcd.analysis.sweep import (SweepError, expand_grid, mean_std, metric_values, parse_grid, parse_overrides,
+                                 parse_seeds, plan_runs, run_sweep, scaled_cadence, summarize_runs, write_summary)
+from rlcd.recipe import Recipe
+
+torch.set_num_threads(1)
+
+GRID = {"sigma": [0.25, 1.0, 4.0], "objective": ["rlcd", "ce"]}
+
+
+# ----------------------------------------------------------------------------------------------
+# grid
+
+
+def test_parse_grid_types_values_and_rejects_bad_keys():
+    g = parse_grid(["sigma=0.25,1,4", "objective=rlcd,ce", "ce-weight=0,1"])
+    assert g == {"sigma": [0.25, 1.0, 4.0], "objective": ["rlcd", "ce"], "ce_weight": [0.0, 1.0]}
+    assert all(isinstance(v, float) for v in g["sigma"])
+    assert parse_overrides(["eval_every=5", "batch_size=4"]) == {"eval_every": 5, "batch_size": 4}
+    with pytest.raises(SweepError, match="not a recipe field"):
+        parse_grid(["sgima=1"])
+    with pytest.raises(SweepError, match="not a valid int"):
+        parse_overrides(["eval_every=2.5"])
+    with pytest.raises(SweepError, match="KEY="):
+        parse_grid(["sigma"])
+    assert parse_seeds("3") == [0, 1, 2] and parse_seeds("4,7") == [4, 7] and parse_seeds(2) == [0, 1]
+
+
+def test_expand_grid_dedupes_the_ce_arm():
+    arms, notes = expand_grid(GRID)
+    names = [a.name for a in arms]
+    assert names == ["rlcd-sigma0.25", "ce", "rlcd-sigma1", "rlcd-sigma4"]
+    ce = arms[1]
+    assert ce.params == {"objective": "ce"} and len(ce.merged) == 3
+    assert [a.params.get("sigma") for a in arms if a.objective == "rlcd"] == [0.25, 1.0, 4.0]
+    assert any("'ce'" in n and "sigma" in n and "3 grid points" in n for n in notes)
+    # ce_weight is ignored by ce too; repeated values collapse
+    arms, notes = expand_grid({"objective": ["ce", "rlcd"], "ce_weight": [0.0, 1.0, 1.0]})
+    assert [a.name for a in arms] == ["ce", "rlcd-ce_weight0", "rlcd-ce_weight1"]
+    assert any("repeated" in n for n in notes)
+    # an objective fixed by the overrides counts as well
+    arms, _ = expand_grid({"sigma": [1, 2]}, {"objective": "ce"})
+    assert [a.name for a in arms] == ["base"]
+    with pytest.raises(SweepError, match="cannot be a grid key"):
+        expand_grid({"seed": [0, 1]})
+
+
+def test_plan_resolves_full_recipes(tmp_path):
+    arms, _ = expand_grid(GRID)
+    specs = plan_runs(tmp_path / "data", "tiny-toy", arms, [0, 1], 40, tmp_path / "out",
+                      recipe_overrides={"log_every": 7})
+    assert len(specs) == 8
+    by = {s.name: s for s in specs}
+    assert set(by) == {f"{a}-s{s}" for a in ("rlcd-sigma0.25", "rlcd-sigma1", "rlcd-sigma4", "ce") for s in (0, 1)}
+    r = Recipe.from_dict(by["rlcd-sigma4-s1"].config["recipe"])
+    assert (r.sigma, r.seed, r.steps, r.objective) == (4.0, 1, 40, "rlcd")
+    assert r.eval_every == scaled_cadence(40)["eval_every"] == 4 and r.log_every == 7  # override wins
+    assert Recipe.from_dict(by["ce-s0"].config["recipe"]).objective == "ce"
+    assert by["ce-s0"].run_dir == (tmp_path / "out" / "runs" / "ce-s0").resolve()
+    assert scaled_cadence(3600) == {} and scaled_cadence(2) == {k: 1 for k in scaled_cadence(2)}
+    with pytest.raises(SweepError, match="sigma must be > 0"):
+        plan_runs(tmp_path, "tiny-toy", expand_grid({"sigma": [0.0]})[0], [0], 5, tmp_path / "o")
+
+
+# ----------------------------------------------------------------------------------------------
+# aggregation from fake evaluation files
+
+
+def _fake_eval(nll: float, acc: float, t_choice: float, bayes_gap: float | None = None) -> dict:
+    def block(scale):
+        b = {"n": 10, "accuracy": acc, "nll": nll * scale, "brier": 0.5 * scale, "ece": 0.1, "ece_target": 0.05,
+             "sharpness_gap": 0.2 * nll * scale}
+        if bayes_gap is not None:
+            b["posterior"] = {"n": 10, "nll": nll * scale - 0.1, "bayes_gap": bayes_gap, "accuracy": acc}
+        return b
+
+    return {"format": "rlcd.evaluation/1", "headline_split": "test",
+            "temperatures": {"choice": t_choice, "noul": 1.0, "score": 2.0},
+            "raw": {"overall": block(1.0), "per_type": {"choice": block(1.0)}, "group_macro": {"accuracy": acc}},
+            "calibrated": {"overall": block(0.9), "per_type": {"choice": block(0.9)}},
+            "meta": {"calibration": {"noul": {"temperature": 1.0, "reason": "3 calibration rows < 10: T = 1"}}}}
+
+
+def _write_fake_runs(specs, values):
+    for spec in specs:
+        if spec.name not in values:
+            continue
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg = {k: spec.config[k] for k in ("model", "data_dir", "recipe", "model_seed")}
+        (spec.run_dir / "config.json").write_text(json.dumps(cfg))
+        (spec.run_dir / "eval").mkdir(exist_ok=True)
+        (spec.run_dir / "eval" / "evaluation.json").write_text(json.dumps(_fake_eval(*values[spec.name])))
+
+
+def test_mean_std():
+    st = mean_std([1.0, 2.0, 4.0])
+    assert st["mean"] == pytest.approx(7 / 3)
+    assert st["std"] == pytest.approx(math.sqrt(((1 - 7 / 3) ** 2 + (2 - 7 / 3) ** 2 + (4 - 7 / 3) ** 2) / 2))
+    assert mean_std([3.0]) == {"mean": 3.0, "std": None, "n": 1, "values": [3.0]}
+
+
+def test_summary_aggregates_fake_runs(tmp_path):
+    arms, notes = expand_grid({"sigma": [0.5, 2.0], "objective": ["rlcd", "ce"]})
+    specs = plan_runs(tmp_path / "data", "tiny-toy", arms, [0, 1, 2], 10, tmp_path / "out")
+    values = {
+        "rlcd-sigma0.5-s0": (1.0, 0.5, 1.1, 0.3), "rlcd-sigma0.5-s1": (2.0, 0.6, 1.3, 0.5),
+        "rlcd-sigma0.5-s2": (3.0, 0.7, 1.2, 0.4),
+        "rlcd-sigma2-s0": (4.0, 0.2, 2.0), "rlcd-sigma2-s1": (6.0, 0.4, 3.0),  # s2 missing: failed
+        "ce-s0": (0.9, 0.8, 1.0), "ce-s1": (0.9, 0.8, 1.0), "ce-s2": (0.9, 0.8, 1.0),
+    }
+    _write_fake_runs(specs, values)
+    summary = summarize_runs(arms, specs, notes=notes)
+    arms_by = {a["name"]: a for a in summary["arms"]}
+    assert list(arms_by) == ["rlcd-sigma0.5", "ce", "rlcd-sigma2"]
+    m = arms_by["rlcd-sigma0.5"]["metrics"]
+    assert m["raw.overall.nll"]["mean"] == pytest.approx(2.0) and m["raw.overall.nll"]["std"] == pytest.approx(1.0)
+    assert m["raw.overall.nll"]["values"] == [1.0, 2.0, 3.0]
+    assert m["calibrated.overall.nll"]["mean"] == pytest.approx(1.8)
+    assert m["raw.overall.accuracy"]["mean"] == pytest.approx(0.6)
+    assert m["temperature.choice"]["mean"] == pytest.approx(1.2) and m["temperature.choice"]["std"] == pytest.approx(0.1)
+    assert m["raw.overall.posterior.bayes_gap"]["mean"] == pytest.approx(0.4)
+    assert m["raw.overall.sharpness_gap"]["mean"] == pytest.approx(0.4)
+    assert m["raw.group_macro.accuracy"]["n"] == 3
+    s2 = arms_by["rlcd-sigma2"]
+    assert s2["n_ok"] == 2 and summary["failed"] == ["rlcd-sigma2-s2"]
+    assert s2["metrics"]["raw.overall.nll"]["mean"] == pytest.approx(5.0)
+    assert s2["metrics"]["raw.overall.nll"]["std"] == pytest.approx(math.sqrt(2.0))
+    assert "raw.overall.posterior.bayes_gap" not in s2["metrics"]
+    ce = arms_by["ce"]
+    assert ce["sigma"] is None and ce["metrics"]["raw.overall.nll"]["std"] == pytest.approx(0.0)
+    assert arms_by["rlcd-sigma2"]["sigma"] == 2.0
+    assert ce["temperature_fit_notes"]["ce-s0"] == {"noul": "3 calibration rows < 10: T = 1"}
+
+    paths = write_summary(tmp_path / "out", summary)
+    md = paths["md"].read_text()
+    assert "| `rlcd-sigma0.5` | 3 | 0.600 ± 0.100 | 2.000 ± 1.000 |" in md
+    assert "rlcd-sigma2-s2" in md and "Failed runs" in md and "Bayes gap" in md
+    for key in ("fitted_T", "nll"):
+        assert paths[key].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(paths["json"].read_text())["arms"][0]["metrics"]["raw.overall.nll"]["mean"] == 2.0
+
+
+def test_metric_values_flattens_blocks():
+    flat = metric_values(_fake_eval(1.5, 0.25, 1.7, 0.2))
+    assert flat["raw.overall.nll"] == 1.5 and flat["calibrated.per_type.choice.nll"] == pytest.approx(1.35)
+    assert flat["temperature.choice"] == 1.7 and flat["raw.overall.posterior.bayes_gap"] == 0.2
+
+
+def test_run_sweep_skips_finished_runs_and_refuses_a_different_run(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("")
+    out = tmp_path / "out"
+    arms, _ = expand_grid({"sigma": [1.0], "objective": ["rlcd", "ce"]})
+    specs = plan_runs(data, "tiny-toy", arms, [0, 1], 3, out)
+    _write_fake_runs(specs, {s.name: (1.0 + i, 0.5, 1.0) for i, s in enumerate(specs)})
+    # one run dir holds a run with another budget: it must not be summarised as this arm
+    bad = next(s for s in specs if s.name == "ce-s1")
+    cfg = json.loads((bad.run_dir / "config.json").read_text())
+    cfg["recipe"]["steps"] = 99
+    (bad.run_dir / "config.json").write_text(json.dumps(cfg))
+
+    app = typer.Typer()
+    from rlcd.analysis.cli import sweep_command
+
+    app.command("sweep")(sweep_command)
+    app.command("unused")(lambda: None)
+    res = CliRunner().invoke(app, ["sweep", "--data", str(data), "--model", "tiny-toy", "--grid", "sigma=1",
+                                   "--grid", "objective=rlcd,ce", "--seeds", "2", "--steps", "3", "--out", str(out)])
+    assert res.exit_code == 1, res.output  # the refused run counts as failed
+    summary = json.loads((out / "summary.json").read_text())
+    status = {r["name"]: r["status"] for a in summary["arms"] for r in a["runs"]}
+    assert status == {"rlcd-sigma1-s0": "skipped", "rlcd-sigma1-s1": "skipped", "ce-s0": "skipped",
+                      "ce-s1": "failed"}
+    ce = next(a for a in summary["arms"] if a["name"] == "ce")
+    assert ce["metrics"]["raw.overall.nll"]["n"] == 1
+    assert not (out / "logs").exists()  # nothing was trained
+    assert "different run" in (out / "summary.md").read_text()
+
+
+def test_dry_run_writes_worker_configs(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("")
+    res = run_sweep(data, "tiny-toy", GRID, 2, 5, tmp_path / "out", {"eval_every": 2}, dry_run=True)
+    assert len(res["commands"]) == 8
+    assert all(" -m rlcd.analysis.sweep run-one --config " in c for c in res["commands"])
+    cfg = json.loads((tmp_path / "out" / "configs" / "ce-s1.json").read_text())
+    assert cfg["recipe"]["objective"] == "ce" and cfg["recipe"]["eval_every"] == 2 and cfg["recipe"]["seed"] == 1
+    assert not (tmp_path / "out" / "runs").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# one real sweep (one process per run)
+
+
+@pytest.mark.slow
+def test_small_real_sweep(tmp_path, monkeypatch):
+    from rlcd.data.io import write_jsonl
+    from rlcd.data.prepare import prepare
+    from rlcd.data.synth import generate
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MKL_NUM_THREADS", "1")
+    write_jsonl(tmp_path / "synth.jsonl", generate(40, seed=3))
+    prepare([tmp_path / "synth.jsonl"], tmp_path / "data", seed=0)
+    out = tmp_path / "sweep"
+    summary = run_sweep(tmp_path / "data", "tiny-toy", {"sigma": [1.0], "objective": ["rlcd", "ce"]}, 1, 2, out,
+                        progress=False)
+    assert summary["failed"] == [], "\n".join(p.read_text()[-2000:] for p in (out / "logs").glob("*.log"))
+    assert [a["name"] for a in summary["arms"]] == ["rlcd-sigma1", "ce"]
+    for a in summary["arms"]:
+        assert a["n_ok"] == 1 and a["runs"][0]["status"] == "done"
+        m = a["metrics"]
+        assert 0.0 <= m["raw.overall.accuracy"]["mean"] <= 1.0 and m["raw.overall.nll"]["mean"] > 0
+        assert m["raw.overall.posterior.bayes_gap"]["n"] == 1 and "temperature.choice" in m
+        cfg = json.loads((out / "runs" / f"{a['name']}-s0" / "config.json").read_text())
+        assert cfg["recipe"]["steps"] == 2 and cfg["recipe"]["eval_every"] == 1
+        assert cfg["recipe"]["objective"] == a["objective"]
+    assert (out / "logs" / "ce-s0.log").is_file()
+    for name in ("summary.json", "summary.md", "fitted_T_vs_sigma.png", "nll_vs_sigma.png"):
+        assert (out / name).stat().st_size > 0, name
+    # a second call finds everything done and trains nothing
+    again = run_sweep(tmp_path / "data", "tiny-toy", {"sigma": [1.0], "objective": ["rlcd", "ce"]}, 1, 2, out,
+                      progress=False)
+    assert [r["status"] for a in again["arms"] for r in a["runs"]] == ["skipped", "skipped"]
+    assert again["arms"][0]["metrics"] == summary["arms"][0]["metrics"]
+
+
+def test_in_process_sweep_resumes_an_interrupted_run(tmp_path):
+    """A run killed after its first update is resumed from checkpoints/last, then evaluated."""
+    from rlcd.data.io import write_jsonl
+    from rlcd.data.prepare import prepare
+    from rlcd.data.synth import generate
+    from rlcd.train import train
+
+    write_jsonl(tmp_path / "synth.jsonl", generate(40, seed=3))
+    prepare([tmp_path / "synth.jsonl"], tmp_path / "data", seed=0)
+    out = tmp_path / "sweep"
+    grid = {"objective": ["ce"]}
+    (spec,) = plan_runs(tmp_path / "data", "tiny-toy", expand_grid(grid)[0], [0], 2, out)
+    train(spec.run_dir, data_dir=tmp_path / "data", model="tiny-toy", recipe=Recipe.from_dict(spec.config["recipe"]),
+          progress=False, stop_after=1)
+    assert not spec.evaluation_path.exists()
+    log = spec.run_dir / "metrics.jsonl"
+    rows = [json.loads(x) for x in log.read_text().splitlines()]
+    log.write_text("".join(json.dumps({**r, "before_kill": True}) + "\n" for r in rows))
+    summary = run_sweep(tmp_path / "data", "tiny-toy", grid, 1, 2, out, in_process=True, progress=False)
+    assert summary["failed"] == [] and summary["arms"][0]["runs"][0]["status"] == "done"
+    train_rows = [json.loads(x) for x in log.read_text().splitlines() if '"train"' in x]
+    # continued from the checkpoint (the pre-kill line is kept), not restarted
+    assert [(r["step"], r.get("before_kill", False)) for r in train_rows] == [(1, True), (2, False)]
+    assert spec.evaluation_path.is_file() and (out / "summary.md").is_file()
