@@ -164,3 +164,13 @@ def test_report_needs_predictions(tmp_path):
     (tmp_path / "eval").mkdir()
     with pytest.raises(FileNotFoundError, match="predictions"):
         write_report(tmp_path)
+
+
+def test_report_with_an_empty_split(tmp_path):
+    """A split with no rows (e.g. no dev rows in a tiny data set) is reported, not a crash."""
+    run, preds, temps, meta, mb = make_run(tmp_path)
+    (run / "eval" / "predictions-dev.jsonl").write_text("")
+    preds["dev"] = []
+    write_evaluation(run, evaluation_from_predictions(preds, temps, meta, majority_baseline=mb))
+    text = write_report(run).read_text()
+    assert "| dev | 0 |" in text

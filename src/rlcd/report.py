@@ -499,9 +499,9 @@ def write_report(run_dir: str | Path) -> Path:
         md += ["## Other splits", ""]
         md += _table(["split", "n", "accuracy", "NLL raw", "NLL cal", "ECE raw", "ECE cal", "ECE-target raw",
                       "ECE-target cal"],
-                     [(s, b["raw"]["n"], b["raw"]["overall"]["accuracy"], b["raw"]["overall"]["nll"],
-                       b["calibrated"]["overall"]["nll"], b["raw"]["overall"]["ece"], b["calibrated"]["overall"]["ece"],
-                       b["raw"]["overall"]["ece_target"], b["calibrated"]["overall"]["ece_target"])
+                     [(s, b["raw"]["n"], *(b[kind]["overall"].get(key) for kind, key in (
+                         ("raw", "accuracy"), ("raw", "nll"), ("calibrated", "nll"), ("raw", "ece"),
+                         ("calibrated", "ece"), ("raw", "ece_target"), ("calibrated", "ece_target"))))
                       for s, b in ev["other_splits"].items()])
         if "calibration" in ev["other_splits"]:
             md += ["(The calibration split is the one the temperatures were fitted on: its calibrated numbers are "
