@@ -122,3 +122,7 @@ def bench_prefix(
                               exact=exact)
     if json_out is not None:
         json_out.write_text(json.dumps(result, indent=2, default=str))
+
+
+if __name__ == "__main__":  # `python -m rlcd.cli ...` and `torchrun -m rlcd.cli train ...`
+    app()
