@@ -33,6 +33,15 @@ def _mount_subapps() -> None:
         probe_order_command)
     probe_app.command("noise", help="Noise-free vs noise-averaged predictions (over-sharpening diagnostic).")(
         probe_noise_command)
+    from rlcd.bench.report import bench_prefix_command, bench_report_command
+    from rlcd.bench.train import bench_train_command
+
+    bench_app.command("prefix", help="Shared prefix vs row-by-row forwards: max |diff|, speedup, token bound.")(
+        bench_prefix_command)
+    bench_app.command("train", help="Training-loop throughput and per-part share of an update; sampler rows/s.")(
+        bench_train_command)
+    bench_app.command("report", help="Regenerate benchmarks/BENCHMARKS.md from benchmarks/results/*.json.")(
+        bench_report_command)
     # these three import torch; registered here so their options come from one signature
     from rlcd.bench.serve import bench_serve_command
     from rlcd.predict import predict_command
@@ -104,24 +113,6 @@ def demo(out: Annotated[Path, typer.Option(help="demo output directory")] = Path
     from rlcd.demo import run_demo
 
     run_demo(out, steps=steps)
-
-
-@bench_app.command("prefix")
-def bench_prefix(
-    model: Annotated[str, typer.Option(help="preset (tiny, tiny-toy, ...) or local dir")] = "tiny",
-    questions: Annotated[int, typer.Option(help="questions in the request")] = 32,
-    state_tokens: Annotated[int, typer.Option(help="approximate state length in tokens")] = 512,
-    repeats: Annotated[int, typer.Option(help="timed repeats (median reported)")] = 5,
-    exact: Annotated[bool, typer.Option(help="cut the prefix on the linear-attention chunk grid")] = False,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the result JSON here")] = None,
-) -> None:
-    """Shared prefix + parallel suffixes vs row-by-row full forwards: max |diff|, speedup, token bound."""
-    from rlcd.bench.prefix import run_prefix_bench
-
-    result = run_prefix_bench(model=model, questions=questions, state_tokens=state_tokens, repeats=repeats,
-                              exact=exact)
-    if json_out is not None:
-        json_out.write_text(json.dumps(result, indent=2, default=str))
 
 
 if __name__ == "__main__":  # `python -m rlcd.cli ...` and `torchrun -m rlcd.cli train ...`

@@ -337,7 +337,10 @@ def bench_serve_command(
     summary = run_serve_bench(run, requests=requests, concurrency=concurrency, malformed=malformed, sizes=size_t,
                               seed=seed, port=port, timeout=timeout, total_timeout=total_timeout)
     if json_out is not None:
-        json_out.write_text(json.dumps(summary, indent=2, default=str))
+        from rlcd.bench.report import save_result
+        from rlcd.bench.train import invocation
+
+        save_result("serve", invocation(f"rlcd bench serve --run {run} --json {json_out}"), summary, path=json_out)
     if summary["c5xx"] or summary["crashes"]:
         raise typer.Exit(1)
 

@@ -1,0 +1,364 @@
+"""`rlcd bench train`: throughput of the real training loop and where an update's time goes.
+
+Builds a session exactly as `rlcd train` does (`new_run` + `build_session` + `init_centring`) on
+small generated data (`rlcd.data.synth.generate` + `rlcd.data.prepare.prepare` in a temporary
+directory, unless `data_dir` names a processed directory), then runs the update of
+`rlcd.train.train` -- the same calls in the same order -- with a timestamp between the parts
+(`time.perf_counter`; on CUDA after `torch.cuda.synchronize()`, so a part owns the kernels it
+launched):
+
+* ``data``       `Session.microbatch(index)`: sampler draws + `shuffle_choice` + collation + `.to(device)`
+* ``forward``    `wrapped(batch)` (backbone + LoRA + candidate scorer)
+* ``objective``  `Session.objective(logits, batch, index)`: the logit noise draw and the `rlcd_loss` call
+* ``backward``   `(loss / grad_accum).backward()`
+* ``optimizer``  `clip_grad_norm_` + the finite check + `optimizer.step()` + the scorer's centring update
+* ``other``      the rest of the update: `set_lr`, `zero_grad`, the per-type diagnostics
+  (`TypeDiagnostics.add`, one host read per row), stats bookkeeping
+
+The parts partition the update, so their shares of the measured wall time sum to 1 (checked).
+Warm-up updates are run first and excluded. A separate micro-benchmark times
+`Sampler(pool).microbatch` alone (rows/s over `sampler_calls` calls).
+
+Targets (issue 9): objective < 1% of step time, sampler > 100,000 rows/s. The last printed line is
+machine-readable:
+
+    train: examples_per_s=... tokens_per_s=... objective_share=... sampler_rows_per_s=...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import torch
+try:  # the CLI layer; the GPU image may lack it, and nothing but the command functions needs it
+    import typer
+except ImportError:  # pragma: no cover
+    typer = None  # type: ignore[assignment]
+
+PARTS = ("data", "forward", "objective", "backward", "optimizer", "other")
+OBJECTIVE_SHARE_TARGET = 0.01
+SAMPLER_ROWS_TARGET = 100_000.0
+
+
+# ----------------------------------------------------------------------------------------------
+# data and session
+
+
+def make_bench_data(out_dir: Path, *, cases: int = 80, seed: int = 0, state_tokens: int | None = None,
+                    tokenizer: Any = None) -> Path:
+    """Generate `cases` synthetic cases (six questions each) and prepare them into `out_dir/processed`.
+
+    With `state_tokens`, every case's state is replaced by ticket-like text of about that many tokens
+    (`rlcd.bench.prefix.make_state`, one text per case) so that rows reach realistic lengths; the
+    questions, targets and posteriors stay those of the generator.
+    """
+    from rlcd.data import synth
+    from rlcd.data.io import write_jsonl
+    from rlcd.data.prepare import prepare
+
+    out_dir = Path(out_dir)
+    records = synth.generate(cases, seed)
+    if state_tokens:
+        if tokenizer is None:
+            raise ValueError("state_tokens needs the tokenizer the model uses")
+        from rlcd.bench.prefix import make_state
+
+        texts: dict[str, str] = {}
+        out = []
+        for r in records:
+            key = r.case_id or r.id
+            if key not in texts:
+                texts[key] = make_state(tokenizer, state_tokens, seed=len(texts) + 1000 * seed)
+            out.append(r.model_copy(update={"state": texts[key]}))
+        records = out
+    raw = out_dir / "raw" / "synth.jsonl"
+    write_jsonl(raw, records)
+    prepare([raw], out_dir / "processed", seed=seed)
+    return out_dir / "processed"
+
+
+def bench_session(data_dir: Path, model: str, *, seed: int = 0, workdir: Path | None = None,
+                  recipe: Any = None) -> Any:
+    """A training `Session` built by the same functions as `rlcd train` (recipe defaults: batch 8 x 4)."""
+    from rlcd.recipe import Recipe
+    from rlcd.train import Dist, build_session, init_centring, new_run
+
+    recipe = recipe or Recipe(seed=seed)
+    run_dir = Path(workdir or tempfile.gettempdir()) / "bench-run"
+    config, samples = new_run(run_dir, Path(data_dir), model, recipe)
+    s = build_session(config, samples, Dist())
+    init_centring(s)
+    s.bench_pool = samples["train"]  # for the sampler micro-benchmark
+    return s
+
+
+# ----------------------------------------------------------------------------------------------
+# the instrumented update
+
+
+def _clock(device: torch.device) -> Callable[[], float]:
+    if device.type == "cuda":
+        def tick() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+        return tick
+    return time.perf_counter
+
+
+def timed_update(s: Any, step: int, tick: Callable[[], float], trainable: list | None = None) -> dict[str, Any]:
+    """One optimizer update of `rlcd.train.train` (same calls, same order) with per-part times (s).
+
+    `trainable` is the parameter list `train()` builds once before its loop (built here if not given).
+    """
+    from rlcd.train import TypeDiagnostics, micro_indices, noise_generator, reduce_stats
+    from rlcd.objectives import gradient_diagnostics
+    from rlcd.train import TrainingDiverged
+
+    r = s.recipe
+    t = dict.fromkeys(PARTS, 0.0)
+    if trainable is None:
+        trainable = [p for ps in s.model.param_groups().values() for p in ps]
+    t0 = tick()
+    # --- train(): set_lr, diag_due; Session.accumulate(): zero_grad, indices, accumulators
+    s.set_lr(step)
+    diag_due = r.diagnostics_every > 0 and (step + 1) % r.diagnostics_every == 0
+    s.optimizer.zero_grad(set_to_none=True)
+    indices = micro_indices(step, accum=r.grad_accum, rank=s.dist.rank, world=s.dist.world)
+    stats_sum: dict[str, float] = defaultdict(float)
+    per_type = TypeDiagnostics()
+    tokens = examples = 0
+    finite = True
+    diag = None
+    a = tick()
+    t["other"] += a - t0
+    for j, index in enumerate(indices):
+        batch = s.microbatch(index)
+        b = tick()
+        t["data"] += b - a
+        sync = j == len(indices) - 1
+        ctx = s.wrapped.no_sync() if (s.dist.active and not sync) else contextlib.nullcontext()
+        with ctx:
+            logits = s.wrapped(batch)
+            c = tick()
+            t["forward"] += c - b
+            loss, stats = (s.objective_fn or s.objective)(logits, batch, index)
+            d = tick()
+            t["objective"] += d - c
+            finite &= math.isfinite(stats["loss"])
+            (loss / r.grad_accum).backward()
+            e = tick()
+            t["backward"] += e - d
+        for k, v in stats.items():
+            stats_sum[k] += v / r.grad_accum
+        per_type.add(logits.detach(), batch)
+        tokens += int(batch.n_tokens)
+        examples += len(batch.ids)
+        if diag_due and diag is None and r.objective == "rlcd":
+            noise = torch.randn((4, *logits.shape), generator=noise_generator(r.seed, index))
+            dd = gradient_diagnostics(logits.detach(), batch.cand_mask, batch.target, batch.ordinal,
+                                      sigma=r.sigma, noise=noise.to(logits.device))
+            diag = {"grad_cosine": float(dd["grad_cosine"]), "grad_norm_ratio": float(dd["grad_norm_ratio"])}
+        a = tick()
+        t["other"] += a - e
+    out = dict(stats_sum)
+    out.update(per_type.summary())
+    out["_finite"], out["_tokens"], out["_examples"] = finite, tokens, examples
+    out = reduce_stats(out, s.dist)
+    f = tick()
+    t["other"] += f - a
+    # --- train(): clip, finite check, step, centring update
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, r.grad_clip)
+    if not (out["_finite"] and math.isfinite(float(grad_norm))):
+        raise TrainingDiverged(f"non-finite loss or gradient at bench update {step + 1}")
+    s.optimizer.step()
+    s.model.head.apply_centring_update(reduce=None)
+    g = tick()
+    t["optimizer"] += g - f
+    return {"parts": t, "wall": g - t0, "tokens": tokens, "examples": examples, "loss": out.get("loss")}
+
+
+def time_updates(s: Any, updates: int, warmup: int = 2, *, start_step: int = 0) -> dict[str, Any]:
+    """Run `warmup` untimed-for-the-report updates, then `updates` measured ones; aggregate."""
+    if updates < 1 or warmup < 0:
+        raise ValueError("need updates >= 1 and warmup >= 0")
+    tick = _clock(s.device)
+    s.model.train()
+    trainable = [p for ps in s.model.param_groups().values() for p in ps]  # once, as train() does
+    for i in range(warmup):
+        timed_update(s, start_step + i, tick, trainable)
+    rows = []
+    t_begin = tick()
+    for i in range(updates):
+        rows.append(timed_update(s, start_step + warmup + i, tick, trainable))
+    t_end = tick()
+    wall = t_end - t_begin
+    parts = {p: sum(rw["parts"][p] for rw in rows) for p in PARTS}
+    tokens = sum(rw["tokens"] for rw in rows)
+    examples = sum(rw["examples"] for rw in rows)
+    r = s.recipe
+    return {
+        "updates": updates,
+        "warmup_updates": warmup,
+        "batch_size": r.batch_size,
+        "grad_accum": r.grad_accum,
+        "examples": examples,
+        "tokens": tokens,
+        "mean_row_tokens": tokens / max(1, examples),
+        "wall_s": wall,
+        "step_ms": 1000.0 * wall / updates,
+        "step_ms_median": 1000.0 * statistics.median(rw["wall"] for rw in rows),
+        "examples_per_s": examples / wall,
+        "tokens_per_s": tokens / wall,
+        "parts_ms": {p: 1000.0 * v / updates for p, v in parts.items()},
+        "shares": {p: v / wall for p, v in parts.items()},
+        "objective_share": parts["objective"] / wall,
+        "last_loss": rows[-1]["loss"],
+        "device": str(s.device),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# the sampler micro-benchmark
+
+
+def sampler_bench(pool: dict[str, list[str]], *, calls: int = 20_000, batch_size: int = 8, seed: int = 0) -> dict:
+    """Rows/s of `Sampler(pool).microbatch` over `calls` consecutive microbatch indices."""
+    from rlcd.data.sampling import Sampler
+
+    if calls < 1:
+        raise ValueError("calls must be >= 1")
+    sampler = Sampler(pool)
+    for i in range(min(100, calls)):  # warm-up (imports, numpy caches)
+        sampler.microbatch(seed, i, batch_size)
+    rows = 0
+    t0 = time.perf_counter()
+    for i in range(calls):
+        rows += len(sampler.microbatch(seed, i, batch_size))
+    dt = time.perf_counter() - t0
+    return {"calls": calls, "batch_size": batch_size, "rows": rows, "wall_s": dt,
+            "rows_per_s": rows / dt, "us_per_call": 1e6 * dt / calls,
+            "groups": len(sampler.groups), "pool_rows": int(sum(len(v) for v in pool.values()))}
+
+
+# ----------------------------------------------------------------------------------------------
+# the whole benchmark
+
+
+def _loadavg() -> float | None:
+    try:
+        import os
+
+        return float(os.getloadavg()[0])
+    except (AttributeError, OSError):
+        return None
+
+
+def run_train_bench(model: str = "tiny", updates: int = 20, seed: int = 0, data_dir: Path | str | None = None, *,
+                    warmup: int = 2, cases: int = 80, sampler_calls: int = 20_000, threads: int | None = None,
+                    print_fn: Callable[[str], None] | None = print) -> dict:
+    """Build the session, time `updates` updates after `warmup`, run the sampler benchmark; return numbers."""
+    if threads:
+        torch.set_num_threads(int(threads))
+    load_before = _loadavg()
+    with tempfile.TemporaryDirectory(prefix="rlcd-bench-train-") as tmp:
+        t0 = time.perf_counter()
+        data = Path(data_dir) if data_dir is not None else make_bench_data(Path(tmp), cases=cases, seed=seed)
+        s = bench_session(data, model, seed=seed, workdir=Path(tmp))
+        build_s = time.perf_counter() - t0
+        loop = time_updates(s, updates, warmup)
+        samp = sampler_bench(s.bench_pool, calls=sampler_calls, batch_size=s.recipe.batch_size, seed=seed)
+        info = s.model.info
+    res = {
+        "model": model,
+        "hidden": info.get("hidden_size"),
+        "layers": info.get("num_layers"),
+        "vocab": info.get("vocab"),
+        "data": "synth (generated)" if data_dir is None else str(data_dir),
+        "cases": cases if data_dir is None else None,
+        "seed": seed,
+        "threads": torch.get_num_threads(),
+        "load_avg_1m_before": load_before,
+        "build_s": build_s,
+        **loop,
+        "sampler": samp,
+        "sampler_rows_per_s": samp["rows_per_s"],
+        "targets": {"objective_share_lt": OBJECTIVE_SHARE_TARGET, "sampler_rows_per_s_gt": SAMPLER_ROWS_TARGET},
+        "objective_pass": loop["objective_share"] < OBJECTIVE_SHARE_TARGET,
+        "sampler_pass": samp["rows_per_s"] > SAMPLER_ROWS_TARGET,
+    }
+    if print_fn is not None:
+        for line in format_report(res):
+            print_fn(line)
+    return res
+
+
+def format_report(res: dict) -> list[str]:
+    lines = [
+        f"bench train: model={res['model']} hidden={res['hidden']} device={res['device']} threads={res['threads']} "
+        f"batch {res['batch_size']} x {res['grad_accum']} accumulation; {res['updates']} updates timed after "
+        f"{res['warmup_updates']} warm-up; mean row {res['mean_row_tokens']:.0f} tokens",
+        f"{'part':<10} {'ms/update':>10} {'share':>8}",
+    ]
+    for p in PARTS:
+        lines.append(f"{p:<10} {res['parts_ms'][p]:>10.2f} {100 * res['shares'][p]:>7.2f}%")
+    lines.append(f"{'update':<10} {res['step_ms']:>10.2f} {100 * sum(res['shares'].values()):>7.2f}%")
+    lines.append(f"throughput: {res['examples_per_s']:.1f} examples/s, {res['tokens_per_s']:.0f} tokens/s")
+    s = res["sampler"]
+    lines.append(f"sampler: {s['rows_per_s']:.0f} rows/s ({s['us_per_call']:.1f} us per microbatch of "
+                 f"{s['batch_size']}, {s['calls']} calls)")
+    lines.append(f"{'PASS' if res['objective_pass'] else 'FAIL'} objective share {100 * res['objective_share']:.3f}% "
+                 f"(target < {100 * OBJECTIVE_SHARE_TARGET:.0f}%)")
+    lines.append(f"{'PASS' if res['sampler_pass'] else 'FAIL'} sampler {s['rows_per_s']:.0f} rows/s "
+                 f"(target > {SAMPLER_ROWS_TARGET:,.0f})")
+    lines.append(f"train: examples_per_s={res['examples_per_s']:.2f} tokens_per_s={res['tokens_per_s']:.1f} "
+                 f"objective_share={res['objective_share']:.5f} sampler_rows_per_s={s['rows_per_s']:.0f}")
+    return lines
+
+
+def invocation(default: str) -> str:
+    """The command line that is running now, when it is `rlcd ...` or `python -m rlcd.bench...`."""
+    argv0 = Path(sys.argv[0]).name if sys.argv else ""
+    if argv0 == "rlcd":
+        return shlex.join(["rlcd", *sys.argv[1:]])
+    if sys.argv and sys.argv[0].endswith(("rlcd/bench/train.py", "rlcd/bench/report.py", "rlcd/bench/gpu.py")):
+        mod = "rlcd.bench." + Path(sys.argv[0]).stem
+        return shlex.join(["python", "-m", mod, *sys.argv[1:]])
+    return default
+
+
+def bench_train_command(
+    model: Annotated[str, typer.Option(help="backbone preset (tiny, tiny-toy, ...) or local dir")] = "tiny",
+    updates: Annotated[int, typer.Option(help="measured optimizer updates")] = 20,
+    warmup: Annotated[int, typer.Option(help="warm-up updates run first and excluded")] = 2,
+    seed: Annotated[int, typer.Option()] = 0,
+    data: Annotated[Optional[Path], typer.Option(help="processed data dir (default: generated synth data)")] = None,
+    sampler_calls: Annotated[int, typer.Option(help="microbatch calls of the sampler benchmark")] = 20_000,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads (default: torch's)")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the result JSON (bench format) here")] = None,
+) -> None:
+    """Time the parts of a training update (data, forward, objective, backward, optimizer) and the sampler."""
+    res = run_train_bench(model=model, updates=updates, seed=seed, data_dir=data, warmup=warmup,
+                          sampler_calls=sampler_calls, threads=threads)
+    if json_out is not None:
+        from rlcd.bench.report import save_result
+
+        cmd = invocation(shlex.join(["rlcd", "bench", "train", "--model", model, "--updates", str(updates),
+                                     "--json", str(json_out)]))
+        save_result("train", cmd, res, path=json_out)
+
+
+__all__ = ["run_train_bench", "bench_train_command", "time_updates", "timed_update", "sampler_bench",
+           "make_bench_data", "bench_session", "PARTS"]
+
+
+if __name__ == "__main__":  # python -m rlcd.bench.train ...
+    typer.run(bench_train_command)
