@@ -15,7 +15,7 @@ from pathlib import Path
 from rlcd.recipe import Recipe
 
 DEMO_MODEL = "tiny"
-DEMO_STEPS = 400
+DEMO_STEPS = 600
 DEMO_CASES = 600
 DEMO_EASY_VQA = 1200
 
