@@ -304,5 +304,6 @@ def test_cli_commands_parse(tmp_path_factory):
                               "--sizes", "1,5", "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert res.output.strip().splitlines()[-1].startswith("serve: requests=12 ")
-    assert json.loads(out.read_text())["c5xx"] == 0
+    saved = json.loads(out.read_text())
+    assert saved["bench"] == "serve" and saved["results"]["c5xx"] == 0
     assert os.path.getsize(out) > 0
