@@ -163,8 +163,14 @@ class Session:
             self.consumed[d.group] += 1
         return self.collator(rows).to(self.device)
 
-    def accumulate(self, step: int, *, diagnostics: bool = False) -> dict[str, Any]:
-        """Forward/backward the micro-batches of update `step`; gradients left in .grad."""
+    def accumulate(self, step: int, *, diagnostics: bool = False,
+                   mark: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """Forward/backward the micro-batches of update `step`; gradients left in .grad.
+
+        `mark(part)` (optional) is called as each part of the work ends -- "data", "forward",
+        "objective", "backward", "other" -- so `rlcd bench train` can time this very code.
+        """
+        mark = mark or (lambda part: None)
         r = self.recipe
         self.optimizer.zero_grad(set_to_none=True)
         indices = micro_indices(step, accum=r.grad_accum, rank=self.dist.rank, world=self.dist.world)
@@ -173,15 +179,20 @@ class Session:
         tokens = examples = 0
         finite = True
         diag = None
+        mark("other")
         for j, index in enumerate(indices):
             batch = self.microbatch(index)
+            mark("data")
             sync = j == len(indices) - 1
             ctx = self.wrapped.no_sync() if (self.dist.active and not sync) else contextlib.nullcontext()
             with ctx:
                 logits = self.wrapped(batch)
+                mark("forward")
                 loss, stats = (self.objective_fn or self.objective)(logits, batch, index)
+                mark("objective")
                 finite &= math.isfinite(stats["loss"])
                 (loss / r.grad_accum).backward()
+                mark("backward")
             for k, v in stats.items():
                 stats_sum[k] += v / r.grad_accum
             per_type.add(logits.detach(), batch)
@@ -192,6 +203,7 @@ class Session:
                 d = gradient_diagnostics(logits.detach(), batch.cand_mask, batch.target, batch.ordinal,
                                          sigma=r.sigma, noise=noise.to(logits.device))
                 diag = {"grad_cosine": float(d["grad_cosine"]), "grad_norm_ratio": float(d["grad_norm_ratio"])}
+            mark("other")
         out = dict(stats_sum)
         out.update(per_type.summary())
         if diag:
@@ -200,6 +212,16 @@ class Session:
         out["_tokens"] = tokens
         out["_examples"] = examples
         return out
+
+    def apply_update(self, trainable: list, stats: dict[str, Any], step: int, where: str = "") -> float:
+        """Clip, refuse a non-finite loss or gradient *before* stepping, step, move the centring."""
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, self.recipe.grad_clip))
+        if not (stats["_finite"] and math.isfinite(grad_norm)):
+            raise TrainingDiverged(f"non-finite loss or gradient at update {step + 1} (loss {stats.get('loss')}, "
+                                   f"grad norm {grad_norm}); the optimizer step was not applied{where}")
+        self.optimizer.step()
+        self.model.head.apply_centring_update(reduce=dist.all_reduce if self.dist.active else None)
+        return grad_norm
 
 
 class TypeDiagnostics:
@@ -497,13 +519,7 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
         diag_due = r.diagnostics_every > 0 and (step + 1) % r.diagnostics_every == 0
         stats = s.accumulate(step, diagnostics=diag_due)
         stats = reduce_stats(stats, d)
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, r.grad_clip)
-        if not (stats["_finite"] and math.isfinite(float(grad_norm))):
-            raise TrainingDiverged(f"non-finite loss or gradient at update {step + 1} (loss "
-                                   f"{stats.get('loss')}, grad norm {float(grad_norm)}); the optimizer step "
-                                   f"was not applied and {run_dir}/checkpoints/last is intact")
-        s.optimizer.step()
-        s.model.head.apply_centring_update(reduce=dist.all_reduce if d.active else None)
+        grad_norm = s.apply_update(trainable, stats, step, f" and {run_dir}/checkpoints/last is intact")
         done = step + 1
         state["step"] = done
         window_examples += stats["_examples"]
@@ -511,7 +527,7 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
         if done % r.log_every == 0 or done == r.steps:
             now = time.perf_counter()
             dt = max(now - t_last, 1e-9)
-            row = {"event": "train", "step": done, "grad_norm": float(grad_norm), **lrs,
+            row = {"event": "train", "step": done, "grad_norm": grad_norm, **lrs,
                    **{k: v for k, v in stats.items() if not k.startswith("_")},
                    "examples_per_s": window_examples / dt, "tokens_per_s": window_tokens / dt,
                    "consumed": dict(sorted(s.consumed.items()))}

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import resource
 import statistics
@@ -281,7 +280,7 @@ def run_gpu_bench(out_dir: str | Path, *, dry_run: bool = False, seed: int = 0, 
     out_dir.mkdir(parents=True, exist_ok=True)
     command = command or os.environ.get("RLCD_BENCH_COMMAND") or " ".join(["python -m rlcd.bench.gpu", *sys.argv[1:]])
     machine = machine_info()
-    res: dict[str, Any] = {"mode": "dry-run" if dry_run else "gpu", "device": str(device), "seed": seed,
+    res: dict[str, Any] = {"mode": "dry-run" if dry_run else "gpu", "device": str(device), "dtype": str(dtype), "seed": seed,
                            "sizes": dict(sizes), "budget_s": budget_s, "kernels": kernels(), "timing_s": {}}
     mem: dict[str, Any] = {"unit": "GiB", "sections": {}}
     res["memory"] = mem

@@ -36,12 +36,7 @@ MALFORMED_KINDS = (
     "marker_injection", "bad_base64", "path_traversal", "too_many_questions",
 )
 
-_WORDS = (
-    "order ticket customer account payment refund delivery parcel address invoice warehouse late damaged "
-    "replacement courier tracking priority support agent message email phone call week month yesterday "
-    "today urgent request issue problem solved pending escalated billing card bank transfer discount "
-    "coupon product size colour blue red green large small fragile box label return policy store online"
-).split()
+from .prefix import _WORDS  # one shared vocabulary for synthetic request states
 
 
 def _png_b64(seed: int) -> str:

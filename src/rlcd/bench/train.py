@@ -27,14 +27,11 @@ machine-readable:
 
 from __future__ import annotations
 
-import contextlib
-import math
 import shlex
 import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
@@ -115,75 +112,33 @@ def _clock(device: torch.device) -> Callable[[], float]:
 
 
 def timed_update(s: Any, step: int, tick: Callable[[], float], trainable: list | None = None) -> dict[str, Any]:
-    """One optimizer update of `rlcd.train.train` (same calls, same order) with per-part times (s).
+    """One optimizer update of `rlcd.train.train` -- the very same `Session` calls -- with per-part times (s).
 
     `trainable` is the parameter list `train()` builds once before its loop (built here if not given).
     """
-    from rlcd.train import TypeDiagnostics, micro_indices, noise_generator, reduce_stats
-    from rlcd.objectives import gradient_diagnostics
-    from rlcd.train import TrainingDiverged
+    from rlcd.train import reduce_stats
 
     r = s.recipe
     t = dict.fromkeys(PARTS, 0.0)
     if trainable is None:
         trainable = [p for ps in s.model.param_groups().values() for p in ps]
-    t0 = tick()
-    # --- train(): set_lr, diag_due; Session.accumulate(): zero_grad, indices, accumulators
+    t0 = last = tick()
+
+    def mark(part: str) -> None:
+        nonlocal last
+        now = tick()
+        t[part] += now - last
+        last = now
+
     s.set_lr(step)
     diag_due = r.diagnostics_every > 0 and (step + 1) % r.diagnostics_every == 0
-    s.optimizer.zero_grad(set_to_none=True)
-    indices = micro_indices(step, accum=r.grad_accum, rank=s.dist.rank, world=s.dist.world)
-    stats_sum: dict[str, float] = defaultdict(float)
-    per_type = TypeDiagnostics()
-    tokens = examples = 0
-    finite = True
-    diag = None
-    a = tick()
-    t["other"] += a - t0
-    for j, index in enumerate(indices):
-        batch = s.microbatch(index)
-        b = tick()
-        t["data"] += b - a
-        sync = j == len(indices) - 1
-        ctx = s.wrapped.no_sync() if (s.dist.active and not sync) else contextlib.nullcontext()
-        with ctx:
-            logits = s.wrapped(batch)
-            c = tick()
-            t["forward"] += c - b
-            loss, stats = (s.objective_fn or s.objective)(logits, batch, index)
-            d = tick()
-            t["objective"] += d - c
-            finite &= math.isfinite(stats["loss"])
-            (loss / r.grad_accum).backward()
-            e = tick()
-            t["backward"] += e - d
-        for k, v in stats.items():
-            stats_sum[k] += v / r.grad_accum
-        per_type.add(logits.detach(), batch)
-        tokens += int(batch.n_tokens)
-        examples += len(batch.ids)
-        if diag_due and diag is None and r.objective == "rlcd":
-            noise = torch.randn((4, *logits.shape), generator=noise_generator(r.seed, index))
-            dd = gradient_diagnostics(logits.detach(), batch.cand_mask, batch.target, batch.ordinal,
-                                      sigma=r.sigma, noise=noise.to(logits.device))
-            diag = {"grad_cosine": float(dd["grad_cosine"]), "grad_norm_ratio": float(dd["grad_norm_ratio"])}
-        a = tick()
-        t["other"] += a - e
-    out = dict(stats_sum)
-    out.update(per_type.summary())
-    out["_finite"], out["_tokens"], out["_examples"] = finite, tokens, examples
-    out = reduce_stats(out, s.dist)
-    f = tick()
-    t["other"] += f - a
-    # --- train(): clip, finite check, step, centring update
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, r.grad_clip)
-    if not (out["_finite"] and math.isfinite(float(grad_norm))):
-        raise TrainingDiverged(f"non-finite loss or gradient at bench update {step + 1}")
-    s.optimizer.step()
-    s.model.head.apply_centring_update(reduce=None)
-    g = tick()
-    t["optimizer"] += g - f
-    return {"parts": t, "wall": g - t0, "tokens": tokens, "examples": examples, "loss": out.get("loss")}
+    stats = s.accumulate(step, diagnostics=diag_due, mark=mark)
+    stats = reduce_stats(stats, s.dist)
+    mark("other")
+    s.apply_update(trainable, stats, step, " (bench)")
+    mark("optimizer")
+    return {"parts": t, "wall": last - t0, "tokens": stats["_tokens"], "examples": stats["_examples"],
+            "loss": stats.get("loss")}
 
 
 def time_updates(s: Any, updates: int, warmup: int = 2, *, start_step: int = 0) -> dict[str, Any]:
