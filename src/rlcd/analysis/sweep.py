@@ -631,14 +631,15 @@ def plot_vs_sigma(summary: Mapping[str, Any], metrics: Sequence[tuple[str, str]]
     arms = summary["arms"]
     curves = [a for a in arms if a.get("sigma") is not None]
     refs = [a for a in arms if a.get("sigma") is None]
-    colors = iter(f"C{i}" for i in itertools.count())
+    styles = ("-", "-.", ":", (0, (5, 1)))  # one per sigma family; a metric keeps one colour throughout
     families: dict[str, list] = {}
     for a in curves:
         families.setdefault(_series_key(a), []).append(a)
     sigmas = sorted({float(a["sigma"]) for a in curves})
     drawn = False
-    for metric, mlabel in metrics:
-        for fam, members in families.items():
+    for mi, (metric, mlabel) in enumerate(metrics):
+        colour = f"C{mi}"
+        for fi, (fam, members) in enumerate(families.items()):
             pts = []
             for a in sorted(members, key=lambda x: float(x["sigma"])):
                 st = a["metrics"].get(metric)
@@ -647,16 +648,17 @@ def plot_vs_sigma(summary: Mapping[str, Any], metrics: Sequence[tuple[str, str]]
             if not pts:
                 continue
             xs, ys, es = zip(*pts)
-            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, color=next(colors), label=f"{mlabel} ({fam})")
+            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, color=colour, linestyle=styles[fi % len(styles)],
+                        label=f"{mlabel} ({fam})")
             drawn = True
         for a in refs:
             st = a["metrics"].get(metric)
             if not st or st.get("mean") is None:
                 continue
-            c = next(colors)
-            ax.axhline(st["mean"], linestyle="--", color=c, label=f"{mlabel} ({_series_key(a)}, no sigma)")
+            ax.axhline(st["mean"], linestyle="--", color=colour, alpha=0.8,
+                       label=f"{mlabel} ({_series_key(a)}, no sigma)")
             if st.get("std"):
-                ax.axhspan(st["mean"] - st["std"], st["mean"] + st["std"], color=c, alpha=0.12)
+                ax.axhspan(st["mean"] - st["std"], st["mean"] + st["std"], color=colour, alpha=0.12)
             drawn = True
     if sigmas and min(sigmas) > 0 and max(sigmas) / min(sigmas) >= 8:
         ax.set_xscale("log")
