@@ -48,26 +48,22 @@ def _collator(model, data_dir: Path):
     return Collator(model.tokenizer, model.image_processor, image_root=data_dir)
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row, sort_keys=True) + "\n")
-
-
-def _score_split(model, config: dict, split: str) -> list[dict]:
+def _records(config: dict, split: str) -> list[Record]:
     from rlcd.data.io import load_split
 
     data_dir = Path(config["data_dir"])
-    records = load_split(data_dir, split) if (data_dir / f"{split}.jsonl").is_file() else []
-    return predict_rows(model, records, _collator(model, data_dir), split=split)
+    return load_split(data_dir, split) if (data_dir / f"{split}.jsonl").is_file() else []
+
+
+def _score(model, config: dict, split: str, records: list[Record]) -> list[dict]:
+    return predict_rows(model, records, _collator(model, Path(config["data_dir"])), split=split)
 
 
 def calibrate_run(run_dir: Path) -> dict[str, Any]:
     """Fit per-type temperatures on the calibration partition with the merged best model."""
     run_dir = Path(run_dir)
     model, config, _ = load_checkpoint_model(run_dir, "best")
-    rows = _score_split(model, config, "calibration")
+    rows = _score(model, config, "calibration", _records(config, "calibration"))
     temps, infos = fit_per_type(rows)
     out = {"temperatures": temps, "calibration": infos, "n_rows": len(rows)}
     (run_dir / "eval").mkdir(parents=True, exist_ok=True)
@@ -77,20 +73,20 @@ def calibrate_run(run_dir: Path) -> dict[str, Any]:
 
 def evaluate_run(run_dir: Path) -> dict[str, Any]:
     """Score every held-out split, calibrate, write eval/ and export/, and render the report."""
-    from rlcd.data.io import load_split
+    from rlcd.data.io import write_jsonl
     from rlcd.metrics import majority_baseline
     from rlcd.report import evaluation_from_predictions, write_evaluation, write_report
     from rlcd.train import data_hashes
 
     run_dir = Path(run_dir)
     model, config, state = load_checkpoint_model(run_dir, "best")
-    preds = {split: _score_split(model, config, split) for split in SPLITS}
+    records = {split: _records(config, split) for split in SPLITS}
+    preds = {split: _score(model, config, split, records[split]) for split in SPLITS}
     for split, rows in preds.items():
-        _write_jsonl(run_dir / "eval" / f"predictions-{split}.jsonl", rows)
+        write_jsonl(run_dir / "eval" / f"predictions-{split}.jsonl", rows)
     temps, infos = fit_per_type(preds["calibration"])
     data_dir = Path(config["data_dir"])
-    test_records = load_split(data_dir, "test") if (data_dir / "test.jsonl").is_file() else []
-    baseline = majority_baseline(load_split(data_dir, "train"), test_records) if test_records else None
+    baseline = majority_baseline(_records(config, "train"), records["test"]) if records["test"] else None
     meta = {
         "run": str(run_dir),
         "model": config["model"],
