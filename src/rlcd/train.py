@@ -225,27 +225,29 @@ class Session:
 
 
 class TypeDiagnostics:
-    """Per decision type: mean entropy, mean max probability, effective candidate count (exp H)."""
+    """Per decision type: mean entropy, mean max probability, effective candidate count (exp H).
+
+    Sums stay on the device and are read once, in `summary()`: no host sync per row.
+    """
 
     def __init__(self) -> None:
-        self.sums: dict[str, list[float]] = {t: [0.0, 0.0, 0.0, 0] for t in QUESTION_TYPES}
+        self.sums: torch.Tensor | None = None  # [types, 4]: entropy, max p, exp H, count
 
     def add(self, logits: torch.Tensor, batch) -> None:
         mask = batch.cand_mask
-        z = logits.float().masked_fill(~mask, float("-inf"))
+        z = logits.detach().float().masked_fill(~mask, float("-inf"))
         p = torch.softmax(z, dim=-1)
-        logp = torch.log_softmax(z, dim=-1).masked_fill(~mask, 0.0)
-        ent = -(p * logp).sum(-1)
-        mx = p.max(-1).values
-        for i, t in enumerate(batch.types):
-            s = self.sums[t]
-            s[0] += float(ent[i]); s[1] += float(mx[i]); s[2] += float(torch.exp(ent[i])); s[3] += 1
+        ent = -(p * torch.log_softmax(z, dim=-1).masked_fill(~mask, 0.0)).sum(-1)
+        per_row = torch.stack([ent, p.max(-1).values, torch.exp(ent), torch.ones_like(ent)], dim=-1)
+        type_id = batch.type_id.to(per_row.device)
+        sums = torch.zeros(len(QUESTION_TYPES), 4, device=per_row.device).index_add_(0, type_id, per_row)
+        self.sums = sums if self.sums is None else self.sums + sums
 
     def summary(self) -> dict[str, Any]:
         out = {}
-        for t, (h, m, e, n) in self.sums.items():
+        for t, (h, m, e, n) in zip(QUESTION_TYPES, self.sums.tolist() if self.sums is not None else []):
             if n:
-                out[t] = {"entropy": h / n, "max_prob": m / n, "effective_candidates": e / n, "n": n}
+                out[t] = {"entropy": h / n, "max_prob": m / n, "effective_candidates": e / n, "n": int(n)}
         return {"per_type": out}
 
 
@@ -305,14 +307,15 @@ def _device(d: Dist) -> torch.device:
     return torch.device(f"cuda:{d.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def build_session(config: dict, samples: dict, d: Dist, *, objective_fn=None) -> Session:
+def build_session(config: dict, samples: dict, d: Dist, *, objective_fn=None, records=None) -> Session:
+    """`records`: the (train, dev) rows if the caller already read them (a fresh run has)."""
     from rlcd.data.sampling import Sampler
     from rlcd.model.collate import Collator
     from rlcd.model.decision import DecisionModel
 
     recipe = Recipe.from_dict(config["recipe"])
     data_dir = Path(config["data_dir"])
-    train, dev_rows = _load_records(data_dir)
+    train, dev_rows = records or _load_records(data_dir)
     by_id = {r.id: r for r in train}
     pool = {g: list(ids) for g, ids in samples["train"].items()}
     dev_by_id = {r.id: r for r in dev_rows}
@@ -408,12 +411,12 @@ def _check_resume(run_dir: Path, config: dict, samples: dict, steps: int | None,
 
 
 def new_run(run_dir: Path, data_dir: Path, model: str, recipe: Recipe, *, model_seed: int = 0,
-            world_size: int = 1, dtype: str = "auto") -> tuple[dict, dict]:
+            world_size: int = 1, dtype: str = "auto", records=None) -> tuple[dict, dict]:
     """Freeze config.json and samples.json for a fresh run (the caller writes them on rank 0)."""
     from rlcd.data.sampling import dev_subset, eligible_pool
 
     data_dir = Path(data_dir).resolve()
-    train, dev = _load_records(data_dir)
+    train, dev = records or _load_records(data_dir)
     if not train:
         raise ValueError(f"{data_dir}/train.jsonl has no rows")
     samples = {
@@ -451,6 +454,7 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
     """
     run_dir = Path(run_dir)
     d = init_distributed()
+    records = None
     if resume:
         if not (run_dir / "config.json").is_file():
             raise ResumeRefused(f"refusing to resume {run_dir}: no config.json there")
@@ -465,14 +469,16 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
         recipe = recipe or Recipe()
         if steps is not None:
             recipe = recipe.with_(steps=steps)
-        config, samples = new_run(run_dir, data_dir, model, recipe, model_seed=model_seed, world_size=d.world)
+        records = _load_records(Path(data_dir).resolve())
+        config, samples = new_run(run_dir, data_dir, model, recipe, model_seed=model_seed, world_size=d.world,
+                                  records=records)
     writer = RunWriter(run_dir, enabled=d.main)
     if d.main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         (run_dir / "samples.json").write_text(json.dumps(samples, indent=2, sort_keys=True))
 
-    s = build_session(config, samples, d, objective_fn=objective_fn)
+    s = build_session(config, samples, d, objective_fn=objective_fn, records=records)
     r = s.recipe
     state = {"step": 0, "best_score": None, "best_step": None, "score": None, "consumed": {}}
     if resume:
