@@ -18,20 +18,15 @@ torch.set_num_threads(1)
 from rlcd import checkpoint as ckpt  # noqa: E402
 from rlcd.bench import report  # noqa: E402
 from rlcd.bench.train import PARTS, bench_session, format_report, run_train_bench, sampler_bench, time_updates  # noqa: E402
-from rlcd.data.io import write_jsonl  # noqa: E402
-from rlcd.data.prepare import prepare  # noqa: E402
-from rlcd.data.synth import generate  # noqa: E402
 from rlcd.recipe import Recipe  # noqa: E402
+from conftest import synth_processed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("bench-data")
-    write_jsonl(base / "synth.jsonl", generate(30, seed=5))
-    prepare([base / "synth.jsonl"], base / "processed", seed=0)
-    return base / "processed"
+    return synth_processed(tmp_path_factory.mktemp("bench-data"), 30, seed=5)
 
 
 def test_train_bench_parts_partition_the_update(data_dir):

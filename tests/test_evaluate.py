@@ -7,10 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import synth_processed
 
-from rlcd.data.io import write_jsonl
-from rlcd.data.prepare import prepare
-from rlcd.data.synth import generate
 from rlcd.recipe import Recipe
 from rlcd.train import train
 
@@ -20,8 +18,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("eval")
-    write_jsonl(base / "synth.jsonl", generate(80, seed=5))
-    prepare([base / "synth.jsonl"], base / "processed", seed=0)
+    synth_processed(base, 80, seed=5)
     recipe = Recipe(steps=3, eval_every=1, checkpoint_every=1, log_every=1, diagnostics_every=1, lr_head=5e-3)
     train(base / "run", data_dir=base / "processed", model="tiny-toy", recipe=recipe, progress=False)
     return base / "run"

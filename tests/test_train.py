@@ -11,11 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import synth_processed
 
 from rlcd import checkpoint as ckpt
-from rlcd.data.io import write_jsonl
-from rlcd.data.prepare import prepare
-from rlcd.data.synth import generate
 from rlcd.recipe import Recipe
 from rlcd.train import ResumeRefused, TrainingDiverged, train
 
@@ -26,10 +24,7 @@ FAST = dict(eval_every=2, checkpoint_every=1, log_every=1, diagnostics_every=2)
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("data")
-    write_jsonl(base / "synth.jsonl", generate(60, seed=3))
-    prepare([base / "synth.jsonl"], base / "processed", seed=0)
-    return base / "processed"
+    return synth_processed(tmp_path_factory.mktemp("data"), 60, seed=3)
 
 
 def _train(run, data_dir, **kw):
