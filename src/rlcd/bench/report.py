@@ -40,7 +40,7 @@ HOW = {
 }
 HOW_NOTE = {
     "serve": "needs a trained run, e.g. the demo's",
-    "gpu": "on a GPU machine, none lent so far; then copy `$OUT/gpu.json` to the results directory",
+    "gpu": "on a GPU machine with the wheels of `benchmarks/gpu-wheels.sh` carried; then copy `$OUT/gpu.json` to the results directory",
 }
 
 # headline fields per bench (dotted paths into "results"); every field is listed below them anyway
