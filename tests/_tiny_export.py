@@ -50,9 +50,9 @@ def _calibration_records():
 def build_tiny_model(seed: int = SEED):
     """The perturbed tiny-toy DecisionModel (unmerged, eval mode)."""
     from rlcd.model.collate import Collator
-    from rlcd.model.decision import DecisionModel
+    from rlcd.model.build import build_model
 
-    model = DecisionModel.from_backbone_spec(MODEL, seed=seed)
+    model = build_model({"model": MODEL, "model_seed": seed, "recipe": {}})
     model.eval()
     gen = torch.Generator().manual_seed(1234 + seed)
     sd = model.trainable_state_dict()
@@ -76,6 +76,7 @@ def make_tiny_export(run_dir: Path, *, seed: int = SEED) -> Path:
     from rlcd import checkpoint
     from rlcd.export import write_export
     from rlcd.recipe import Recipe
+    from rlcd.run import Run
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -85,7 +86,7 @@ def make_tiny_export(run_dir: Path, *, seed: int = SEED) -> Path:
     state = {"best_step": 0, "best_score": 0.0}
     checkpoint.save(run_dir / "checkpoints" / "best", weights=model.trainable_state_dict(), optimizer=None,
                     state=state)
-    write_export(run_dir, temperatures=dict(TEMPERATURES), model=model, config=config, state=state)
+    write_export(Run(run_dir), temperatures=dict(TEMPERATURES), model=model, config=config, state=state)
     return run_dir
 
 

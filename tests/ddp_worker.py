@@ -1,7 +1,8 @@
 """Worker for the DDP tests, launched by torchrun (2 gloo ranks) or plainly (1 process).
 
-`grads DATA OUT`: first-update gradients with 8 micro-batches in total (8 // world per rank),
-saved by rank 0 as OUT/grads-world{N}.pt.  `train DATA RUN`: a 3-update training run.
+`grads DATA OUT`: first-update gradients of an update of 8 micro-batches (8 // world per rank),
+saved by rank 0 as OUT/grads-world{N}.pt.  `train DATA RUN`: a 3-update run with the recipe's
+batch (8 x 4 examples per update, whatever the world size).
 """
 
 import sys
@@ -17,7 +18,7 @@ torch.set_num_threads(1)
 
 def grads(data_dir: Path, out: Path) -> None:
     d = init_distributed()
-    recipe = Recipe(steps=10, grad_accum=8 // d.world)
+    recipe = Recipe(steps=10, grad_accum=8)
     config, samples = new_run(out / "unused", data_dir, "tiny-toy", recipe, world_size=d.world)
     s = build_session(config, samples, d)
     init_centring(s)

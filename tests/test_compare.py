@@ -258,28 +258,24 @@ def test_compare_runs_rejects_different_data_and_empty_overlap(tmp_path):
 
 
 def test_compare_command_prints_summary_and_json(tmp_path, capsys):
-    import typer
     from typer.testing import CliRunner
 
-    from rlcd.analysis.cli import compare_command
+    from rlcd.cli import app
 
     t = [1.0, 0.0]
     a1 = _write_run(tmp_path / "a1", [_row(f"q{i}", [0.0, 0.0], t) for i in range(5)])
     a2 = _write_run(tmp_path / "a2", [_row(f"q{i}", [0.5, 0.0], t) for i in range(5)])
     b = _write_run(tmp_path / "b", [_row(f"q{i}", [2.0, 0.0], t) for i in range(5)], temperatures={"choice": 2.0})
     out_json = tmp_path / "cmp.json"
-    res = compare_command([a1, a2], [b], metric="nll", split="test", resamples=100, seed=0, grouped=False,
-                          json_out=out_json)
-    captured = capsys.readouterr()
-    assert "B - A" in captured.err and "rows compared: 5" in captured.err
-    assert json.loads(captured.out)["n"] == 5
+    res = CliRunner().invoke(app, ["compare", f"{a1},{a2}", str(b), "--metric", "nll", "--resamples", "100",
+                                   "--json-out", str(out_json)])
+    assert res.exit_code == 0, res.output
+    assert "B - A" in res.stderr and "rows compared: 5" in res.stderr
+    assert json.loads(res.stdout)["n"] == 5
     assert json.loads(out_json.read_text())["mean_b"] == pytest.approx(_nll([1.0, 0.0], t))
-    assert res["runs_a"] == [str(a1), str(a2)]
+    assert json.loads(out_json.read_text())["runs_a"] == [str(a1), str(a2)]
 
-    # registered as a typer command: comma-separated run dirs per side
-    app = typer.Typer()
-    app.command("compare")(compare_command)
-    app.command("noop")(lambda: None)
+    # comma-separated run dirs per side, raw logits
     cli = CliRunner().invoke(app, ["compare", f"{a1},{a2}", str(b), "--metric", "brier", "--resamples", "50",
                                    "--raw"])
     assert cli.exit_code == 0, cli.output

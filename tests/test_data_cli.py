@@ -1,12 +1,12 @@
 """`rlcd data` commands end to end on fixtures, and demo_data."""
 
 import json
-import time
 from pathlib import Path
 
 from typer.testing import CliRunner
 
-from rlcd.data.cli import app, demo_data
+from rlcd.cli import data as data_cli
+from rlcd.demo import demo_data
 from rlcd.data.io import read_jsonl, sha256_file
 from rlcd.schema import SPLITS
 
@@ -15,7 +15,7 @@ runner = CliRunner()
 
 
 def invoke(*args):
-    result = runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
+    result = runner.invoke(data_cli.app, [str(a) for a in args], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     return result.output
 
@@ -42,8 +42,9 @@ def test_import_every_kind(tmp_path):
 
 
 def test_missing_required_options_fail():
-    assert runner.invoke(app, ["import", "--kind", "text", "--out", "x.jsonl"]).exit_code != 0
-    assert runner.invoke(app, ["import", "--kind", "vqav2", "--input", str(FIX / "vqav2.jsonl"), "--out", "x.jsonl"]).exit_code != 0
+    assert runner.invoke(data_cli.app, ["import", "--kind", "text", "--out", "x.jsonl"]).exit_code == 2
+    assert runner.invoke(data_cli.app, ["import", "--kind", "vqav2", "--input", str(FIX / "vqav2.jsonl"),
+                                        "--out", "x.jsonl"]).exit_code == 2
 
 
 def test_synth_prepare_validate(tmp_path):
@@ -61,10 +62,8 @@ def test_synth_prepare_validate(tmp_path):
     assert manifest["seed"] == 1 and manifest["exclusions"] == {"unparsable": 1}
 
 
-def test_demo_data_is_fast_and_complete(tmp_path):
-    start = time.perf_counter()
+def test_demo_data_is_complete(tmp_path):
     manifest = demo_data(tmp_path, seed=0, n_cases=80, easy_vqa_limit=100)
-    assert time.perf_counter() - start < 20
     assert {g.split("/")[0] for g in manifest["counts"]} == {"synth", "easy-vqa"}
     assert manifest["read"] == manifest["used"] + manifest["excluded"]
     assert all(manifest["splits"][s] > 0 for s in SPLITS)

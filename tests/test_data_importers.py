@@ -78,7 +78,9 @@ def test_typed_decisions_split_argument_overrides_column():
 
 def test_a_hub_id_without_datasets_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import fails, as when not installed
-    with pytest.raises(FileNotFoundError, match="datasets"):
+    from rlcd.errors import UserError
+
+    with pytest.raises(UserError, match=r"pip install 'rlcd\[hub\]'"):
         importers.import_typed_decisions("some-org/some-set:train")
 
 

@@ -106,3 +106,29 @@ def test_export_refuses_a_different_backbone(run, evaluated, tmp_path):
     (copy / "model.json").write_text(json.dumps(meta))
     with pytest.raises(RuntimeError, match="fingerprint"):
         load_export(copy)
+
+
+def test_calibrate_writes_the_temperatures_evaluate_and_export_use(run, tmp_path):
+    """One calibration path: `rlcd calibrate` stores them, `rlcd evaluate` and the export read them back."""
+    import shutil
+
+    from rlcd.evaluate import calibrate_run, evaluate_run
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("eval", "export"))
+    stored = calibrate_run(copy)
+    path = copy / "eval" / "temperatures.json"
+    assert json.loads(path.read_text())["temperatures"] == stored["temperatures"]
+    assert stored["device"] == "cpu" and stored["dtype"] == "float32" and len(stored["checkpoint_sha256"]) == 64
+    planted = {"choice": 1.25, "noul": 0.75, "score": 2.5}  # not what a fit gives: proves they are read
+    path.write_text(json.dumps({**stored, "temperatures": planted}))
+    ev = evaluate_run(copy)
+    assert ev["temperatures"] == planted
+    assert json.loads((copy / "export" / "model.json").read_text())["temperatures"] == planted
+    assert ev["meta"]["placement"] == {"device": "cpu", "dtype": "float32"}
+    # a different checkpoint invalidates them: evaluate fits again and overwrites the file
+    stale = {**stored, "temperatures": planted, "checkpoint_sha256": "0" * 64}
+    path.write_text(json.dumps(stale))
+    ev = evaluate_run(copy)
+    assert ev["temperatures"] == stored["temperatures"]
+    assert json.loads(path.read_text())["checkpoint_sha256"] == stored["checkpoint_sha256"]

@@ -7,7 +7,7 @@ import torch
 torch.set_num_threads(1)
 
 from rlcd.bench.prefix import make_questions, make_state, run_prefix_bench  # noqa: E402
-from rlcd.model.decision import DecisionModel  # noqa: E402
+from rlcd.model.build import build_model  # noqa: E402
 from rlcd.model.tokenizer import toy_tokenizer  # noqa: E402
 
 
@@ -23,7 +23,7 @@ def test_workload_is_deterministic_and_mixed():
 
 def test_prefix_bench_small():
     lines = []
-    dm = DecisionModel.from_backbone_spec("tiny-toy")
+    dm = build_model({"model": "tiny-toy", "recipe": {}})
     res = run_prefix_bench(questions=6, state_tokens=80, repeats=1, decision_model=dm, logit_std=3.0,
                            print_fn=lines.append)
     assert res["questions"] == 6 and res["max_abs_logit"] > 1.0

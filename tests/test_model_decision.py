@@ -12,6 +12,7 @@ torch.set_num_threads(1)
 from rlcd.model import decision as D  # noqa: E402
 from rlcd.model.backbone import load_backbone  # noqa: E402
 from rlcd.model.collate import pad_rows  # noqa: E402
+from rlcd.model.build import build_model  # noqa: E402
 from rlcd.model.decision import DecisionModel, plan_suffix_groups  # noqa: E402
 from rlcd.schema import Question  # noqa: E402
 
@@ -307,7 +308,7 @@ def test_score_case_rejects_bad_rows_with_ids():
 
 
 def test_real_vocabulary_tiny_shared_prefix():
-    dm = liven(DecisionModel.from_backbone_spec("tiny"))
+    dm = liven(build_model({"model": "tiny", "recipe": {}}))
     assert dm.info["vocab"] == "qwen3.5" and dm.info["marker_id"] == 248062 and dm.info["hidden_size"] == 256
     qs = QS[:4]
     assert_match(dm.score_case(STATE, qs), dm.score_full(STATE, qs))

@@ -349,14 +349,10 @@ def test_limits_are_validated():
 
 # ------------------------------------------------------------------------------------- CLI
 def test_predict_command(run_dir, predictor, png, tmp_path):
-    import typer
     from typer.testing import CliRunner
 
-    from rlcd.predict import predict_command
+    from rlcd.cli import app
 
-    app = typer.Typer()
-    app.command("predict")(predict_command)
-    app.command("noop")(lambda: None)  # keep `predict` a named sub-command
     runner = CliRunner()
 
     req = {"state": STATE, "questions": QUESTIONS, "image": {"path": png.name}}
@@ -376,4 +372,4 @@ def test_predict_command(run_dir, predictor, png, tmp_path):
     res = runner.invoke(app, ["predict", "--run", str(run_dir), "--state", "x <|fim_suffix|>",
                               "-q", "a=" + json.dumps(QUESTIONS["angry"])])
     assert res.exit_code == 2
-    assert json.loads(res.stderr)["error"]["field"] == "state"
+    assert res.stderr.startswith("rlcd: error:") and "'state'" in res.stderr and len(res.stderr.splitlines()) == 1

@@ -155,17 +155,14 @@ def test_probe_order_through_the_collator(tmp_path):
 def test_probe_order_cli_on_tiny_model(tmp_path):
     from _tiny_export import make_tiny_export
 
-    from rlcd.analysis.cli import probe_order_command
+    from rlcd.cli import app
 
     run = make_tiny_export(tmp_path / "run")
     data = tmp_path / "data"
     recs = generate(2, seed=5)
     write_jsonl(data / "test.jsonl", recs)
-    app = typer.Typer()
-    app.command("order")(probe_order_command)
-    app.command("unused")(lambda: None)
     out = tmp_path / "order.json"
-    result = CliRunner().invoke(app, ["order", str(run), "--data", str(data), "--limit", "3", "--max-perms", "3",
+    result = CliRunner().invoke(app, ["probe", "order", str(run), "--data", str(data), "--limit", "3", "--max-perms", "3",
                                       "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "candidate-order probe" in result.output
@@ -269,21 +266,18 @@ def test_noise_probe_is_deterministic_and_order_free():
 
 
 def test_probe_noise_cli_reads_predictions(tmp_path):
-    from rlcd.analysis.cli import probe_noise_command
+    from rlcd.cli import app
 
     run = tmp_path / "run"
     (run / "eval").mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"recipe": {"sigma": 0.5, "objective": "rlcd"}}))
     write_jsonl(run / "eval" / "predictions-test.jsonl", ROWS)
-    app = typer.Typer()
-    app.command("noise")(probe_noise_command)
-    app.command("unused")(lambda: None)
     out = tmp_path / "noise.json"
-    result = CliRunner().invoke(app, ["noise", str(run), "--out", str(out)])
+    result = CliRunner().invoke(app, ["probe", "noise", str(run), "--out", str(out)])
     assert result.exit_code == 0, result.output
     res = json.loads(out.read_text())
     assert res["sigma"] == 0.5 and res["samples"] == 128 and res["trained_objective"] == "rlcd"
     assert res == {**probe_noise(ROWS, 0.5), **{k: res[k] for k in ("run", "split", "trained_sigma",
                                                                        "trained_objective")}}
-    result = CliRunner().invoke(app, ["noise", str(tmp_path / "missing"), "--sigma", "1"])
+    result = CliRunner().invoke(app, ["probe", "noise", str(tmp_path / "missing"), "--sigma", "1"])
     assert result.exit_code == 2 and "does not exist" in result.output

@@ -283,15 +283,10 @@ def test_malformed_plan_covers_every_kind():
 
 
 def test_cli_commands_parse(tmp_path_factory):
-    import typer
     from typer.testing import CliRunner
 
-    from rlcd.bench.serve import bench_serve_command
-    from rlcd.server import serve_command
+    from rlcd.cli import app
 
-    app = typer.Typer()
-    app.command("serve")(serve_command)
-    app.command("bench-serve")(bench_serve_command)
     runner = CliRunner()
     res = runner.invoke(app, ["serve", "--help"])
     assert res.exit_code == 0
@@ -300,7 +295,7 @@ def test_cli_commands_parse(tmp_path_factory):
         assert opt in res.output
     run = tiny_export(tmp_path_factory.getbasetemp())
     out = tmp_path_factory.mktemp("bench") / "s.json"
-    res = runner.invoke(app, ["bench-serve", "--run", str(run), "--requests", "12", "--concurrency", "3",
+    res = runner.invoke(app, ["bench", "serve", "--run", str(run), "--requests", "12", "--concurrency", "3",
                               "--sizes", "1,5", "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert res.output.strip().splitlines()[-1].startswith("serve: requests=12 ")

@@ -172,11 +172,8 @@ def test_run_sweep_skips_finished_runs_and_refuses_a_different_run(tmp_path):
     cfg["recipe"]["steps"] = 99
     (bad.run_dir / "config.json").write_text(json.dumps(cfg))
 
-    app = typer.Typer()
-    from rlcd.analysis.cli import sweep_command
+    from rlcd.cli import app
 
-    app.command("sweep")(sweep_command)
-    app.command("unused")(lambda: None)
     res = CliRunner().invoke(app, ["sweep", "--data", str(data), "--model", "tiny-toy", "--grid", "sigma=1",
                                    "--grid", "objective=rlcd,ce", "--seeds", "2", "--steps", "3", "--out", str(out)])
     assert res.exit_code == 1, res.output  # the refused run counts as failed

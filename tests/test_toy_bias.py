@@ -113,10 +113,10 @@ def test_bad_input_is_rejected():
 def test_cli_writes_json_and_plot(tmp_path):
     from typer.testing import CliRunner
 
-    from rlcd.analysis.cli import analyze_app
+    from rlcd.cli import app
 
     out = tmp_path / "tb"
-    res = CliRunner().invoke(analyze_app, ["toy-bias", "--out", str(out), "--sigmas", "0,1", "--rewards", "log",
+    res = CliRunner().invoke(app, ["analyze", "toy-bias", "--out", str(out), "--sigmas", "0,1", "--rewards", "log",
                                            "--samples", "256"])
     assert res.exit_code == 0, res.output
     data = json.loads((out / "toy_bias.json").read_text())

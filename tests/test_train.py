@@ -14,6 +14,7 @@ import torch
 from conftest import synth_processed
 
 from rlcd import checkpoint as ckpt
+from rlcd.errors import UserError
 from rlcd.recipe import Recipe
 from rlcd.train import ResumeRefused, TrainingDiverged, train
 
@@ -152,7 +153,7 @@ def test_resume_refuses_changed_data(tmp_path, data_dir):
 def test_new_run_refuses_existing_dir(tmp_path, data_dir):
     run = tmp_path / "run"
     _train(run, data_dir, steps=1)
-    with pytest.raises(FileExistsError, match="--resume"):
+    with pytest.raises(UserError, match="--resume"):
         _train(run, data_dir, steps=1)
 
 
@@ -180,15 +181,62 @@ def test_ddp_first_step_gradients_match_single_process(tmp_path, data_dir):
 
 
 @pytest.mark.slow
-def test_ddp_training_run_rank0_writes(tmp_path, data_dir):
+def test_ddp_keeps_the_recipe_batch_and_matches_one_process(tmp_path, data_dir):
+    """2 gloo ranks run 2 of the 4 micro-batches each: 32 examples per update, the same weights as 1 process."""
     run = tmp_path / "run"
     out = _torchrun(str(HERE / "ddp_worker.py"), "train", str(data_dir), str(run), cwd=tmp_path)
     config = json.loads((run / "config.json").read_text())
     assert config["world_size"] == 2
-    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
-    assert steps == [1, 2, 3], "each update logged once (rank 0 alone writes)"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+    assert [r["step"] for r in rows] == [1, 2, 3], "each update logged once (rank 0 alone writes)"
+    assert [r["examples"] for r in rows] == [32, 32, 32], "the global batch stays 8 x 4"
     consumed = ckpt.load(run / "checkpoints" / "last")["state"]["consumed"]
-    assert sum(consumed.values()) == 3 * 8 * 4 * 1, "rank 0 counts its own block of micro-batches"
+    assert sum(consumed.values()) == 3 * 32, "every rank's examples are counted"
     assert not list(run.glob("checkpoints/.tmp-*")), out.stdout[-2000:]
-    with pytest.raises(ResumeRefused, match="world size 2"):
-        train(run, resume=True, steps=4, progress=False)
+
+    single = tmp_path / "single"
+    res = subprocess.run([sys.executable, str(HERE / "ddp_worker.py"), "train", str(data_dir), str(single)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    one = [json.loads(x) for x in (single / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+    assert [r["examples"] for r in one] == [32, 32, 32]
+    w2 = ckpt.load(run / "checkpoints" / "last")["weights"]
+    w1 = ckpt.load(single / "checkpoints" / "last")["weights"]
+    assert w1.keys() == w2.keys() and len(w1) > 10
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=1e-5, msg=name)
+
+    # the stream does not depend on the world size, so one process may resume a 2-process run
+    train(run, resume=True, steps=4, progress=False)
+    sessions = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"session"' in x]
+    assert [s["world_size"] for s in sessions] == [2, 1]
+
+
+def test_recipe_override_reaches_the_model_and_is_recorded(tmp_path, data_dir):
+    """`rlcd train --recipe lora_rank=4` trains rank-4 LoRA matrices and config.json says so."""
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    run = tmp_path / "run"
+    res = CliRunner().invoke(app, ["train", str(run), "--data", str(data_dir), "--model", "tiny-toy", "--steps", "1",
+                                   "--recipe", "lora_rank=4", "--recipe", "lora_alpha=8", "--recipe", "eval_every=1",
+                                   "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    notice = next(ln for ln in res.stdout.splitlines() if "deviates from the pinned recipe" in ln)
+    assert "lora_rank=4 (pinned 8)" in notice and "lora_alpha=8 (pinned 16)" in notice
+    config = json.loads((run / "config.json").read_text())
+    assert config["recipe"]["lora_rank"] == 4 and config["recipe"]["lora_alpha"] == 8
+    assert config["recipe_deviations"]["lora_rank"] == {"value": 4, "pinned": 8}
+    weights = _weights(run)
+    a = {k: v for k, v in weights.items() if "lora_A" in k}
+    b = {k: v for k, v in weights.items() if "lora_B" in k}
+    assert a and all(v.shape[0] == 4 for v in a.values()) and all(v.shape[1] == 4 for v in b.values())
+    session = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert session["event"] == "session" and session["device"] == "cpu" and session["dtype"] == "float32"
+    # the export rebuilds the same rank from config (build_model reads the recipe)
+    from rlcd.model.build import build_model
+
+    model = build_model(config)
+    assert model.lora_config["r"] == 4 and model.lora_config["alpha"] == 8

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 from rlcd.recipe import Recipe
 
@@ -33,8 +34,25 @@ def demo_recipe(steps: int = DEMO_STEPS) -> Recipe:
                   log_every=max(1, steps // 40), diagnostics_every=max(1, steps // 8))
 
 
-def run_demo(out: Path, *, steps: int | None = None, cases: int = DEMO_CASES, easy_vqa: int = DEMO_EASY_VQA) -> dict:
-    from rlcd.data.cli import demo_data, print_manifest
+def demo_data(out_dir: Path, seed: int = 0, n_cases: int = 400, easy_vqa_limit: int = 400) -> dict:
+    """Synth cases + a small easy-vqa subset, prepared into `<out_dir>/processed`; returns the manifest."""
+    from rlcd.data import importers, synth
+    from rlcd.data.io import excluded_path, write_jsonl
+    from rlcd.data.prepare import prepare
+
+    out_dir = Path(out_dir)
+    raw = out_dir / "raw"
+    write_jsonl(raw / "synth.jsonl", synth.generate(n_cases, seed))
+    records, excluded = importers.import_easy_vqa(raw, limit=easy_vqa_limit)
+    write_jsonl(raw / "easy-vqa.jsonl", records)
+    write_jsonl(excluded_path(raw / "easy-vqa.jsonl"), excluded)
+    return prepare([raw / "synth.jsonl", raw / "easy-vqa.jsonl"], out_dir / "processed", seed=seed)
+
+
+def run_demo(out: Path, *, steps: int | None = None, cases: int = DEMO_CASES, easy_vqa: int = DEMO_EASY_VQA,
+             placement: Any = None) -> dict:
+    from rlcd.data.summary import print_manifest
+    from rlcd.device import resolve_placement
     from rlcd.evaluate import evaluate_run
     from rlcd.report import format_summary
     from rlcd.train import train
@@ -51,9 +69,11 @@ def run_demo(out: Path, *, steps: int | None = None, cases: int = DEMO_CASES, ea
     print(f"[2/4] train: preset {DEMO_MODEL!r}, {recipe.steps} updates x {recipe.batch_size * recipe.grad_accum} "
           f"examples, objective {recipe.objective} (sigma {recipe.sigma}, ce_weight {recipe.ce_weight})")
     run = out / "run"
-    train(run, data_dir=out / "processed", model=DEMO_MODEL, recipe=recipe)
+    placement = placement or resolve_placement("auto")
+    train(run, data_dir=out / "processed", model=DEMO_MODEL, recipe=recipe, device=placement.device,
+          dtype=placement.dtype)
     print("[3/4] calibrate + evaluate (merged best checkpoint)")
-    ev = evaluate_run(run)
+    ev = evaluate_run(run, placement=placement, print_fn=print)
     print("[4/4] summary")
     print(format_summary(ev))
     print(f"report: {run / 'eval' / 'report.md'}")

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from rlcd import checkpoint as ckpt
 from rlcd.calibrate import fit_per_type
+from rlcd.device import Placement, resolve_placement
 from rlcd.export import load_checkpoint_model, write_export
+from rlcd.run import Run, write_json
 from rlcd.schema import Record
 
 SPLITS = ("dev", "calibration", "test")
@@ -55,56 +57,96 @@ def _records(config: dict, split: str) -> list[Record]:
     return load_split(data_dir, split) if (data_dir / f"{split}.jsonl").is_file() else []
 
 
-def _score(model, config: dict, split: str, records: list[Record]) -> list[dict]:
-    return predict_rows(model, records, _collator(model, Path(config["data_dir"])), split=split)
+def _score(model, config: dict, split: str, records: list[Record], placement: Placement) -> list[dict]:
+    return predict_rows(model, records, _collator(model, Path(config["data_dir"])), split=split,
+                        device=placement.torch_device)
 
 
-def calibrate_run(run_dir: Path) -> dict[str, Any]:
-    """Fit per-type temperatures on the calibration partition with the merged best model."""
-    run_dir = Path(run_dir)
-    model, config, _ = load_checkpoint_model(run_dir, "best")
-    rows = _score(model, config, "calibration", _records(config, "calibration"))
-    temps, infos = fit_per_type(rows)
-    out = {"temperatures": temps, "calibration": infos, "n_rows": len(rows)}
-    (run_dir / "eval").mkdir(parents=True, exist_ok=True)
-    (run_dir / "eval" / "temperatures.json").write_text(json.dumps(out, indent=2, sort_keys=True))
+def _calibration_key(run: Run, placement: Placement) -> dict[str, Any]:
+    """What the temperatures depend on: the selected checkpoint, the calibration data, the placement."""
+    from rlcd.data.io import sha256_file
+
+    cal = run.data_dir / "calibration.jsonl"
+    return {"checkpoint_sha256": ckpt.weights_sha256(run.require_checkpoint("best")),
+            "calibration_sha256": sha256_file(cal) if cal.is_file() else None, **placement.to_dict()}
+
+
+def fit_temperatures(run: Run, calibration_rows: list[dict], placement: Placement) -> dict[str, Any]:
+    """Fit the per-type temperatures on the calibration predictions and store them in eval/temperatures.json.
+
+    The one calibration path: `rlcd calibrate RUN` ends here, and `rlcd evaluate RUN` reuses the stored
+    temperatures when they were fitted on the same checkpoint, calibration data and placement (else it
+    fits them here and stores them); the export carries the same numbers.
+    """
+    temps, infos = fit_per_type(calibration_rows)
+    out = {"temperatures": temps, "calibration": infos, "n_rows": len(calibration_rows),
+           **_calibration_key(run, placement)}
+    write_json(run.temperatures_path, out)
     return out
 
 
-def evaluate_run(run_dir: Path) -> dict[str, Any]:
+def stored_temperatures(run: Run, placement: Placement) -> dict[str, Any] | None:
+    """eval/temperatures.json when it matches this checkpoint, calibration data and placement."""
+    if not run.temperatures_path.is_file():
+        return None
+    stored = json.loads(run.temperatures_path.read_text())
+    key = _calibration_key(run, placement)
+    return stored if all(stored.get(k) == v for k, v in key.items()) else None
+
+
+def calibrate_run(run: Run | Path, *, placement: Placement | None = None) -> dict[str, Any]:
+    """Fit per-type temperatures on the calibration partition with the merged best model."""
+    run = run if isinstance(run, Run) else Run.open(run)
+    placement = placement or resolve_placement("cpu")
+    model, config, _ = load_checkpoint_model(run, "best", placement=placement)
+    rows = _score(model, config, "calibration", _records(config, "calibration"), placement)
+    return fit_temperatures(run, rows, placement)
+
+
+def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
+                 print_fn: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Score every held-out split, calibrate, write eval/ and export/, and render the report."""
     from rlcd.data.io import write_jsonl
     from rlcd.metrics import majority_baseline
     from rlcd.report import evaluation_from_predictions, write_evaluation, write_report
     from rlcd.train import data_hashes
 
-    run_dir = Path(run_dir)
-    model, config, state = load_checkpoint_model(run_dir, "best")
+    run = run if isinstance(run, Run) else Run.open(run)
+    placement = placement or resolve_placement("cpu")
+    say = print_fn or (lambda _: None)
+    model, config, state = load_checkpoint_model(run, "best", placement=placement)
     records = {split: _records(config, split) for split in SPLITS}
-    preds = {split: _score(model, config, split, records[split]) for split in SPLITS}
+    preds = {split: _score(model, config, split, records[split], placement) for split in SPLITS}
     for split, rows in preds.items():
-        write_jsonl(run_dir / "eval" / f"predictions-{split}.jsonl", rows)
-    temps, infos = fit_per_type(preds["calibration"])
+        write_jsonl(run.predictions_path(split), rows)
+    stored = stored_temperatures(run, placement)
+    if stored is not None:
+        say(f"temperatures: {run.temperatures_path} (fitted by `rlcd calibrate` on this checkpoint)")
+    cal = stored or fit_temperatures(run, preds["calibration"], placement)
+    temps, infos = cal["temperatures"], cal["calibration"]
     data_dir = Path(config["data_dir"])
     baseline = majority_baseline(_records(config, "train"), records["test"]) if records["test"] else None
     meta = {
-        "run": str(run_dir),
+        "run": str(run.root),
         "model": config["model"],
         "objective": config["recipe"]["objective"],
         "sigma": config["recipe"]["sigma"],
         "ce_weight": config["recipe"]["ce_weight"],
         "seed": config["recipe"]["seed"],
         "steps": config["recipe"]["steps"],
+        "recipe_deviations": config.get("recipe_deviations", {}),
         "selected_step": state.get("best_step"),
         "selection_score": state.get("best_score"),
-        "checkpoint_sha256": ckpt.weights_sha256(run_dir / "checkpoints" / "best"),
+        "checkpoint_sha256": ckpt.weights_sha256(run.require_checkpoint("best")),
         "data_hashes": data_hashes(data_dir),
         "calibration": infos,
+        "temperatures_source": str(run.temperatures_path.relative_to(run.root)),
+        "placement": placement.to_dict(),
     }
     ev = evaluation_from_predictions(preds, temps, meta, majority_baseline=baseline)
-    write_evaluation(run_dir, ev)
-    write_export(run_dir, temperatures=temps, model=model, config=config, state=state)
-    write_report(run_dir)
+    write_evaluation(run, ev)
+    write_export(run, temperatures=temps, model=model, config=config, state=state)
+    write_report(run)
     return ev
 
 

@@ -19,6 +19,10 @@ import torch
 from safetensors.torch import load_file
 
 from rlcd import checkpoint as ckpt
+from rlcd.device import Placement, resolve_placement
+from rlcd.errors import RunError
+from rlcd.model.build import build_model
+from rlcd.run import Run
 
 FORMAT = "rlcd.export/1"
 LABEL_CONVENTIONS = {
@@ -28,34 +32,36 @@ LABEL_CONVENTIONS = {
 }
 
 
-def backbone_fingerprint(model) -> str:
+FINGERPRINT_DTYPE = "bfloat16"
+
+
+def backbone_fingerprint(model, rounding: str | None = FINGERPRINT_DTYPE) -> str:
     """sha256 over a few tensors neither LoRA nor merging touches (embeddings, vision tower).
 
-    Catches a different random init or base model; identical before and after `merge()`.
+    Catches a different random init or base model; identical before and after `merge()`. The values
+    are rounded to bfloat16 first, so a model evaluated on a GPU in bfloat16 and served on a CPU in
+    float32 has one fingerprint (`rounding=None`: the float32 bytes of exports written before that).
     """
     h = hashlib.sha256()
     named = [(n, p) for n, p in model.backbone.named_parameters()
              if "lora_" not in n and ("embed_tokens" in n or "visual" in n)]
     for _, p in named[:4]:  # names differ with and without the peft wrapper; bytes do not
-        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+        t = p.detach()
+        if rounding:
+            t = t.to(getattr(torch, rounding))
+        h.update(t.float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
-def build_model(config: dict, *, device: str | torch.device = "cpu", dtype=torch.float32):
-    from rlcd.model.decision import DecisionModel
-
-    recipe = config["recipe"]
-    model = DecisionModel.from_backbone_spec(config["model"], seed=config.get("model_seed", 0), dtype=dtype,
-                                             proj_dim=recipe["proj_dim"], centring=recipe["centring"])
-    return model.to(device)
-
-
-def load_checkpoint_model(run_dir: Path, which: str = "best", *, merge: bool = True, device="cpu"):
+def load_checkpoint_model(run: Run | Path, which: str = "best", *, merge: bool = True,
+                          placement: Placement | None = None, backbone=None):
     """The run's model with the `which` checkpoint's trainable weights (merged for inference)."""
-    run_dir = Path(run_dir)
-    config = json.loads((run_dir / "config.json").read_text())
-    model = build_model(config, device=device)
-    loaded = ckpt.load(run_dir / "checkpoints" / which, map_location=str(device))
+    run = run if isinstance(run, Run) else Run.open(run)
+    placement = placement or resolve_placement("cpu")
+    config = run.config()
+    path = run.require_checkpoint(which)
+    model = build_model(config, device=placement.torch_device, dtype=placement.torch_dtype, backbone=backbone)
+    loaded = ckpt.load(path, map_location=placement.device)
     model.load_trainable_state_dict(loaded["weights"])
     if merge:
         model.merge()
@@ -63,12 +69,11 @@ def load_checkpoint_model(run_dir: Path, which: str = "best", *, merge: bool = T
     return model, config, loaded["state"]
 
 
-def write_export(run_dir: Path, *, temperatures: dict[str, float], model, config: dict, state: dict,
+def write_export(run: Run, *, temperatures: dict[str, float], model, config: dict, state: dict,
                  which: str = "best") -> Path:
-    run_dir = Path(run_dir)
-    out = run_dir / "export"
+    out = run.export_dir
     out.mkdir(parents=True, exist_ok=True)
-    src = ckpt.resolve(run_dir / "checkpoints" / which)
+    src = run.require_checkpoint(which)
     shutil.copyfile(src / ckpt.WEIGHTS, out / "trainable.safetensors")
     meta: dict[str, Any] = {
         "format": FORMAT,
@@ -76,35 +81,52 @@ def write_export(run_dir: Path, *, temperatures: dict[str, float], model, config
         "model_seed": config.get("model_seed", 0),
         "backbone": {k: v for k, v in model.info.items() if isinstance(v, (str, int, float, bool, type(None), dict))},
         "backbone_fingerprint": backbone_fingerprint(model),
+        "backbone_fingerprint_rounding": FINGERPRINT_DTYPE,
         "recipe": config["recipe"],
         "temperatures": temperatures,
         "label_conventions": LABEL_CONVENTIONS,
         "selected_step": state.get("best_step"),
         "selection_score": state.get("best_score"),
-        "checkpoint_sha256": ckpt.weights_sha256(run_dir / "checkpoints" / which),
+        "checkpoint_sha256": ckpt.weights_sha256(src),
         "versions": config.get("versions"),
     }
     (out / "model.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
     return out
 
 
-def load_export(export_dir: Path, *, device="cpu"):
-    """Rebuild the merged inference model and its metadata from `export/` (or a run dir)."""
-    export_dir = Path(export_dir)
-    if (export_dir / "export" / "model.json").is_file():
-        export_dir = export_dir / "export"
-    meta_path = export_dir / "model.json"
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{export_dir} has no model.json: run `rlcd evaluate RUN` first to write export/")
+def find_export(path: Path) -> Path:
+    """The export directory for `path` (a run dir or an export dir), else a one-line RunError."""
+    path = Path(path).expanduser()
+    if (Run(path).export_dir / "model.json").is_file():
+        return Run(path).export_dir
+    if (path / "model.json").is_file():
+        return path
+    if not path.exists():
+        raise RunError(f"{path}: no such run or export directory")
+    if (path / Run.CONFIG).is_file():
+        raise RunError(f"{path} has no export/ yet; run `rlcd evaluate {path}` first")
+    raise RunError(f"{path} is neither a run directory nor an export (no model.json)")
+
+
+def read_export_meta(path: Path) -> dict:
+    meta_path = find_export(path) / "model.json"
     meta = json.loads(meta_path.read_text())
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{meta_path}: unsupported export format {meta.get('format')!r} (expected {FORMAT})")
-    model = build_model(meta, device=device)
-    found = backbone_fingerprint(model)
+        raise RunError(f"{meta_path}: unsupported export format {meta.get('format')!r} (expected {FORMAT})")
+    return meta
+
+
+def load_export(path: Path, *, placement: Placement | None = None, backbone=None):
+    """Rebuild the merged inference model and its metadata from `export/` (or a run dir)."""
+    export_dir = find_export(path)
+    meta = read_export_meta(export_dir)
+    placement = placement or resolve_placement("cpu")
+    model = build_model(meta, device=placement.torch_device, dtype=placement.torch_dtype, backbone=backbone)
+    found = backbone_fingerprint(model, meta.get("backbone_fingerprint_rounding"))
     if found != meta["backbone_fingerprint"]:
-        raise RuntimeError(f"{meta_path}: the backbone built from {meta['model']!r} does not match the one the "
-                           "model was trained on (parameter fingerprint differs); point at the same weights")
-    model.load_trainable_state_dict(load_file(str(export_dir / "trainable.safetensors"), device=str(device)))
+        raise RuntimeError(f"{export_dir / 'model.json'}: the backbone built from {meta['model']!r} does not match "
+                           "the one the model was trained on (parameter fingerprint differs); point at the same weights")
+    model.load_trainable_state_dict(load_file(str(export_dir / "trainable.safetensors"), device=placement.device))
     model.merge()
     model.eval()
     return model, meta

@@ -39,68 +39,20 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import threading
-from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Annotated, Any, Mapping, Optional
+from typing import Any, Mapping
 
 import torch
-import typer
 
-from .schema import MAX_CANDIDATES, QUESTION_TYPES, Question, RecordError, find_reserved, parse_question
+from .device import Placement
+from .schema import QUESTION_TYPES, Question, RecordError, find_reserved, parse_question
+from .serving.errors import PredictError
+from .serving.images import open_image
+from .serving.limits import Limits
 
 REQUEST_KEYS = ("model", "state", "questions")
 MAX_QID_CHARS = 256
-MAX_ASPECT_RATIO = 200  # the Qwen image processor refuses images with a larger side ratio
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Per-request limits (all configurable on the CLI / server)."""
-
-    max_questions: int = 64            # questions per request
-    max_candidates: int = MAX_CANDIDATES  # candidates per question (<= 255)
-    max_tokens: int = 8192             # tokens per rendered row, image tokens included
-    max_request_bytes: int = 8 << 20   # HTTP body (and JSON size of a request given to predict)
-    max_image_pixels: int = 4096 * 4096  # width * height of a decoded image
-
-    def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"limit {name} must be a positive integer, got {value!r}")
-        if not 2 <= self.max_candidates <= MAX_CANDIDATES:
-            raise ValueError(f"max_candidates must be in 2..{MAX_CANDIDATES}, got {self.max_candidates}")
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-    def with_(self, **kw: Any) -> "Limits":
-        return replace(self, **{k: v for k, v in kw.items() if v is not None})
-
-
-class PredictError(RecordError):
-    """A request broke a rule. `field` is a path into the request, `question` the question id (or None).
-
-    `status` is the HTTP status the server answers with (422 unless the rule says otherwise:
-    413 for size limits, 404 for an unknown model, 400 for undecodable input).
-    """
-
-    def __init__(self, field: str, message: str, *, question: str | None = None, status: int = 422):
-        self.question = question
-        self.message = message
-        self.status = int(status)
-        super().__init__(question, field, message)
-
-    def to_json(self) -> dict[str, Any]:
-        err: dict[str, Any] = {"field": self.field, "message": self.message}
-        if self.question is not None:
-            err["question"] = self.question
-        return {"error": err}
-
-    def __str__(self) -> str:
-        where = f"question {self.question!r}: " if self.question is not None else ""
-        return f"{where}field {self.field!r}: {self.message}"
 
 
 # ----------------------------------------------------------------------------------- answers
@@ -124,52 +76,6 @@ def make_answer(question: Question, logits: torch.Tensor | list[float], temperat
         return {"type": "noul", "noul": probs[1], "confidence": confidence}
     return {"type": "score", "score": math.fsum(i * x for i, x in enumerate(probs)),
             "probabilities": dict(zip(labels, probs)), "confidence": confidence}
-
-
-# ----------------------------------------------------------------------------------- images
-def open_image(source: Any, *, field: str = "image", max_pixels: int = Limits.max_image_pixels) -> Any:
-    """A decoded RGB PIL image from a path, bytes or a PIL image; PredictError when it is not one."""
-    import io
-
-    from PIL import Image
-
-    if isinstance(source, Image.Image):
-        im = source
-        opened = None
-    else:
-        try:
-            if isinstance(source, (bytes, bytearray)):
-                opened = Image.open(io.BytesIO(bytes(source)))
-            else:
-                path = Path(source)
-                if not path.is_file():
-                    raise PredictError(field, f"image file not found: {path}", status=422)
-                opened = Image.open(path)
-        except PredictError:
-            raise
-        except Exception as e:
-            raise PredictError(field, f"not a decodable image ({type(e).__name__}: {e})", status=400) from None
-        im = opened
-    try:
-        w, h = im.size
-        if w < 1 or h < 1:
-            raise PredictError(field, f"image has no pixels ({w}x{h})", status=422)
-        if w * h > max_pixels:
-            raise PredictError(field, f"image has {w}x{h} = {w * h} pixels, more than max_image_pixels="
-                                      f"{max_pixels}", status=413)
-        if max(w, h) / min(w, h) >= MAX_ASPECT_RATIO:
-            raise PredictError(field, f"image aspect ratio {max(w, h) / min(w, h):.0f} is not below "
-                                      f"{MAX_ASPECT_RATIO}", status=422)
-        try:
-            im.load()
-            rgb = im.convert("RGB")
-            rgb.load()
-        except Exception as e:
-            raise PredictError(field, f"not a decodable image ({type(e).__name__}: {e})", status=400) from None
-        return rgb
-    finally:
-        if opened is not None:
-            opened.close()
 
 
 # ----------------------------------------------------------------------------------- validation
@@ -288,12 +194,12 @@ class Predictor:
         model.eval()
 
     @classmethod
-    def from_run(cls, path: str | Path, *, device: str = "cpu", name: str | None = None,
+    def from_run(cls, path: str | Path, *, placement: Placement | None = None, name: str | None = None,
                  limits: Limits | None = None) -> "Predictor":
         """Load from a run dir (its `export/`) or an export dir (merged model, temperatures)."""
         from .export import load_export
 
-        model, meta = load_export(Path(path), device=device)
+        model, meta = load_export(Path(path), placement=placement)
         return cls(model, meta, name=name or _run_name(Path(path)), limits=limits)
 
     # ------------------------------------------------------------------ info
@@ -312,6 +218,7 @@ class Predictor:
             "checkpoint_sha256": self.meta.get("checkpoint_sha256"),
             "limits": self.limits.to_dict(),
             "confidence": "probability of the most likely candidate after temperature scaling",
+            "placement": getattr(self.model, "placement", None),
         }
 
     # ------------------------------------------------------------------ answering
@@ -355,90 +262,5 @@ class Predictor:
         return PredictError(f"questions.{qid}.{field}", e.rule, question=qid, status=status)
 
 
-# ----------------------------------------------------------------------------------- CLI
-def _parse_state(text: str) -> Any:
-    s = text.strip()
-    if s.startswith(("{", "[")):
-        try:
-            return json.loads(s)
-        except json.JSONDecodeError:
-            return text
-    return text
-
-
-def _parse_question_arg(text: str, index: int) -> tuple[str, Any]:
-    """`{"id": "q1", "type": ...}` or `q1={"type": ...}` -> (qid, question dict)."""
-    s = text.strip()
-    if not s.startswith("{") and "=" in s:
-        qid, _, body = s.partition("=")
-        obj = json.loads(body)
-        if not isinstance(obj, dict):
-            raise ValueError(f"--question {qid}: the part after '=' must be a JSON object")
-        return qid.strip(), obj
-    obj = json.loads(s)
-    if not isinstance(obj, dict):
-        raise ValueError(f"--question #{index + 1} must be a JSON object (with an \"id\") or qid=JSON")
-    obj = dict(obj)
-    qid = obj.pop("id", None) or f"q{index + 1}"
-    return str(qid), obj
-
-
-def build_cli_request(request: Path | None, state: str | None, question: list[str] | None) -> tuple[dict, Any]:
-    """The request dict (and an image source from the request file, if any) from the CLI options."""
-    image = None
-    if request is not None:
-        text = sys.stdin.read() if str(request) == "-" else Path(request).read_text()
-        req = json.loads(text)
-        if not isinstance(req, dict):
-            raise ValueError("the request file must hold a JSON object")
-        req = dict(req)
-        img = req.pop("image", None)
-        if isinstance(img, dict) and "path" in img:
-            p = Path(img["path"])
-            image = p if p.is_absolute() or str(request) == "-" else Path(request).parent / p
-        elif isinstance(img, dict) and "base64" in img:
-            from .server import decode_base64_image
-
-            image = decode_base64_image(img["base64"])
-        elif img is not None:
-            raise ValueError('request "image" must be {"path": ...} or {"base64": ...}')
-    else:
-        req = {}
-    if state is not None:
-        req["state"] = _parse_state(state)
-    if question:
-        qs = dict(req.get("questions") or {})
-        for i, q in enumerate(question):
-            qid, obj = _parse_question_arg(q, i)
-            qs[qid] = obj
-        req["questions"] = qs
-    return req, image
-
-
-def predict_command(
-    run: Annotated[Path, typer.Option("--run", help="run directory (or its export/ directory)")],
-    request: Annotated[Optional[Path], typer.Option("--request", help="request JSON file ('-' = stdin)")] = None,
-    state: Annotated[Optional[str], typer.Option("--state", help="state text (or a JSON object)")] = None,
-    question: Annotated[Optional[list[str]], typer.Option(
-        "--question", "-q", help='a question: JSON with an "id" key, or qid=JSON (repeatable)')] = None,
-    image: Annotated[Optional[Path], typer.Option("--image", help="image file for the request")] = None,
-) -> None:
-    """Answer one /v1/systemone request with a run's export and print the JSON response."""
-    try:
-        req, img = build_cli_request(request, state, question)
-    except (ValueError, OSError) as e:
-        typer.echo(json.dumps({"error": {"field": "request", "message": str(e)}}), err=True)
-        raise typer.Exit(2)
-    if image is not None:
-        img = image
-    predictor = Predictor.from_run(run)
-    try:
-        out = predictor.predict(req, img)
-    except PredictError as e:
-        typer.echo(json.dumps(e.to_json()), err=True)
-        raise typer.Exit(2)
-    typer.echo(json.dumps(out, indent=2, ensure_ascii=False))
-
-
 __all__ = ["Limits", "PredictError", "Predictor", "make_answer", "probabilities", "open_image",
-           "validate_request", "predict_command", "build_cli_request"]
+           "validate_request"]

@@ -1,13 +1,20 @@
 """The training recipe: every constant and the LR schedule, nothing else.
 
 Users turn five knobs (`steps`, `seed`, `objective`, `sigma`, `ce_weight`); the rest is the recipe
-and is frozen into every run's `config.json`. A resume may only raise `steps`.
+and is frozen into every run's `config.json`. Any field can still be overridden
+(`rlcd train --recipe FIELD=VALUE`, `rlcd sweep --grid FIELD=...`, both through `parse_overrides`);
+a run whose non-knob fields differ from the pinned values records them as `recipe_deviations` and
+says so when it starts. A resume may only raise `steps`.
 """
 
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Sequence
+
+from rlcd.errors import OptionError
 
 KNOBS = ("steps", "seed", "objective", "sigma", "ce_weight")
 
@@ -22,7 +29,7 @@ class Recipe:
     ce_weight: float = 1.0       # weight of the soft cross-entropy term
     # --- sampling ----------------------------------------------------------------------------
     batch_size: int = 8          # examples per micro-batch
-    grad_accum: int = 4          # micro-batches per update (per process)
+    grad_accum: int = 4          # micro-batches per update, split over DDP ranks (global batch 32)
     pool_cap: int = 6000         # eligible training rows per sampling group
     dev_cap: int = 256           # dev rows per sampling group (selection subset)
     # --- optimisation ------------------------------------------------------------------------
@@ -46,13 +53,24 @@ class Recipe:
 
     def __post_init__(self) -> None:
         if self.objective not in ("rlcd", "ce"):
-            raise ValueError(f"objective must be 'rlcd' or 'ce', got {self.objective!r}")
+            raise OptionError(f"objective must be 'rlcd' or 'ce', got {self.objective!r}")
         if not self.sigma > 0:
-            raise ValueError(f"sigma must be > 0, got {self.sigma}")
+            raise OptionError(f"sigma must be > 0, got {self.sigma}")
         if not self.ce_weight >= 0:
-            raise ValueError(f"ce_weight must be >= 0, got {self.ce_weight}")
-        if self.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {self.steps}")
+            raise OptionError(f"ce_weight must be >= 0, got {self.ce_weight}")
+        for name in ("steps", "batch_size", "grad_accum", "pool_cap", "dev_cap", "eval_every", "checkpoint_every",
+                     "log_every", "horizon_cap", "lora_rank", "proj_dim"):
+            if getattr(self, name) < 1:
+                raise OptionError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.diagnostics_every < 0:
+            raise OptionError(f"diagnostics_every must be >= 0 (0 = off), got {self.diagnostics_every}")
+        if self.centring not in ("running_mean", "layernorm", "none"):
+            raise OptionError(f"centring must be running_mean, layernorm or none, got {self.centring!r}")
+        for name in ("lr_lora", "lr_head", "grad_clip", "lora_alpha"):
+            if not getattr(self, name) > 0:
+                raise OptionError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.lr_floor <= 1 or not 0 <= self.warmup_frac < 1 or self.weight_decay < 0:
+            raise OptionError("lr_floor must be in [0, 1], warmup_frac in [0, 1) and weight_decay >= 0")
 
     def decay_horizon(self) -> int:
         return min(self.steps, self.horizon_cap)
@@ -65,11 +83,70 @@ class Recipe:
         names = {f.name for f in fields(cls)}
         unknown = set(d) - names
         if unknown:
-            raise ValueError(f"unknown recipe fields: {sorted(unknown)}")
+            raise OptionError(f"unknown recipe fields: {sorted(unknown)}")
         return cls(**d)
 
     def with_(self, **kw) -> "Recipe":
         return replace(self, **kw)
+
+    def deviations(self) -> dict[str, dict[str, Any]]:
+        """Non-knob fields that differ from the pinned recipe: {field: {"value", "pinned"}}."""
+        pinned = Recipe()
+        return {f.name: {"value": getattr(self, f.name), "pinned": getattr(pinned, f.name)}
+                for f in fields(self) if f.name not in KNOBS and getattr(self, f.name) != getattr(pinned, f.name)}
+
+
+def field_types() -> dict[str, Any]:
+    """{field: annotated type} of the Recipe (e.g. int, float, str, `float | None`)."""
+    return typing.get_type_hints(Recipe)
+
+
+def coerce_value(key: str, value: Any, *, flag: str = "--recipe") -> Any:
+    """A string (or number) converted to the type of Recipe field `key`; OptionError naming the rule."""
+    types = field_types()
+    if key not in types:
+        raise OptionError(f"{flag} {key}: not a recipe field (fields: {', '.join(sorted(types))})")
+    kind = types[key]
+    optional = type(None) in typing.get_args(kind)
+    if optional:
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
+            return None
+    try:
+        if kind is bool:
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(value)
+                return value.lower() in ("true", "1")
+            return bool(value)
+        if kind is int:
+            f = float(value)
+            if f != int(f):
+                raise ValueError(value)
+            return int(f)
+        if kind is float:
+            f = float(value)
+            if not math.isfinite(f):
+                raise ValueError(value)
+            return f
+        return str(value).strip()
+    except (TypeError, ValueError):
+        name = getattr(kind, "__name__", str(kind))
+        raise OptionError(f"{flag} {key}={value}: not a valid {name}{' (or none)' if optional else ''}") from None
+
+
+def parse_overrides(specs: Sequence[str], *, flag: str = "--recipe") -> dict[str, Any]:
+    """`["lora_rank=4", "eval_every=50"]` -> {"lora_rank": 4, "eval_every": 50} (typed, validated names)."""
+    out: dict[str, Any] = {}
+    for spec in specs:
+        if "=" not in spec:
+            raise OptionError(f"{flag} {spec!r}: expected FIELD=VALUE (e.g. {flag} lora_rank=4)")
+        key, _, value = spec.partition("=")
+        key = key.strip().replace("-", "_")
+        if key in out:
+            raise OptionError(f"{flag} {key} given twice")
+        out[key] = coerce_value(key, value.strip(), flag=flag)
+    return out
 
 
 def warmup_steps(horizon: int, warmup_frac: float = 0.03) -> int:

@@ -32,6 +32,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from rlcd import metrics as M
+from rlcd.errors import RunError
+from rlcd.run import Run
 from rlcd.schema import QUESTION_TYPES
 
 FORMAT = "rlcd.evaluation/1"
@@ -109,9 +111,13 @@ def evaluation_json(ev: Mapping[str, Any]) -> str:
     return M.dumps(ev)
 
 
-def write_evaluation(run_dir: str | Path, ev: Mapping[str, Any]) -> Path:
-    """Write ``run_dir/eval/evaluation.json`` in canonical form."""
-    path = Path(run_dir) / "eval" / "evaluation.json"
+def _run(run: Run | str | Path) -> Run:
+    return run if isinstance(run, Run) else Run(run)
+
+
+def write_evaluation(run: Run | str | Path, ev: Mapping[str, Any]) -> Path:
+    """Write ``RUN/eval/evaluation.json`` in canonical form."""
+    path = _run(run).evaluation_path
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(evaluation_json(ev), encoding="utf-8")
     return path
@@ -131,19 +137,17 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def load_predictions(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
-    """{split: rows} from ``run_dir/eval/predictions-<split>.jsonl``."""
-    out = {}
-    for p in sorted((Path(run_dir) / "eval").glob("predictions-*.jsonl")):
-        out[p.name[len("predictions-"):-len(".jsonl")]] = read_jsonl(p)
+def load_predictions(run: Run | str | Path) -> dict[str, list[dict[str, Any]]]:
+    """{split: rows} from ``RUN/eval/predictions-<split>.jsonl``."""
+    out = {split: read_jsonl(p) for split, p in _run(run).prediction_paths().items()}
     return {s: out[s] for s in _split_order(out)}
 
 
-def regenerate_evaluation(run_dir: str | Path) -> dict[str, Any]:
+def regenerate_evaluation(run: Run | str | Path) -> dict[str, Any]:
     """Rebuild evaluation.json content from the prediction files + the stored non-derived inputs."""
-    run_dir = Path(run_dir)
-    stored = json.loads((run_dir / "eval" / "evaluation.json").read_text(encoding="utf-8"))
-    return evaluation_from_predictions(load_predictions(run_dir), stored.get("temperatures"),
+    run = _run(run)
+    stored = json.loads(run.evaluation_path.read_text(encoding="utf-8"))
+    return evaluation_from_predictions(load_predictions(run), stored.get("temperatures"),
                                        stored.get("meta"), majority_baseline=stored.get("majority_baseline"))
 
 
@@ -363,10 +367,10 @@ def format_summary(ev: Mapping[str, Any]) -> str:
 # the report
 
 
-def _stored_inputs(run_dir: Path, preds: Mapping[str, list]) -> tuple[dict, dict, Any, list[str], dict | None]:
+def _stored_inputs(run: Run, preds: Mapping[str, list]) -> tuple[dict, dict, Any, list[str], dict | None]:
     """(temperatures, meta, majority baseline, notes, stored evaluation) for the report."""
     notes: list[str] = []
-    path = run_dir / "eval" / "evaluation.json"
+    path = run.evaluation_path
     if path.exists():
         stored = json.loads(path.read_text(encoding="utf-8"))
         return (stored.get("temperatures") or {}, stored.get("meta") or {}, stored.get("majority_baseline"),
@@ -382,22 +386,22 @@ def _stored_inputs(run_dir: Path, preds: Mapping[str, list]) -> tuple[dict, dict
     return {t: 1.0 for t in QUESTION_TYPES}, {}, None, notes, None
 
 
-def write_report(run_dir: str | Path) -> Path:
+def write_report(run: Run | str | Path) -> Path:
     """Write ``eval/plots/*.png`` and ``eval/report.md`` for a run; returns the report path.
 
     Needs at least one ``eval/predictions-<split>.jsonl``; every other input is optional and its
     section says what is missing.
     """
-    run_dir = Path(run_dir)
-    eval_dir = run_dir / "eval"
-    preds = load_predictions(run_dir)
+    run = _run(run)
+    run_dir, eval_dir = run.root, run.eval_dir
+    preds = load_predictions(run)
     if not preds:
-        raise FileNotFoundError(f"{eval_dir}: no predictions-<split>.jsonl files; run `rlcd evaluate` first")
-    temps, meta, majority, notes, stored = _stored_inputs(run_dir, preds)
+        raise RunError(f"{eval_dir}: no predictions-<split>.jsonl files; run `rlcd evaluate {run_dir}` first")
+    temps, meta, majority, notes, stored = _stored_inputs(run, preds)
     ev = evaluation_from_predictions(preds, temps, meta, majority_baseline=majority)
     head = ev["headline_split"]
     raw, cal = ev["raw"], ev["calibrated"]
-    plots = eval_dir / PLOTS
+    plots = run.plots_dir
     plots.mkdir(parents=True, exist_ok=True)
     for old in plots.glob("*.png"):
         old.unlink()
@@ -521,7 +525,7 @@ def write_report(run_dir: str | Path) -> Path:
     md += ["### Per-group accuracy", "", "![per-group accuracy](plots/group_accuracy.png)", ""]
 
     md += ["## Training", ""]
-    log = run_dir / "metrics.jsonl"
+    log = run.metrics_path
     if log.exists():
         train, evals, bad = read_training_log(log)
         md += [f"`metrics.jsonl`: {len(train)} training lines, {len(evals)} dev evaluations"
@@ -542,6 +546,6 @@ def write_report(run_dir: str | Path) -> Path:
     else:
         md += ["`metrics.jsonl` is missing: no training curves.", ""]
 
-    path = eval_dir / "report.md"
+    path = run.report_md
     path.write_text("\n".join(md).rstrip() + "\n", encoding="utf-8")
     return path

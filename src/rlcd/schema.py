@@ -13,6 +13,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from rlcd.errors import UserError
+
 QuestionType = Literal["choice", "noul", "score"]
 QUESTION_TYPES: tuple[str, ...] = ("choice", "noul", "score")
 TYPE_ID = {t: i for i, t in enumerate(QUESTION_TYPES)}
@@ -36,7 +38,7 @@ MARKER_TOKEN = "<|fim_suffix|>"
 JSONValue = Union[str, dict, list]
 
 
-class RecordError(ValueError):
+class RecordError(UserError, ValueError):
     """A row broke a rule. `row` is the record/question id, `field` the offending field."""
 
     def __init__(self, row: str | None, field: str, rule: str):

@@ -21,20 +21,17 @@ Concurrency: one model, requests serialised by the Predictor's lock. Body parsin
 image decoding run in worker threads outside the lock; only the model call is serialised.
 """
 
-import base64
-import binascii
 import json
 import logging
-from pathlib import Path, PurePosixPath
-from typing import Annotated, Any, Optional
+from pathlib import Path
+from typing import Any
 
-import typer
-
-from .predict import Limits, PredictError, Predictor, open_image
+from .predict import Predictor
+from .serving.errors import PredictError
+from .serving.images import decode_base64_image, load_request_image, resolve_image_path  # noqa: F401 (API)
+from .serving.limits import Limits
 
 log = logging.getLogger("rlcd.server")
-
-IMAGE_KEYS = ("base64", "path")
 
 
 def _err(status: int, field: str | None, message: str, question: str | None = None):
@@ -76,70 +73,6 @@ def parse_body(body: bytes) -> Any:
         raise PredictError("body", f"is not valid JSON: {e}", status=400) from None
     except RecursionError:
         raise PredictError("body", "is nested too deeply", status=400) from None
-
-
-def decode_base64_image(data: Any, *, field: str = "image.base64", max_pixels: int = Limits.max_image_pixels) -> Any:
-    """base64 (optionally a data URL) -> decoded RGB PIL image; PredictError(400) when it is not one."""
-    if not isinstance(data, str):
-        raise PredictError(field, "must be a base64 string", status=400)
-    s = data.strip()
-    if s.startswith("data:"):
-        head, sep, rest = s.partition(",")
-        if not sep or ";base64" not in head:
-            raise PredictError(field, "a data URL must look like data:image/png;base64,...", status=400)
-        s = rest
-    s = "".join(s.split())
-    if not s:
-        raise PredictError(field, "is empty", status=400)
-    try:
-        raw = base64.b64decode(s, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise PredictError(field, f"is not valid base64 ({e})", status=400) from None
-    return open_image(raw, field=field, max_pixels=max_pixels)
-
-
-def resolve_image_path(value: Any, image_root: Path | None, *, field: str = "image.path") -> Path:
-    """A path strictly inside `image_root` (after resolving `..` and symlinks) or PredictError."""
-    if not isinstance(value, str) or not value.strip():
-        raise PredictError(field, "must be a non-empty string (a path relative to the image root)")
-    if image_root is None:
-        raise PredictError(field, "this server has no image root; send the image as base64 or start the server "
-                                  "with --image-root", status=403)
-    if "\x00" in value:
-        raise PredictError(field, "contains a NUL byte", status=400)
-    pure = PurePosixPath(value)
-    if pure.is_absolute() or Path(value).is_absolute() or value.startswith("~"):
-        raise PredictError(field, "must be relative to the image root; absolute paths are refused", status=403)
-    if ".." in pure.parts:
-        raise PredictError(field, "must not contain '..'; paths outside the image root are refused", status=403)
-    root = image_root.resolve()
-    try:
-        resolved = (root / pure).resolve(strict=False)
-    except (OSError, RuntimeError) as e:  # symlink loops
-        raise PredictError(field, f"cannot be resolved ({e})", status=403) from None
-    if not resolved.is_relative_to(root):
-        raise PredictError(field, "resolves outside the image root (symlinks may not leave it)", status=403)
-    if not resolved.is_file():
-        raise PredictError(field, f"no such image file under the image root: {value}", status=404)
-    return resolved
-
-
-def load_request_image(spec: Any, image_root: Path | None, limits: Limits) -> Any:
-    """The request's `image` member -> PIL image or None."""
-    if spec is None:
-        return None
-    if not isinstance(spec, dict):
-        raise PredictError("image", 'must be an object: {"base64": "..."} or {"path": "relative/path.png"}')
-    keys = [k for k in spec if k in IMAGE_KEYS]
-    extra = sorted(k for k in spec if k not in IMAGE_KEYS)
-    if extra:
-        raise PredictError(f"image.{extra[0]}", 'unknown field; an image is {"base64": ...} or {"path": ...}')
-    if len(keys) != 1:
-        raise PredictError("image", 'give exactly one of "base64" or "path"')
-    if keys[0] == "base64":
-        return decode_base64_image(spec["base64"], max_pixels=limits.max_image_pixels)
-    path = resolve_image_path(spec["path"], image_root)
-    return open_image(path, field="image.path", max_pixels=limits.max_image_pixels)
 
 
 def create_app(predictor: Predictor, *, image_root: Path | str | None = None, limits: Limits | None = None):
@@ -223,33 +156,14 @@ def create_app(predictor: Predictor, *, image_root: Path | str | None = None, li
 
 
 def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root: Path | str | None = None,
-          log_level: str = "info", **limits: Any) -> None:
+          log_level: str = "info", placement: Any = None, **limits: Any) -> None:
     """Load `run`'s export and serve it with uvicorn until interrupted."""
     import uvicorn
 
     lim = Limits().with_(**limits)
-    predictor = Predictor.from_run(Path(run), limits=lim)
+    predictor = Predictor.from_run(Path(run), limits=lim, placement=placement)
     app = create_app(predictor, image_root=image_root, limits=lim)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
-def serve_command(
-    run: Annotated[Path, typer.Option("--run", help="run directory (or its export/ directory)")],
-    host: Annotated[str, typer.Option(help="bind address (loopback by default)")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
-    image_root: Annotated[Optional[Path], typer.Option(
-        help="directory that image paths in requests are resolved under (none: base64 images only)")] = None,
-    max_questions: Annotated[int, typer.Option(help="questions per request")] = Limits.max_questions,
-    max_candidates: Annotated[int, typer.Option(help="candidates per question")] = Limits.max_candidates,
-    max_tokens: Annotated[int, typer.Option(help="tokens per rendered row (image tokens included)")] = Limits.max_tokens,
-    max_request_bytes: Annotated[int, typer.Option(help="request body bytes")] = Limits.max_request_bytes,
-    max_image_pixels: Annotated[int, typer.Option(help="pixels of a decoded image")] = Limits.max_image_pixels,
-) -> None:
-    """Serve a run over HTTP: POST /v1/systemone, GET /healthz, GET /v1/models (requests serialised)."""
-    serve(run, host=host, port=port, image_root=image_root, max_questions=max_questions,
-          max_candidates=max_candidates, max_tokens=max_tokens, max_request_bytes=max_request_bytes,
-          max_image_pixels=max_image_pixels)
-
-
-__all__ = ["create_app", "serve", "serve_command", "parse_body", "decode_base64_image", "resolve_image_path",
-           "load_request_image"]
+__all__ = ["create_app", "serve", "parse_body", "decode_base64_image", "resolve_image_path", "load_request_image"]

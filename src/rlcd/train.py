@@ -2,9 +2,11 @@
 
 Data order is a pure function of (seed, absolute micro-batch index), and the logit noise of the
 RLCD objective is drawn from a generator seeded by the same pair, so a resumed run continues the
-exact stream of an uninterrupted one. Under `torchrun`, rank r of N takes the contiguous block
-`[step*A*N + r*A, step*A*N + (r+1)*A)` of micro-batch indices (A = grad_accum); DDP averages
-gradients; rank 0 alone evaluates and writes.
+exact stream of an uninterrupted one. An update is always the recipe's global batch: A = grad_accum
+micro-batches of B examples (8 x 4 = 32), indices `[step*A, (step+1)*A)`, whatever the world size.
+Under `torchrun`, rank r of N takes the contiguous block of A/N of them; each rank averages its loss
+over its A/N micro-batches and DDP averages over ranks, so the gradient equals one process's (N must
+divide A; other N are refused with the options). Rank 0 alone evaluates and writes.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ import torch
 import torch.distributed as dist
 
 from rlcd import checkpoint as ckpt
+from rlcd.device import Placement, describe, resolve_placement
+from rlcd.errors import OptionError, UserError
 from rlcd.objectives import ce_loss, gradient_diagnostics, rlcd_loss
 from rlcd.recipe import Recipe, lr_factor
+from rlcd.run import Run
 from rlcd.schema import QUESTION_TYPES, Record
 
 DATA_FILES = ("train.jsonl", "dev.jsonl", "calibration.jsonl", "test.jsonl")
@@ -37,8 +42,8 @@ class TrainingDiverged(RuntimeError):
     """A non-finite loss or gradient: the update was not applied, the last checkpoint is intact."""
 
 
-class ResumeRefused(RuntimeError):
-    """The run directory cannot be resumed with the given data or recipe."""
+class ResumeRefused(UserError, RuntimeError):
+    """The run directory cannot be resumed with the given data, recipe or flags."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,10 +78,24 @@ def init_distributed() -> Dist:
     return Dist(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local)
 
 
+def local_accum(grad_accum: int, world: int, batch_size: int = 8) -> int:
+    """Micro-batches each of `world` ranks runs per update so that the update keeps the recipe's batch."""
+    if world < 1 or grad_accum % world:
+        ok = [n for n in range(1, grad_accum + 1) if grad_accum % n == 0]
+        raise OptionError(
+            f"{world} processes cannot share an update of {grad_accum} micro-batches of {batch_size} "
+            f"(global batch {grad_accum * batch_size}): launch {', '.join(map(str, ok))} processes, or keep the "
+            f"global batch with --recipe grad_accum=G --recipe batch_size=B where G is a multiple of {world} and "
+            f"G x B = {grad_accum * batch_size}")
+    return grad_accum // world
+
+
 def micro_indices(step: int, *, accum: int, rank: int = 0, world: int = 1) -> list[int]:
-    """Absolute micro-batch indices of update `step` for `rank` (a contiguous block per rank)."""
-    base = step * accum * world + rank * accum
-    return list(range(base, base + accum))
+    """Absolute micro-batch indices of update `step` for `rank`: its contiguous block of the A = `accum`
+    indices `[step*A, (step+1)*A)` shared by all ranks (A/world each)."""
+    per = local_accum(accum, world)
+    base = step * accum + rank * per
+    return list(range(base, base + per))
 
 
 def noise_generator(seed: int, index: int) -> torch.Generator:
@@ -159,13 +178,18 @@ class Session:
 
         draws = self.sampler.microbatch(self.recipe.seed, index, self.recipe.batch_size)
         rows = [shuffle_choice(self.records[d.id], d.perm_seed) for d in draws]
-        for d in draws:
-            self.consumed[d.group] += 1
         return self.collator(rows).to(self.device)
+
+    def count_consumed(self, step: int) -> None:
+        """Add the sampling groups of all of update `step`'s examples (every rank's: the stream is pure)."""
+        r = self.recipe
+        for index in range(step * r.grad_accum, (step + 1) * r.grad_accum):
+            for d in self.sampler.microbatch(r.seed, index, r.batch_size):
+                self.consumed[d.group] += 1
 
     def accumulate(self, step: int, *, diagnostics: bool = False,
                    mark: Callable[[str], None] | None = None) -> dict[str, Any]:
-        """Forward/backward the micro-batches of update `step`; gradients left in .grad.
+        """Forward/backward this rank's micro-batches of update `step`; gradients left in .grad.
 
         `mark(part)` (optional) is called as each part of the work ends -- "data", "forward",
         "objective", "backward", "other" -- so `rlcd bench train` can time this very code.
@@ -174,6 +198,7 @@ class Session:
         r = self.recipe
         self.optimizer.zero_grad(set_to_none=True)
         indices = micro_indices(step, accum=r.grad_accum, rank=self.dist.rank, world=self.dist.world)
+        n_local = len(indices)
         stats_sum: dict[str, float] = defaultdict(float)
         per_type = TypeDiagnostics()
         tokens = examples = 0
@@ -191,10 +216,10 @@ class Session:
                 loss, stats = (self.objective_fn or self.objective)(logits, batch, index)
                 mark("objective")
                 finite &= math.isfinite(stats["loss"])
-                (loss / r.grad_accum).backward()
+                (loss / n_local).backward()
                 mark("backward")
             for k, v in stats.items():
-                stats_sum[k] += v / r.grad_accum
+                stats_sum[k] += v / n_local
             per_type.add(logits.detach(), batch)
             tokens += int(batch.n_tokens)
             examples += len(batch.ids)
@@ -222,6 +247,27 @@ class Session:
         self.optimizer.step()
         self.model.head.apply_centring_update(reduce=dist.all_reduce if self.dist.active else None)
         return grad_norm
+
+    def update(self, step: int, trainable: list, *, where: str = "",
+               mark: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """One optimizer update -- the whole of it, for `train()` and `rlcd bench train` alike.
+
+        LR for `step` -> this rank's micro-batches (forward, loss / n_local, backward) -> stats averaged
+        over ranks -> clip -> finite check -> AdamW step -> centring update. Returns the stats with
+        `grad_norm` and the learning rates; `mark("optimizer")` closes the last timed part.
+        """
+        r = self.recipe
+        lrs = self.set_lr(step)
+        diag_due = r.diagnostics_every > 0 and (step + 1) % r.diagnostics_every == 0
+        stats = reduce_stats(self.accumulate(step, diagnostics=diag_due, mark=mark), self.dist)
+        if mark:
+            mark("other")
+        stats["grad_norm"] = self.apply_update(trainable, stats, step, where)
+        if mark:
+            mark("optimizer")
+        self.count_consumed(step)
+        stats.update(lrs)
+        return stats
 
 
 class TypeDiagnostics:
@@ -292,7 +338,7 @@ def dev_accuracy(model, dev: dict[str, list[Record]], collator, device, batch_si
 
 
 # ----------------------------------------------------------------------------------------------
-# building a session from a run directory
+# building a session from a run's config
 
 
 def _load_records(data_dir: Path):
@@ -303,29 +349,27 @@ def _load_records(data_dir: Path):
     return train, dev
 
 
-def _device(d: Dist) -> torch.device:
-    return torch.device(f"cuda:{d.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def build_session(config: dict, samples: dict, d: Dist, *, objective_fn=None, records=None) -> Session:
-    """`records`: the (train, dev) rows if the caller already read them (a fresh run has)."""
+def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement | None = None, backbone=None,
+                  objective_fn=None, records=None) -> Session:
+    """Model, optimizer, sampler and dev subset of a run. `records`: the (train, dev) rows if the caller
+    already read them; `backbone`: a ready backbone for `build_model` (tests, benchmarks)."""
     from rlcd.data.sampling import Sampler
+    from rlcd.model.build import build_model
     from rlcd.model.collate import Collator
-    from rlcd.model.decision import DecisionModel
 
     recipe = Recipe.from_dict(config["recipe"])
+    local_accum(recipe.grad_accum, d.world, recipe.batch_size)
     data_dir = Path(config["data_dir"])
     train, dev_rows = records or _load_records(data_dir)
     by_id = {r.id: r for r in train}
     pool = {g: list(ids) for g, ids in samples["train"].items()}
     dev_by_id = {r.id: r for r in dev_rows}
     dev = {g: [dev_by_id[i] for i in ids] for g, ids in samples["dev"].items()}
-    device = _device(d)
-    dtype = torch.bfloat16 if (device.type == "cuda" and config.get("dtype", "auto") != "float32") else torch.float32
+    placement = placement or resolve_placement(config.get("device", "auto"), config.get("dtype", "auto"),
+                                               local_rank=d.local_rank if d.active else None)
+    device = placement.torch_device
     torch.manual_seed(recipe.seed)
-    model = DecisionModel.from_backbone_spec(config["model"], seed=config.get("model_seed", 0), dtype=dtype,
-                                             proj_dim=recipe.proj_dim, centring=recipe.centring)
-    model.to(device)
+    model = build_model(config, device=device, dtype=placement.torch_dtype, backbone=backbone)
     model.train()
     groups = model.param_groups()
     optimizer = torch.optim.AdamW(
@@ -337,7 +381,7 @@ def build_session(config: dict, samples: dict, d: Dist, *, objective_fn=None, re
     if d.active:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        wrapped = DDP(model, device_ids=[d.local_rank] if device.type == "cuda" else None)
+        wrapped = DDP(model, device_ids=[device.index or 0] if device.type == "cuda" else None)
     collator = Collator(model.tokenizer, model.image_processor, image_root=data_dir)
     return Session(recipe=recipe, horizon=int(config["decay_horizon"]), model=model, wrapped=wrapped,
                    optimizer=optimizer, collator=collator, records=by_id, dev=dev, sampler=Sampler(pool),
@@ -361,49 +405,20 @@ def init_centring(s: Session, n_batches: int = 4) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# run directory I/O
+# new and resumed runs
 
 
-class RunWriter:
-    """Rank-0-only writer of metrics.jsonl and checkpoints."""
-
-    def __init__(self, run_dir: Path, enabled: bool):
-        self.run_dir = Path(run_dir)
-        self.enabled = enabled
-
-    def log(self, row: dict) -> None:
-        if self.enabled:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(row, sort_keys=True) + "\n")
-
-    def checkpoint(self, name: str, s: Session, state: dict) -> None:
-        if self.enabled:
-            ckpt.save(self.run_dir / "checkpoints" / name, weights=s.model.trainable_state_dict(),
-                      optimizer=s.optimizer.state_dict(), state=state)
-
-
-def trim_metrics(path: Path, step: int) -> None:
-    """Drop log lines after `step` (written after the checkpoint a resume starts from)."""
-    if not path.is_file():
-        return
-    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
-    path.write_text("".join(ln + "\n" for ln in keep))
-
-
-def _check_resume(run_dir: Path, config: dict, samples: dict, steps: int | None, d: Dist) -> dict:
+def _check_resume(run: Run, config: dict, samples: dict, steps: int | None) -> dict:
     data_dir = Path(config["data_dir"])
     now = data_hashes(data_dir)
     if now != samples["files"]:
         changed = sorted(k for k in set(now) | set(samples["files"]) if now.get(k) != samples["files"].get(k))
-        raise ResumeRefused(f"refusing to resume {run_dir}: data files changed since the run started "
+        raise ResumeRefused(f"refusing to resume {run.root}: data files changed since the run started "
                             f"({', '.join(changed)} in {data_dir}); start a new run instead")
-    if config.get("world_size", 1) != d.world:
-        raise ResumeRefused(f"refusing to resume {run_dir}: it was started with world size "
-                            f"{config.get('world_size', 1)}, this launch has {d.world}")
     if steps is not None:
         old = config["recipe"]["steps"]
         if steps < old:
-            raise ResumeRefused(f"refusing to resume {run_dir}: --steps {steps} is smaller than the run's "
+            raise ResumeRefused(f"refusing to resume {run.root}: --steps {steps} is smaller than the run's "
                                 f"{old}; only a larger budget is allowed")
         config = json.loads(json.dumps(config))
         config["recipe"]["steps"] = steps
@@ -412,13 +427,13 @@ def _check_resume(run_dir: Path, config: dict, samples: dict, steps: int | None,
 
 def new_run(run_dir: Path, data_dir: Path, model: str, recipe: Recipe, *, model_seed: int = 0,
             world_size: int = 1, dtype: str = "auto", records=None) -> tuple[dict, dict]:
-    """Freeze config.json and samples.json for a fresh run (the caller writes them on rank 0)."""
+    """The config.json and samples.json of a fresh run (nothing is written here)."""
     from rlcd.data.sampling import dev_subset, eligible_pool
 
     data_dir = Path(data_dir).resolve()
     train, dev = records or _load_records(data_dir)
     if not train:
-        raise ValueError(f"{data_dir}/train.jsonl has no rows")
+        raise OptionError(f"{data_dir}/train.jsonl has no rows; nothing to train on")
     samples = {
         "train": eligible_pool(train, cap=recipe.pool_cap),
         "dev": dev_subset(dev, cap=recipe.dev_cap),
@@ -426,6 +441,7 @@ def new_run(run_dir: Path, data_dir: Path, model: str, recipe: Recipe, *, model_
     }
     config = {
         "recipe": recipe.to_dict(),
+        "recipe_deviations": recipe.deviations(),
         "decay_horizon": recipe.decay_horizon(),
         "model": model,
         "model_seed": model_seed,
@@ -439,6 +455,28 @@ def new_run(run_dir: Path, data_dir: Path, model: str, recipe: Recipe, *, model_
     return config, samples
 
 
+def check_data_dir(data_dir: Path) -> Path:
+    """A processed data directory with train.jsonl and dev.jsonl, else a one-line UserError."""
+    from rlcd.errors import RunError
+
+    data_dir = Path(data_dir).expanduser()
+    if not data_dir.is_dir():
+        raise RunError(f"--data {data_dir}: no such directory; make one with `rlcd data prepare FILES --out {data_dir}`")
+    missing = [f for f in ("train.jsonl", "dev.jsonl") if not (data_dir / f).is_file()]
+    if missing:
+        raise RunError(f"--data {data_dir}: not a processed data directory (no {', '.join(missing)}); make one "
+                       f"with `rlcd data prepare FILES --out {data_dir}`")
+    return data_dir.resolve()
+
+
+def deviation_notice(recipe: Recipe) -> str | None:
+    dev = recipe.deviations()
+    if not dev:
+        return None
+    parts = ", ".join(f"{k}={v['value']} (pinned {v['pinned']})" for k, v in dev.items())
+    return f"note: this run deviates from the pinned recipe: {parts}"
+
+
 # ----------------------------------------------------------------------------------------------
 # the loop
 
@@ -446,54 +484,75 @@ def new_run(run_dir: Path, data_dir: Path, model: str, recipe: Recipe, *, model_
 def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-0.8b",
           recipe: Recipe | None = None, resume: bool = False, steps: int | None = None,
           stop_after: int | None = None, progress: bool | None = None, model_seed: int = 0,
-          objective_fn: Callable | None = None) -> dict:
+          objective_fn: Callable | None = None, device: str = "auto", dtype: str = "auto",
+          backbone=None, print_fn: Callable[[str], None] = print) -> dict:
     """Train (or resume) the run at `run_dir`; returns the final state dict.
 
-    `stop_after` ends the process after that many updates without a final evaluation, as a kill
-    would (used to test resume equivalence).
+    Inputs are checked and the model is built before anything is written, so a failed start leaves
+    no run directory behind. `stop_after` ends the process after that many updates without a final
+    evaluation, as a kill would (used to test resume equivalence). `backbone` hands `build_model` a
+    ready backbone (tests, benchmarks).
     """
-    run_dir = Path(run_dir)
+    from rlcd.model.backbone import check_backbone_spec
+
+    run = Run(run_dir)
     d = init_distributed()
     records = None
     if resume:
-        if not (run_dir / "config.json").is_file():
-            raise ResumeRefused(f"refusing to resume {run_dir}: no config.json there")
-        config = json.loads((run_dir / "config.json").read_text())
-        samples = json.loads((run_dir / "samples.json").read_text())
-        config = _check_resume(run_dir, config, samples, steps, d)
+        if not run.exists():
+            raise ResumeRefused(f"refusing to resume {run.root}: no config.json there (start it with "
+                                f"`rlcd train {run.root} --data DATA`)")
+        config = run.config()
+        samples = run.samples()
+        config = _check_resume(run, config, samples, steps)
     else:
         if data_dir is None:
-            raise ValueError("a new run needs --data")
-        if (run_dir / "config.json").exists():
-            raise FileExistsError(f"{run_dir} already holds a run; use --resume or another --run")
+            raise OptionError("a new run needs --data (a processed data directory)")
+        if run.exists():
+            raise OptionError(f"{run.root} already holds a run; resume it with `rlcd train --resume {run.root}` "
+                              "or choose another run directory")
+        check_backbone_spec(model)
+        data_dir = check_data_dir(Path(data_dir))
         recipe = recipe or Recipe()
         if steps is not None:
             recipe = recipe.with_(steps=steps)
-        records = _load_records(Path(data_dir).resolve())
-        config, samples = new_run(run_dir, data_dir, model, recipe, model_seed=model_seed, world_size=d.world,
-                                  records=records)
-    writer = RunWriter(run_dir, enabled=d.main)
-    if d.main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        (run_dir / "samples.json").write_text(json.dumps(samples, indent=2, sort_keys=True))
-
-    s = build_session(config, samples, d, objective_fn=objective_fn, records=records)
+        local_accum(recipe.grad_accum, d.world, recipe.batch_size)
+        placement = resolve_placement(device, dtype, local_rank=d.local_rank if d.active else None)
+        records = _load_records(data_dir)
+        config, samples = new_run(run.root, data_dir, model, recipe, model_seed=model_seed, world_size=d.world,
+                                  dtype=dtype, records=records)
+    if resume:
+        placement = resolve_placement(device, dtype if dtype != "auto" else config.get("dtype", "auto"),
+                                      local_rank=d.local_rank if d.active else None)
+    s = build_session(config, samples, d, placement=placement, backbone=backbone, objective_fn=objective_fn,
+                      records=records)
     r = s.recipe
+    if d.main:
+        notice = deviation_notice(r)
+        if notice:
+            print_fn(notice)
+        print_fn(f"train: {run.root} on {describe(placement)}, {d.world} process(es), "
+                 f"{r.grad_accum // d.world} x {r.batch_size} examples per process per update")
     state = {"step": 0, "best_score": None, "best_step": None, "score": None, "consumed": {}}
     if resume:
-        loaded = ckpt.load(run_dir / "checkpoints" / "last", map_location=str(s.device))
+        loaded = ckpt.load(run.checkpoint("last"), map_location=str(s.device))
         s.model.load_trainable_state_dict(loaded["weights"])
         s.optimizer.load_state_dict(loaded["optimizer"])
         ckpt.set_rng_state(loaded["rng"])
         state.update({k: loaded["state"][k] for k in ("step", "best_score", "best_step", "score", "consumed")})
         s.consumed.update(state["consumed"])
         if d.main:
-            trim_metrics(run_dir / "metrics.jsonl", state["step"])
+            if steps is not None:
+                run.write_config(config)
+            run.trim_metrics(state["step"])
     else:
         init_centring(s)
         if d.main:
-            (run_dir / "metrics.jsonl").write_text("")
+            Run.create(run.root, config, samples)
+    if d.main:
+        run.log({"event": "session", "step": state["step"], "world_size": d.world, **placement.to_dict(),
+                 "resume": bool(resume)})
+    writer = RunWriter(run, enabled=d.main)
 
     def snapshot() -> dict:
         return {**state, "recipe": r.to_dict(), "consumed": dict(s.consumed), "world_size": d.world,
@@ -521,11 +580,7 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
     for step in range(start, r.steps):
         if stop_after is not None and step - start >= stop_after:
             break
-        lrs = s.set_lr(step)
-        diag_due = r.diagnostics_every > 0 and (step + 1) % r.diagnostics_every == 0
-        stats = s.accumulate(step, diagnostics=diag_due)
-        stats = reduce_stats(stats, d)
-        grad_norm = s.apply_update(trainable, stats, step, f" and {run_dir}/checkpoints/last is intact")
+        stats = s.update(step, trainable, where=f" and {run.checkpoint('last')} is intact")
         done = step + 1
         state["step"] = done
         window_examples += stats["_examples"]
@@ -533,10 +588,9 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
         if done % r.log_every == 0 or done == r.steps:
             now = time.perf_counter()
             dt = max(now - t_last, 1e-9)
-            row = {"event": "train", "step": done, "grad_norm": grad_norm, **lrs,
-                   **{k: v for k, v in stats.items() if not k.startswith("_")},
-                   "examples_per_s": window_examples / dt, "tokens_per_s": window_tokens / dt,
-                   "consumed": dict(sorted(s.consumed.items()))}
+            row = {"event": "train", "step": done, **{k: v for k, v in stats.items() if not k.startswith("_")},
+                   "examples": stats["_examples"], "examples_per_s": window_examples / dt,
+                   "tokens_per_s": window_tokens / dt, "consumed": dict(sorted(s.consumed.items()))}
             writer.log(row)
             t_last, window_examples, window_tokens = now, 0, 0
         bar.update(done, stats.get("loss"), stats.get("ce_loss"), state["score"])
@@ -548,6 +602,23 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
     if d.active:
         dist.barrier()
     return snapshot()
+
+
+class RunWriter:
+    """Rank-0-only writer of metrics.jsonl and checkpoints."""
+
+    def __init__(self, run: Run, enabled: bool):
+        self.run = run
+        self.enabled = enabled
+
+    def log(self, row: dict) -> None:
+        if self.enabled:
+            self.run.log(row)
+
+    def checkpoint(self, name: str, s: Session, state: dict) -> None:
+        if self.enabled:
+            ckpt.save(self.run.checkpoint(name), weights=s.model.trainable_state_dict(),
+                      optimizer=s.optimizer.state_dict(), state=state)
 
 
 class _Progress:

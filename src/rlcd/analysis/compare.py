@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from rlcd import metrics as _metrics
+from rlcd.run import Run
 
 METRICS: dict[str, Any] = {
     "nll": _metrics.nll,  # -sum t log max(p, 1e-12)
@@ -70,7 +71,7 @@ def _temperatures_of(evaluation: Mapping[str, Any]) -> dict[str, float] | None:
 
 def load_temperatures(run_dir: str | Path) -> dict[str, float] | None:
     """Per-type temperatures from ``run_dir/eval/evaluation.json`` (None when absent)."""
-    path = Path(run_dir) / "eval" / "evaluation.json"
+    path = Run(run_dir).evaluation_path
     if not path.exists():
         return None
     with path.open() as f:
@@ -87,7 +88,7 @@ def load_prediction_rows(run_dir: str | Path, split: str = "test", *, raw: bool 
     malformed row or a duplicate id.
     """
     run_dir = Path(run_dir)
-    path = run_dir / "eval" / f"predictions-{split}.jsonl"
+    path = Run(run_dir).predictions_path(split)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no predictions for split {split!r} (run `rlcd evaluate {run_dir}`)")
     temps = None if raw else load_temperatures(run_dir)

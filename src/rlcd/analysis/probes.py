@@ -45,6 +45,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from rlcd.run import Run
 from rlcd.schema import QUESTION_TYPES, Record
 
 ORDER_FORMAT = "rlcd.probe_order/1"
@@ -292,30 +293,28 @@ def probe_order(model, records: Sequence[Record], collator, *, max_perms: int = 
                               max_perms=max_perms, temperatures=temperatures, keep_rows=keep_rows)
 
 
-def load_run_model(run_dir: Path, *, device: Any = "cpu"):
+def load_run_model(run_dir: Path, *, placement: Any = None):
     """(merged model, temperatures, config) of a run: ``export/`` when present, else checkpoints/best."""
-    run_dir = Path(run_dir)
-    config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
-    if (run_dir / "export" / "model.json").is_file():
+    run = Run(run_dir)
+    config = run.config() if run.exists() else {}
+    if (run.export_dir / "model.json").is_file():
         from rlcd.export import load_export
 
-        model, meta = load_export(run_dir, device=device)
+        model, meta = load_export(run.root, placement=placement)
         return model, dict(meta.get("temperatures") or {}), config
     from rlcd.export import load_checkpoint_model
 
-    if not config:
-        raise FileNotFoundError(f"{run_dir} has neither export/model.json nor config.json")
-    model, config, _ = load_checkpoint_model(run_dir, "best", device=device)
+    run = Run.open(run_dir)
+    model, config, _ = load_checkpoint_model(run, "best", placement=placement)
     temps = {}
-    ev = run_dir / "eval" / "evaluation.json"
-    if ev.is_file():
-        temps = dict(json.loads(ev.read_text()).get("temperatures") or {})
+    if run.evaluation_path.is_file():
+        temps = dict(json.loads(run.evaluation_path.read_text()).get("temperatures") or {})
     return model, temps, config
 
 
 def probe_order_run(run_dir: Path, *, split: str = "test", limit: int | None = None, data_dir: Path | None = None,
                     max_perms: int = 8, calibrated: bool = False, batch_size: int = 32,
-                    device: Any = "cpu") -> dict[str, Any]:
+                    placement: Any = None) -> dict[str, Any]:
     """Load a run, read ``split`` of its data dir (or ``data_dir``) and run the order probe.
 
     ``limit`` keeps the first N choice records of the split (file order); other types are counted.
@@ -324,7 +323,8 @@ def probe_order_run(run_dir: Path, *, split: str = "test", limit: int | None = N
     from rlcd.model.collate import Collator
 
     run_dir = Path(run_dir)
-    model, temps, config = load_run_model(run_dir, device=device)
+    model, temps, config = load_run_model(run_dir, placement=placement)
+    device = model.device
     if data_dir is None:
         if "data_dir" not in config:
             raise ValueError(f"{run_dir}/config.json names no data_dir; pass the processed data dir")
@@ -346,7 +346,8 @@ def probe_order_run(run_dir: Path, *, split: str = "test", limit: int | None = N
     collator = Collator(model.tokenizer, model.image_processor, image_root=data_dir)
     out = probe_order(model, records, collator, max_perms=max_perms, device=device, batch_size=batch_size,
                       temperatures=temps if calibrated else None)
-    out.update(run=str(run_dir), split=split, data_dir=str(data_dir), limit=limit, calibrated=calibrated)
+    out.update(run=str(run_dir), split=split, data_dir=str(data_dir), limit=limit, calibrated=calibrated,
+               placement=model.placement)
     return out
 
 
@@ -464,12 +465,12 @@ def probe_noise_run(run_dir: Path, sigma: float | None = None, *, split: str = "
     from rlcd.report import read_jsonl
 
     run_dir = Path(run_dir)
-    path = run_dir / "eval" / f"predictions-{split}.jsonl"
+    path = Run(run_dir).predictions_path(split)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: run `rlcd evaluate {run_dir}` first")
     trained_sigma = trained_objective = None
-    if (run_dir / "config.json").is_file():
-        recipe = json.loads((run_dir / "config.json").read_text()).get("recipe", {})
+    if Run(run_dir).exists():
+        recipe = Run(run_dir).config().get("recipe", {})
         trained_sigma, trained_objective = recipe.get("sigma"), recipe.get("objective")
     if sigma is None:
         if trained_sigma is None:

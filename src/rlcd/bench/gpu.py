@@ -152,28 +152,6 @@ def build_backbone(config: Any, tokenizer: Any, *, preset: str, seed: int = 0, d
     return bb.Backbone(model, tokenizer, ip, bb._info(preset, "random", model, tokenizer, seed=int(seed)))
 
 
-@contextlib.contextmanager
-def backbone_spec(name: str, factory: Callable[..., Any]):
-    """Within the block, the backbone spec `name` resolves to `factory(dtype=, seed=)` in DecisionModel.
-
-    Lets the unmodified session builder (`rlcd.train.build_session`) build the custom-shaped model.
-    """
-    import rlcd.model.decision as dec
-
-    original = dec.load_backbone
-
-    def patched(spec, *args, **kw):
-        if spec == name:
-            return factory(dtype=kw.get("dtype", torch.float32), seed=kw.get("seed", 0))
-        return original(spec, *args, **kw)
-
-    dec.load_backbone = patched
-    try:
-        yield
-    finally:
-        dec.load_backbone = original
-
-
 # ----------------------------------------------------------------------------------------------
 # measurements
 
@@ -265,17 +243,19 @@ def run_gpu_bench(out_dir: str | Path, *, dry_run: bool = False, seed: int = 0, 
     from rlcd.bench.prefix import run_prefix_bench
     from rlcd.bench.report import machine_info, save_result
     from rlcd.bench.train import bench_session, make_bench_data, time_updates
+    from rlcd.device import resolve_placement
 
     t_start = time.perf_counter()
     sizes = DRY if dry_run else FULL
     if dry_run:
         if torch.cuda.is_available():
             raise RuntimeError("--dry-run must not see CUDA (gpu.sh hides it with CUDA_VISIBLE_DEVICES='')")
-        device, dtype = torch.device("cpu"), torch.float32
+        placement = resolve_placement("cpu")
     else:
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA device is visible: run on the GPU machine, or use --dry-run on a CPU")
-        device, dtype = torch.device("cuda", 0), torch.bfloat16
+        placement = resolve_placement("auto")  # the device policy itself: CUDA + bfloat16 backbone
+    device, dtype = placement.torch_device, placement.torch_dtype
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     command = command or os.environ.get("RLCD_BENCH_COMMAND") or " ".join(["python -m rlcd.bench.gpu", *sys.argv[1:]])
@@ -340,8 +320,8 @@ def run_gpu_bench(out_dir: str | Path, *, dry_run: bool = False, seed: int = 0, 
                 from rlcd.recipe import Recipe
 
                 recipe = Recipe(seed=seed, batch_size=sizes["train_batch"], grad_accum=sizes["train_accum"])
-                with backbone_spec(name, factory):
-                    s = bench_session(data, name, seed=seed, workdir=Path(tmp), recipe=recipe)
+                s = bench_session(data, name, seed=seed, workdir=Path(tmp), recipe=recipe,
+                                  placement=placement, backbone=factory(dtype=placement.torch_dtype, seed=0))
                 build_s = time.perf_counter() - t0
                 dm = s.model
                 counts = param_counts(dm)

@@ -67,7 +67,8 @@ def make_questions(n: int, seed: int = 0) -> list[Question]:
 def run_prefix_bench(model: str = "tiny", questions: int = 32, state_tokens: int = 512, repeats: int = 5,
                      hidden: int | None = None, seed: int = 0, *, logit_std: float | None = None,
                      exact: bool = False,
-                     print_fn: Callable[[str], None] | None = print, decision_model: Any = None) -> dict:
+                     print_fn: Callable[[str], None] | None = print, decision_model: Any = None,
+                     placement: Any = None) -> dict:
     """Run the benchmark; returns the numbers (and prints them unless `print_fn` is None).
 
     The head is the model's own random head with its centring buffers set on a small synthetic batch.
@@ -75,11 +76,16 @@ def run_prefix_bench(model: str = "tiny", questions: int = 32, state_tokens: int
     differences scale with them: compare `rel_diff`, or `tol_ok` = within atol 1e-4 + rtol 1e-5).
     `exact` runs `score_case(exact=True)` (cut on the DeltaNet chunk grid).
     """
-    from ..model.decision import DecisionModel
-
     dm = decision_model
     if dm is None:
-        dm = DecisionModel.from_backbone_spec(model, seed=seed, hidden=hidden)
+        from ..device import resolve_placement
+        from ..model.backbone import load_backbone
+        from ..model.build import build_model
+
+        pl = placement or resolve_placement("cpu")
+        bb = load_backbone(model, seed=seed, hidden=hidden, dtype=pl.torch_dtype, device=pl.torch_device)
+        dm = build_model({"model": model, "model_seed": seed, "recipe": {}}, device=pl.torch_device,
+                         dtype=pl.torch_dtype, backbone=bb)
     dm.eval()
     with torch.no_grad():
         _centre_on_request(dm, seed, logit_std)
@@ -115,6 +121,7 @@ def run_prefix_bench(model: str = "tiny", questions: int = 32, state_tokens: int
     res = {
         "model": model if decision_model is None else dm.info.get("preset"),
         "hidden": dm.info.get("hidden_size"),
+        "placement": dm.placement,
         "questions": b,
         "state_tokens": state_tokens,
         "prefix_tokens": p,

@@ -20,12 +20,9 @@ import math
 import os
 import platform
 from pathlib import Path
-from typing import Annotated, Any, Optional
-
-try:  # the CLI layer; the GPU image may lack it, and nothing but the command functions needs it
-    import typer
-except ImportError:  # pragma: no cover
-    typer = None  # type: ignore[assignment]
+import shlex
+import sys
+from typing import Any
 
 RESULTS_DIR = Path("benchmarks/results")
 BENCHMARKS_MD = Path("benchmarks/BENCHMARKS.md")
@@ -33,7 +30,7 @@ ORDER = ("prefix", "train", "serve", "gpu")
 
 # how to produce each known bench (shown when its JSON is missing)
 HOW = {
-    "prefix": "python -m rlcd.bench.report prefix --json benchmarks/results/prefix.json",
+    "prefix": "rlcd bench prefix --json benchmarks/results/prefix.json",
     "train": "rlcd bench train --model tiny --json benchmarks/results/train.json",
     "serve": "rlcd bench serve --run RUN --json benchmarks/results/serve.json",
     "gpu": "bash benchmarks/gpu.sh",
@@ -305,45 +302,16 @@ def write_benchmarks_md(results_dir: str | Path = RESULTS_DIR, out: str | Path =
     return out
 
 
-def bench_report_command(
-    results_dir: Annotated[Path, typer.Option(help="directory of bench JSON files")] = RESULTS_DIR,
-    out: Annotated[Path, typer.Option(help="Markdown file to write")] = BENCHMARKS_MD,
-) -> None:
-    """Regenerate benchmarks/BENCHMARKS.md from the bench JSON files (command + machine per table)."""
-    path = write_benchmarks_md(results_dir, out)
-    print(f"wrote {path} from {len(load_results(results_dir))} result file(s) in {results_dir}")
-
-
-def bench_prefix_command(
-    model: Annotated[str, typer.Option(help="backbone preset or local dir")] = "tiny",
-    questions: Annotated[int, typer.Option(help="questions in the request")] = 32,
-    state_tokens: Annotated[int, typer.Option(help="approximate state length in tokens")] = 512,
-    repeats: Annotated[int, typer.Option(help="timed repeats (median)")] = 5,
-    seed: Annotated[int, typer.Option()] = 0,
-    threads: Annotated[Optional[int], typer.Option(help="torch threads (default: torch's)")] = None,
-    json_out: Annotated[Path, typer.Option("--json", help="result JSON (bench format)")] = RESULTS_DIR / "prefix.json",
-) -> None:
-    """`run_prefix_bench` (shared prefix vs row-by-row forwards), saved with `save_result`."""
-    import shlex
-
-    from rlcd.bench.prefix import run_prefix_bench
-    from rlcd.bench.train import invocation
-
-    if threads:
-        import torch
-
-        torch.set_num_threads(int(threads))
-    res = run_prefix_bench(model=model, questions=questions, state_tokens=state_tokens, repeats=repeats, seed=seed)
-    cmd = invocation(shlex.join(["rlcd", "bench", "prefix", "--json", str(json_out)]))
-    save_result("prefix", cmd, res, path=json_out)
+def invocation(default: str) -> str:
+    """The command line that is running now, when it is `rlcd ...` or `python -m rlcd.bench...`."""
+    argv0 = Path(sys.argv[0]).name if sys.argv else ""
+    if argv0 == "rlcd":
+        return shlex.join(["rlcd", *sys.argv[1:]])
+    if sys.argv and sys.argv[0].endswith("rlcd/bench/gpu.py"):
+        mod = "rlcd.bench." + Path(sys.argv[0]).stem
+        return shlex.join(["python", "-m", mod, *sys.argv[1:]])
+    return default
 
 
 __all__ = ["save_result", "result_record", "machine_info", "machine_line", "load_results", "write_benchmarks_md",
-           "render_benchmarks_md", "bench_report_command", "bench_prefix_command"]
-
-
-if __name__ == "__main__":  # python -m rlcd.bench.report [md|prefix] ...
-    _app = typer.Typer(add_completion=False, no_args_is_help=True)
-    _app.command("md")(bench_report_command)
-    _app.command("prefix")(bench_prefix_command)
-    _app()
+           "render_benchmarks_md", "invocation"]

@@ -27,9 +27,8 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Any
 
-import typer
 
 MALFORMED_KINDS = (
     "bad_json", "not_object", "missing_state", "empty_questions", "unknown_type", "too_few_candidates",
@@ -272,14 +271,16 @@ def format_line(s: dict, sizes: tuple[int, ...]) -> str:
 
 def run_serve_bench(run: Any, requests: int = 1000, concurrency: int = 16, malformed: float = 0.10,
                     sizes: tuple[int, ...] = (1, 5, 50), seed: int = 0, port: int = 0, *,
-                    timeout: float = 60.0, total_timeout: float = 900.0, verbose: bool = True) -> dict[str, Any]:
+                    timeout: float = 60.0, total_timeout: float = 900.0, verbose: bool = True,
+                    placement: Any = None) -> dict[str, Any]:
     """Serve `run` (a run/export dir, or a `Predictor`) on loopback, send the load, return the summary.
 
     The server runs with the default `Limits`, except `max_questions` is raised to the largest size
     when that exceeds the default. It always stops before returning.
     """
-    from ..predict import Limits, Predictor
+    from ..predict import Predictor
     from ..server import create_app
+    from ..serving.limits import Limits
 
     if requests < 1 or concurrency < 1 or not 0 <= malformed <= 1:
         raise ValueError("need requests >= 1, concurrency >= 1 and 0 <= malformed <= 1")
@@ -287,7 +288,8 @@ def run_serve_bench(run: Any, requests: int = 1000, concurrency: int = 16, malfo
     limits = Limits()
     if max(sizes) > limits.max_questions:
         limits = limits.with_(max_questions=max(sizes))
-    predictor = run if isinstance(run, Predictor) else Predictor.from_run(Path(run), limits=limits)
+    predictor = run if isinstance(run, Predictor) else Predictor.from_run(Path(run), limits=limits,
+                                                                          placement=placement)
     app = create_app(predictor, limits=limits)
     plan = plan_requests(requests, malformed=malformed, sizes=sizes, seed=seed, max_questions=limits.max_questions)
     with BackgroundServer(app, port=port) as server:
@@ -295,7 +297,8 @@ def run_serve_bench(run: Any, requests: int = 1000, concurrency: int = 16, malfo
                                           total_timeout=total_timeout))
     summary = summarise(results, wall, sizes)
     summary.update({"concurrency": concurrency, "malformed_fraction": malformed, "seed": seed,
-                    "model": predictor.name, "sizes": list(sizes)})
+                    "model": predictor.name, "sizes": list(sizes),
+                    "placement": getattr(predictor.model, "placement", None)})
     if verbose:
         print(f"bench serve: model={predictor.name} requests={requests} concurrency={concurrency} "
               f"malformed={malformed:.0%} sizes={'/'.join(map(str, sizes))} (loopback, requests serialised)")
@@ -312,33 +315,5 @@ def run_serve_bench(run: Any, requests: int = 1000, concurrency: int = 16, malfo
     return summary
 
 
-def bench_serve_command(
-    run: Annotated[Path, typer.Option("--run", help="run directory (or its export/ directory)")],
-    requests: Annotated[int, typer.Option(help="requests to send")] = 1000,
-    concurrency: Annotated[int, typer.Option(help="requests in flight at most")] = 16,
-    malformed: Annotated[float, typer.Option(help="fraction of deliberately malformed requests")] = 0.10,
-    sizes: Annotated[str, typer.Option(help="questions per request, comma-separated, used in turn")] = "1,5,50",
-    seed: Annotated[int, typer.Option()] = 0,
-    port: Annotated[int, typer.Option(help="loopback port (0 = a free one)")] = 0,
-    timeout: Annotated[float, typer.Option(help="per-request timeout in seconds")] = 60.0,
-    total_timeout: Annotated[float, typer.Option(help="time bound of the whole load in seconds")] = 900.0,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the summary here")] = None,
-) -> None:
-    """Start the server on loopback, send a bounded mixed load, print latency/throughput/error counts."""
-    try:
-        size_t = tuple(int(x) for x in sizes.split(",") if x.strip())
-    except ValueError:
-        raise typer.BadParameter("--sizes must be comma-separated integers, e.g. 1,5,50") from None
-    summary = run_serve_bench(run, requests=requests, concurrency=concurrency, malformed=malformed, sizes=size_t,
-                              seed=seed, port=port, timeout=timeout, total_timeout=total_timeout)
-    if json_out is not None:
-        from rlcd.bench.report import save_result
-        from rlcd.bench.train import invocation
-
-        save_result("serve", invocation(f"rlcd bench serve --run {run} --json {json_out}"), summary, path=json_out)
-    if summary["c5xx"] or summary["crashes"]:
-        raise typer.Exit(1)
-
-
-__all__ = ["run_serve_bench", "bench_serve_command", "BackgroundServer", "plan_requests", "MALFORMED_KINDS",
+__all__ = ["run_serve_bench", "BackgroundServer", "plan_requests", "MALFORMED_KINDS",
            "summarise", "format_line"]

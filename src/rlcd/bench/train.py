@@ -33,13 +33,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
-try:  # the CLI layer; the GPU image may lack it, and nothing but the command functions needs it
-    import typer
-except ImportError:  # pragma: no cover
-    typer = None  # type: ignore[assignment]
 
 PARTS = ("data", "forward", "objective", "backward", "optimizer", "other")
 OBJECTIVE_SHARE_TARGET = 0.01
@@ -84,15 +80,17 @@ def make_bench_data(out_dir: Path, *, cases: int = 80, seed: int = 0, state_toke
 
 
 def bench_session(data_dir: Path, model: str, *, seed: int = 0, workdir: Path | None = None,
-                  recipe: Any = None) -> Any:
-    """A training `Session` built by the same functions as `rlcd train` (recipe defaults: batch 8 x 4)."""
+                  recipe: Any = None, placement: Any = None, backbone: Any = None) -> Any:
+    """A training `Session` built by the same functions as `rlcd train` (recipe defaults: batch 8 x 4).
+
+    `backbone`: a ready backbone handed to `build_model` (the GPU bench's 0.8B-shaped model)."""
     from rlcd.recipe import Recipe
     from rlcd.train import Dist, build_session, init_centring, new_run
 
     recipe = recipe or Recipe(seed=seed)
     run_dir = Path(workdir or tempfile.gettempdir()) / "bench-run"
     config, samples = new_run(run_dir, Path(data_dir), model, recipe)
-    s = build_session(config, samples, Dist())
+    s = build_session(config, samples, Dist(), placement=placement, backbone=backbone)
     init_centring(s)
     s.bench_pool = samples["train"]  # for the sampler micro-benchmark
     return s
@@ -112,13 +110,10 @@ def _clock(device: torch.device) -> Callable[[], float]:
 
 
 def timed_update(s: Any, step: int, tick: Callable[[], float], trainable: list | None = None) -> dict[str, Any]:
-    """One optimizer update of `rlcd.train.train` -- the very same `Session` calls -- with per-part times (s).
+    """One optimizer update -- `Session.update`, the very call `train()` makes -- with per-part times (s).
 
     `trainable` is the parameter list `train()` builds once before its loop (built here if not given).
     """
-    from rlcd.train import reduce_stats
-
-    r = s.recipe
     t = dict.fromkeys(PARTS, 0.0)
     if trainable is None:
         trainable = [p for ps in s.model.param_groups().values() for p in ps]
@@ -130,13 +125,7 @@ def timed_update(s: Any, step: int, tick: Callable[[], float], trainable: list |
         t[part] += now - last
         last = now
 
-    s.set_lr(step)
-    diag_due = r.diagnostics_every > 0 and (step + 1) % r.diagnostics_every == 0
-    stats = s.accumulate(step, diagnostics=diag_due, mark=mark)
-    stats = reduce_stats(stats, s.dist)
-    mark("other")
-    s.apply_update(trainable, stats, step, " (bench)")
-    mark("optimizer")
+    stats = s.update(step, trainable, where=" (bench)", mark=mark)
     return {"parts": t, "wall": last - t0, "tokens": stats["_tokens"], "examples": stats["_examples"],
             "loss": stats.get("loss")}
 
@@ -219,7 +208,7 @@ def _loadavg() -> float | None:
 
 def run_train_bench(model: str = "tiny", updates: int = 20, seed: int = 0, data_dir: Path | str | None = None, *,
                     warmup: int = 2, cases: int = 80, sampler_calls: int = 20_000, threads: int | None = None,
-                    print_fn: Callable[[str], None] | None = print) -> dict:
+                    placement: Any = None, print_fn: Callable[[str], None] | None = print) -> dict:
     """Build the session, time `updates` updates after `warmup`, run the sampler benchmark; return numbers."""
     if threads:
         torch.set_num_threads(int(threads))
@@ -227,7 +216,7 @@ def run_train_bench(model: str = "tiny", updates: int = 20, seed: int = 0, data_
     with tempfile.TemporaryDirectory(prefix="rlcd-bench-train-") as tmp:
         t0 = time.perf_counter()
         data = Path(data_dir) if data_dir is not None else make_bench_data(Path(tmp), cases=cases, seed=seed)
-        s = bench_session(data, model, seed=seed, workdir=Path(tmp))
+        s = bench_session(data, model, seed=seed, workdir=Path(tmp), placement=placement)
         build_s = time.perf_counter() - t0
         loop = time_updates(s, updates, warmup)
         samp = sampler_bench(s.bench_pool, calls=sampler_calls, batch_size=s.recipe.batch_size, seed=seed)
@@ -242,6 +231,7 @@ def run_train_bench(model: str = "tiny", updates: int = 20, seed: int = 0, data_
         "seed": seed,
         "threads": torch.get_num_threads(),
         "load_avg_1m_before": load_before,
+        "placement": s.model.placement,
         "build_s": build_s,
         **loop,
         "sampler": samp,
@@ -279,41 +269,5 @@ def format_report(res: dict) -> list[str]:
     return lines
 
 
-def invocation(default: str) -> str:
-    """The command line that is running now, when it is `rlcd ...` or `python -m rlcd.bench...`."""
-    argv0 = Path(sys.argv[0]).name if sys.argv else ""
-    if argv0 == "rlcd":
-        return shlex.join(["rlcd", *sys.argv[1:]])
-    if sys.argv and sys.argv[0].endswith(("rlcd/bench/train.py", "rlcd/bench/report.py", "rlcd/bench/gpu.py")):
-        mod = "rlcd.bench." + Path(sys.argv[0]).stem
-        return shlex.join(["python", "-m", mod, *sys.argv[1:]])
-    return default
-
-
-def bench_train_command(
-    model: Annotated[str, typer.Option(help="backbone preset (tiny, tiny-toy, ...) or local dir")] = "tiny",
-    updates: Annotated[int, typer.Option(help="measured optimizer updates")] = 20,
-    warmup: Annotated[int, typer.Option(help="warm-up updates run first and excluded")] = 2,
-    seed: Annotated[int, typer.Option()] = 0,
-    data: Annotated[Optional[Path], typer.Option(help="processed data dir (default: generated synth data)")] = None,
-    sampler_calls: Annotated[int, typer.Option(help="microbatch calls of the sampler benchmark")] = 20_000,
-    threads: Annotated[Optional[int], typer.Option(help="torch threads (default: torch's)")] = None,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the result JSON (bench format) here")] = None,
-) -> None:
-    """Time the parts of a training update (data, forward, objective, backward, optimizer) and the sampler."""
-    res = run_train_bench(model=model, updates=updates, seed=seed, data_dir=data, warmup=warmup,
-                          sampler_calls=sampler_calls, threads=threads)
-    if json_out is not None:
-        from rlcd.bench.report import save_result
-
-        cmd = invocation(shlex.join(["rlcd", "bench", "train", "--model", model, "--updates", str(updates),
-                                     "--json", str(json_out)]))
-        save_result("train", cmd, res, path=json_out)
-
-
-__all__ = ["run_train_bench", "bench_train_command", "time_updates", "timed_update", "sampler_bench",
-           "make_bench_data", "bench_session", "PARTS"]
-
-
-if __name__ == "__main__":  # python -m rlcd.bench.train ...
-    typer.run(bench_train_command)
+__all__ = ["run_train_bench", "time_updates", "timed_update", "sampler_bench", "make_bench_data", "bench_session",
+           "PARTS"]

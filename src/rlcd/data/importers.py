@@ -16,12 +16,14 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from rlcd.data.io import read_jsonl, sha256_bytes, sha256_file
+from rlcd.errors import UserError
 from rlcd.schema import Question, Record, RecordError, parse_question, parse_record
 
 Exclusion = dict[str, Any]
@@ -73,12 +75,23 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
             yield n, row
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(?::[\w.-]+)?")
+
+
+def is_hub_id(text: str) -> bool:
+    """`owner/name[:split]` that is not an existing path: a Hugging Face hub dataset id."""
+    return not Path(text).exists() and bool(HUB_ID.fullmatch(text))
+
+
 def _hub_rows(name: str) -> Iterator[tuple[int, Any]]:
+    if not is_hub_id(name):
+        raise UserError(f"{name}: no such file (a hub dataset id looks like owner/name[:split])")
     spec, _, split = name.partition(":")
     try:
         import datasets
     except ImportError:
-        raise FileNotFoundError(f"{name}: no such file (and `datasets` is not installed to load a hub id)") from None
+        raise UserError(f"--input {name} is a hub dataset id; reading it needs the optional `datasets` library: "
+                        "pip install 'rlcd[hub]'") from None
     yield from enumerate(datasets.load_dataset(spec, split=split or "train"), start=1)
 
 

@@ -76,3 +76,9 @@ def load_records(path: str | Path) -> list[Record]:
 def load_split(processed_dir: str | Path, split: str) -> list[Record]:
     """The records of `<processed_dir>/<split>.jsonl` (train, dev, calibration or test)."""
     return load_records(Path(processed_dir) / f"{split}.jsonl")
+
+
+def excluded_path(out: str | Path) -> Path:
+    """Where an import writes the exclusions of records file `out`: `<stem>.excluded.jsonl` beside it."""
+    out = Path(out)
+    return out.with_name(f"{out.stem}.excluded.jsonl")

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import UserError
 from ..schema import MARKER_TOKEN
 from .tokenizer import fix_tokenizer, load_tokenizer, qwen_tokenizer, special_ids, toy_tokenizer, vocab_name
 
@@ -77,6 +78,10 @@ _VOLATILE_CONFIG_KEYS = {
     "_attn_implementation_autoset", "_attn_implementation_internal", "_commit_hash", "architectures",
     "output_attentions", "output_hidden_states", "use_cache", "_experts_implementation",
 }
+
+
+class BackboneError(UserError, ValueError, RuntimeError):
+    """A backbone that cannot be found or loaded as named (unknown preset, missing dir, hub offline)."""
 
 
 @dataclass
@@ -275,13 +280,13 @@ def build_random(preset: str = "tiny", *, hidden: int | None = None, seed: int =
     return Backbone(model, tok, ip, _info(preset, "random", model, tok, seed=int(seed)))
 
 
-def _hub_error(name: str, hub_id: str, revision: str | None, err: BaseException) -> RuntimeError:
+def _hub_error(name: str, hub_id: str, revision: str | None, err: BaseException) -> BackboneError:
     offline = os.environ.get("HF_HUB_OFFLINE", "0")
     rev = f" --revision {revision}" if revision else ""
     cause = f"{type(err).__name__}: {err}".strip()
     if len(cause) > 400:
         cause = cause[:400] + "..."
-    return RuntimeError(
+    return BackboneError(
         f"cannot load backbone {name!r} ({hub_id}{'@' + revision if revision else ''}): no network / "
         f"Hugging Face hub is reachable from here (HF_HUB_OFFLINE={offline}) and the model is not in the "
         f"local hub cache. Point --model at a local directory instead (a save_pretrained copy): on a "
@@ -316,7 +321,7 @@ def _load_local(path: Path, *, dtype: torch.dtype, device: Any) -> Backbone:
     from transformers import Qwen2VLImageProcessorPil, Qwen3_5ForConditionalGeneration
 
     if not (path / "config.json").is_file():
-        raise RuntimeError(f"{path} is not a model directory (no config.json); make one with save_backbone()")
+        raise BackboneError(f"{path} is not a model directory (no config.json); make one with save_backbone()")
     model = Qwen3_5ForConditionalGeneration.from_pretrained(str(path), dtype=dtype)
     model.to(device).eval()
     tok = load_tokenizer(path)
@@ -356,12 +361,25 @@ def load_backbone(spec: str = DEFAULT_PRESET, *, dtype: torch.dtype = torch.floa
         hub_id, _, rev = spec.partition("@")
         try:
             return _load_hub(spec, hub_id, rev or None, dtype=dtype, device=device, cache_dir=cache_dir)
-        except RuntimeError as e:
-            raise RuntimeError(f"{e} (if {spec!r} was meant as a local directory: it does not exist)") from e.__cause__
-    raise ValueError(
-        f"unknown backbone {spec!r}: use a preset ({', '.join(PRESETS)}), a local directory made by "
-        f"save_backbone / save_pretrained, or a hub id owner/name[@revision]"
-    )
+        except BackboneError as e:
+            raise BackboneError(f"{e} (if {spec!r} was meant as a local directory: it does not exist)") from e.__cause__
+    raise BackboneError(unknown_backbone_message(spec))
+
+
+def unknown_backbone_message(spec: Any) -> str:
+    return (f"unknown backbone {str(spec)!r}: use a preset ({', '.join(PRESETS)}), a local model directory, "
+            "or a hub id owner/name[@revision]")
+
+
+def check_backbone_spec(spec: str) -> str:
+    """Cheap check that `spec` names a backbone (no loading): preset, existing directory or hub id."""
+    if spec in PRESETS or Path(spec).expanduser().is_dir():
+        return spec
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and not spec.endswith("/"):
+        return spec  # a hub id; whether it loads offline is only known when loading
+    if Path(spec).expanduser().exists():
+        raise BackboneError(f"{spec} is not a model directory")
+    raise BackboneError(unknown_backbone_message(spec))
 
 
 def save_backbone(backbone: Backbone, directory: str | Path) -> Path:

@@ -26,12 +26,12 @@ import torch
 from torch import nn
 
 from ..schema import Question
-from .backbone import LORA_TARGET_REGEX, Backbone, freeze_all, load_backbone
+from .backbone import LORA_TARGET_REGEX, Backbone, freeze_all
 from .collate import Batch, n_image_tokens, pad_rows, process_images
 from .head import CandidateScorer
 from .prompt import DEFAULT_MAX_TOKENS, DEFAULT_NOUL, EncodedRow, PromptEncoder
 
-LORA_R, LORA_ALPHA, LORA_DROPOUT = 8, 16, 0.0
+LORA_DROPOUT = 0.0
 # DeltaNet chunk length for the short suffix calls of score_case (transformers' reference kernel
 # defaults to 64 and pads every row to a multiple of it; 32 is 10-18% faster for 30-80 token
 # suffixes on CPU). Passed through the model's **kwargs; ignored by kernels that do not take it.
@@ -142,8 +142,9 @@ def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
 class DecisionModel(nn.Module):
     """Backbone + LoRA + CandidateScorer. Takes ownership of `backbone.model` (peft wraps it in place)."""
 
-    def __init__(self, backbone: Backbone, *, lora: bool = True, proj_dim: int = 256,
-                 centring: str = "running_mean", seed: int = 0, max_tokens: int = DEFAULT_MAX_TOKENS):
+    def __init__(self, backbone: Backbone, *, lora: bool = True, lora_rank: int = 8, lora_alpha: float = 16,
+                 proj_dim: int = 256, centring: str = "running_mean", seed: int = 0,
+                 max_tokens: int = DEFAULT_MAX_TOKENS):
         super().__init__()
         self.backbone_info = dict(backbone.info)
         self.tokenizer = backbone.tokenizer
@@ -155,13 +156,13 @@ class DecisionModel(nn.Module):
         if lora:
             from peft import LoraConfig, get_peft_model
 
-            cfg = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=LORA_DROPOUT, bias="none",
+            cfg = LoraConfig(r=int(lora_rank), lora_alpha=lora_alpha, lora_dropout=LORA_DROPOUT, bias="none",
                              target_modules=LORA_TARGET_REGEX)
             with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
                 torch.manual_seed(seed)
                 model = get_peft_model(model, cfg)
-            self.lora_config = {"r": LORA_R, "alpha": LORA_ALPHA, "dropout": LORA_DROPOUT,
+            self.lora_config = {"r": int(lora_rank), "alpha": lora_alpha, "dropout": LORA_DROPOUT,
                                 "target_modules": LORA_TARGET_REGEX}
         self.backbone = model
         hidden = int(self._core().config.text_config.hidden_size)
@@ -181,12 +182,6 @@ class DecisionModel(nn.Module):
         self.train(False)
 
     # ------------------------------------------------------------------ construction helpers
-    @classmethod
-    def from_backbone_spec(cls, spec: str, *, dtype: torch.dtype = torch.float32, device: Any = "cpu",
-                           seed: int = 0, hidden: int | None = None, **kw: Any) -> "DecisionModel":
-        bb = load_backbone(spec, dtype=dtype, device=device, seed=seed, hidden=hidden)
-        return cls(bb, seed=seed, **kw)
-
     def _causal_lm(self) -> nn.Module:
         m = self.backbone
         return m.get_base_model() if hasattr(m, "get_base_model") else m
@@ -202,6 +197,12 @@ class DecisionModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.head.w_d.weight.device
+
+    @property
+    def placement(self) -> dict[str, str]:
+        """Where the model runs: {"device": "cuda:0", "dtype": "bfloat16"} (the backbone's; the scorer is FP32)."""
+        dtype = next(self.backbone.parameters()).dtype
+        return {"device": str(self.device), "dtype": str(dtype).replace("torch.", "")}
 
     def train(self, mode: bool = True) -> "DecisionModel":
         super().train(mode)

@@ -1,4 +1,4 @@
-"""CLI of the analysis suite: ``rlcd analyze toy-bias`` and the ``rlcd compare`` command function.
+"""`rlcd analyze toy-bias`, `rlcd compare`, `rlcd sweep`, `rlcd probe order|noise`: the analysis suite.
 
 Heavy imports (torch, matplotlib) happen inside the commands so importing this module stays cheap.
 """
@@ -12,7 +12,10 @@ from typing import Annotated, Any, Optional, Union
 
 import typer
 
+from rlcd.cli._common import DeviceOpt, DType, DTypeOpt, placement
+
 analyze_app = typer.Typer(help="Model-free analyses (toy bias of the smoothed score).", no_args_is_help=True)
+probe_app = typer.Typer(help="Probes of a trained run: candidate order, noise over-sharpening.", no_args_is_help=True)
 
 
 @analyze_app.callback()
@@ -29,7 +32,7 @@ def _floats(text: str, name: str) -> list[float]:
 
 
 @analyze_app.command("toy-bias")
-def toy_bias_command(
+def toy_bias(
     out: Annotated[Optional[Path], typer.Option(help="write toy_bias.json and toy_bias.png here")] = None,
     sigmas: Annotated[str, typer.Option(help="comma-separated noise scales")] = "0,0.25,0.5,1,2,4",
     rewards: Annotated[str, typer.Option(help="comma-separated: log, full")] = "log,full",
@@ -86,7 +89,7 @@ def _run_dirs(value: Union[str, Path, list, tuple]) -> list[Path]:
     return out
 
 
-def compare_command(
+def compare(
     run_a: Annotated[str, typer.Argument(help="run dir of side A (several: comma-separated, pooled per row)")],
     run_b: Annotated[str, typer.Argument(help="run dir of side B (several: comma-separated, pooled per row)")],
     metric: Annotated[str, typer.Option(help="nll | brier | accuracy")] = "nll",
@@ -96,11 +99,11 @@ def compare_command(
     grouped: Annotated[bool, typer.Option(help="resample whole isolation groups (case_id / id prefix before ':')")] = False,
     json_out: Annotated[Optional[Path], typer.Option(help="also write the JSON result to this file")] = None,
     raw: Annotated[bool, typer.Option(help="compare raw logits (ignore the fitted temperatures)")] = False,
-) -> dict[str, Any]:
+) -> None:
     """Paired bootstrap of a per-row metric between runs A and B: difference B - A, 95% CI, p-value.
 
-    ``run_a`` / ``run_b`` may be a comma-separated string (CLI) or a list of paths (Python). Prints a
-    short human summary on stderr and the JSON result on stdout; returns the result.
+    RUN_A / RUN_B may list several runs, comma-separated (pooled per row). Prints a short human summary
+    on stderr and the JSON result on stdout.
     """
     from rich.console import Console
 
@@ -120,7 +123,6 @@ def compare_command(
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(text + "\n")
-    return result
 
 
 # ----------------------------------------------------------------------------------------------
@@ -148,7 +150,7 @@ def _num(v: Any, digits: int = 3) -> str:
     return "–" if v is None else f"{v:.{digits}f}"
 
 
-def sweep_command(
+def sweep(
     data: Annotated[Path, typer.Option(help="processed data dir (rlcd data prepare)")],
     out: Annotated[Path, typer.Option(help="sweep directory: runs/, configs/, logs/, summary.json/.md, plots")],
     model: Annotated[str, typer.Option(help="preset (qwen3.5-0.8b, qwen3.5-2b, tiny, tiny-toy) or local dir")] = "qwen3.5-0.8b",
@@ -162,7 +164,7 @@ def sweep_command(
     in_process: Annotated[bool, typer.Option(help="run every arm in this process instead of one process per run")] = False,
     devices: Annotated[Optional[str], typer.Option(help="comma-separated CUDA devices: one run per device at a time")] = None,
     dry_run: Annotated[bool, typer.Option(help="write the run configs and print the worker commands; train nothing")] = False,
-) -> dict[str, Any]:
+) -> None:
     """Run a grid of recipe arms x seeds (one run dir and process each), evaluate each, and summarise.
 
     Finished runs (eval/evaluation.json present) are skipped, so re-running resumes a sweep. The ce
@@ -182,7 +184,7 @@ def sweep_command(
     if dry_run:
         for cmd in summary["commands"]:
             typer.echo(cmd)
-        return summary
+        return
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -208,10 +210,10 @@ def sweep_command(
     if summary["failed"]:
         typer.echo(f"{len(summary['failed'])} run(s) failed: {', '.join(summary['failed'])} (see summary.md)", err=True)
         raise typer.Exit(code=1)
-    return summary
 
 
-def probe_order_command(
+@probe_app.command("order")
+def probe_order(
     run: Annotated[Path, typer.Argument(help="run directory (export/ or checkpoints/best)")],
     split: Annotated[str, typer.Option(help="data split to re-score")] = "test",
     limit: Annotated[Optional[int], typer.Option(help="at most this many choice questions (file order)")] = None,
@@ -220,7 +222,9 @@ def probe_order_command(
     calibrated: Annotated[bool, typer.Option(help="apply the run's choice temperature (TV only; flips do not change)")] = False,
     batch_size: Annotated[int, typer.Option()] = 32,
     out: Annotated[Optional[Path], typer.Option(help="write the JSON result here")] = None,
-) -> dict[str, Any]:
+    device: DeviceOpt = "auto",
+    dtype: DTypeOpt = DType.auto,
+) -> None:
     """Re-score choice questions under candidate reversal and cyclic shifts: top-label flip rate and
     mean total-variation distance of the label-aligned distributions, per type."""
     from rich import box
@@ -231,7 +235,7 @@ def probe_order_command(
 
     try:
         result = probe_order_run(run, split=split, limit=limit, data_dir=data, max_perms=max_perms,
-                                 calibrated=calibrated, batch_size=batch_size)
+                                 calibrated=calibrated, batch_size=batch_size, placement=placement(device, dtype))
     except (ValueError, FileNotFoundError) as e:
         _fail("rlcd probe order", e)
     table = Table(title=f"candidate-order probe: {run} ({split})", box=box.SIMPLE, padding=(0, 1))
@@ -251,10 +255,10 @@ def probe_order_command(
     console.print(table)
     console.print("noul/score: not permuted (their candidate order is fixed and carries meaning).", highlight=False)
     _write_json(out, result)
-    return result
 
 
-def probe_noise_command(
+@probe_app.command("noise")
+def probe_noise(
     run: Annotated[Path, typer.Argument(help="run directory with eval/predictions-<split>.jsonl")],
     sigma: Annotated[Optional[float], typer.Option(help="noise std (default: the run's training sigma)")] = None,
     split: Annotated[str, typer.Option(help="prediction split")] = "test",
@@ -263,7 +267,7 @@ def probe_noise_command(
     symmetrize: Annotated[bool, typer.Option(help="reuse each draw cyclically shifted and negated (unbiased, "
                                                   "far less Monte-Carlo error)")] = True,
     out: Annotated[Optional[Path], typer.Option(help="write the JSON result here")] = None,
-) -> dict[str, Any]:
+) -> None:
     """Noise-free softmax(z) vs noise-averaged E[softmax(z + eps)] from the raw prediction logits:
     mean max-prob of each, mean KL, argmax change rate (the over-sharpening diagnostic)."""
     from rich import box
@@ -291,4 +295,3 @@ def probe_noise_command(
         console.print(f"run trained with objective {result.get('trained_objective')}, sigma "
                       f"{result['trained_sigma']:g}", highlight=False)
     _write_json(out, result)
-    return result

@@ -1,0 +1,97 @@
+"""`rlcd` command line: a thin table of typer commands over library functions.
+
+Each module here holds the commands of one area (`train`, `evaluate`, `data`, `serve`, `analysis`,
+`bench`, `demo`) and imports its library lazily, inside the command, so `rlcd --help` and
+`rlcd --version` import neither torch nor transformers. Library modules never import typer.
+
+Error policy (`RlcdGroup.main`): a user's mistake -- a `rlcd.errors.UserError` raised by the library
+(missing path, unknown preset, malformed data or request, refused resume, bad value) or a click usage
+error (unknown option, bad choice) -- is printed in one or two lines on stderr and exits 2; a bug
+keeps its traceback. `python -m rlcd.cli` runs the same app (for `torchrun -m rlcd.cli train ...`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import typer
+from typer._click import exceptions as cx  # typer vendors click (typer._click) since 0.2x; pinned
+from typer.core import TyperGroup
+
+from rlcd.cli import analysis, bench, data, demo, evaluate, serve, train
+from rlcd.errors import UserError
+
+
+class RlcdGroup(TyperGroup):
+    """The root group: user errors in one or two lines, exit 2; bugs with their traceback."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except cx.NoArgsIsHelpError as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except cx.UsageError as e:
+            cmd = e.ctx.command_path if e.ctx is not None else "rlcd"
+            typer.echo(f"{cmd}: error: {e.format_message()}", err=True)
+            typer.echo(f"Try '{cmd} --help'.", err=True)
+            sys.exit(2)
+        except cx.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            typer.echo("Aborted.", err=True)
+            sys.exit(130)
+        except UserError as e:
+            typer.echo(f"rlcd: error: {e}", err=True)
+            sys.exit(e.exit_code)
+        except BrokenPipeError:  # `rlcd ... | head`
+            sys.exit(1)
+        # without standalone mode click returns a command's Exit code instead of exiting
+        sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
+
+
+app = typer.Typer(cls=RlcdGroup, no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
+                  help="Train, calibrate, evaluate, analyse and serve calibrated typed-decision models.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"rlcd {version('rlcd')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
+                                       help="Print the version and exit.")) -> None:
+    """Train, calibrate, evaluate, analyse and serve calibrated typed-decision models."""
+
+
+# the command table -------------------------------------------------------------------------------
+app.add_typer(data.app, name="data")
+app.command("train")(train.train)
+app.command("calibrate")(evaluate.calibrate)
+app.command("evaluate")(evaluate.evaluate)
+app.command("report")(evaluate.report)
+app.command("predict")(serve.predict)
+app.command("serve")(serve.serve)
+app.command("compare")(analysis.compare)
+app.command("sweep")(analysis.sweep)
+app.add_typer(analysis.analyze_app, name="analyze")
+app.add_typer(analysis.probe_app, name="probe")
+app.add_typer(bench.app, name="bench")
+app.command("demo")(demo.demo)
+
+
+def main() -> None:
+    """Console-script entry point (`rlcd`)."""
+    app()
+
+
+__all__ = ["app", "main", "RlcdGroup"]

@@ -1,0 +1,48 @@
+"""Options and helpers shared by the command modules (torch-free)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+DEVICE_HELP = "where the model runs: auto (CUDA when visible, else CPU), cpu, cuda, cuda:N"
+DTYPE_HELP = "backbone dtype (the scorer stays float32): auto = bfloat16 on CUDA, float32 on CPU"
+
+
+class DType(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+DeviceOpt = Annotated[str, typer.Option("--device", metavar="auto|cpu|cuda|cuda:N", help=DEVICE_HELP)]
+DTypeOpt = Annotated[DType, typer.Option("--dtype", help=DTYPE_HELP)]
+RunArg = Annotated[Optional[Path], typer.Argument(metavar="RUN", help="run directory", show_default=False)]
+RunAlias = Annotated[Optional[Path], typer.Option("--run", help="the run directory (alias of RUN)",
+                                                   show_default=False)]
+
+
+def placement(device: str, dtype: DType | str) -> Any:
+    """The device policy (`rlcd.device.resolve_placement`); a bad value is a one-line DeviceError."""
+    from rlcd.device import resolve_placement
+
+    return resolve_placement(device, dtype.value if isinstance(dtype, DType) else dtype)
+
+
+def run_path(arg: Optional[Path], alias: Optional[Path], *, what: str = "RUN") -> Path:
+    """RUN given positionally or as --run (both: they must agree)."""
+    if arg is not None and alias is not None and Path(arg) != Path(alias):
+        raise typer.BadParameter(f"{what} given twice ({arg} and --run {alias}); give it once")
+    path = arg if arg is not None else alias
+    if path is None:
+        raise typer.BadParameter(f"missing {what}: the run directory (e.g. runs/a)")
+    return Path(path)
+
+
+def echo_json(obj: Any) -> None:
+    import json
+
+    typer.echo(json.dumps(obj, indent=2, ensure_ascii=False))

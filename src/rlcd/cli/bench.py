@@ -1,0 +1,142 @@
+"""`rlcd bench prefix|train|serve|report`: ratios measured in one run, saved as result JSON."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from rlcd.cli._common import DeviceOpt, DType, DTypeOpt, RunAlias, RunArg, placement, run_path
+
+app = typer.Typer(help="Benchmarks that print ratios measured in one run.", no_args_is_help=True)
+RESULTS = Path("benchmarks/results")
+
+
+def _threads(threads: Optional[int]) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
+@app.command("prefix")
+def prefix(
+    model: Annotated[str, typer.Option(help="backbone preset or local dir")] = "tiny",
+    questions: Annotated[int, typer.Option(min=1, help="questions in the request")] = 32,
+    state_tokens: Annotated[int, typer.Option(min=1, help="approximate state length in tokens")] = 512,
+    repeats: Annotated[int, typer.Option(min=1, help="timed repeats (median)")] = 5,
+    seed: Annotated[int, typer.Option()] = 0,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads (default: torch's)")] = None,
+    json_out: Annotated[Path, typer.Option("--json", help="result JSON (bench format)")] = RESULTS / "prefix.json",
+    device: DeviceOpt = "auto",
+    dtype: DTypeOpt = DType.auto,
+) -> None:
+    """Shared prefix vs row-by-row forwards: max |diff|, speedup, token bound."""
+    from rlcd.bench.prefix import run_prefix_bench
+    from rlcd.bench.report import invocation, save_result
+    from rlcd.model.backbone import check_backbone_spec
+
+    check_backbone_spec(model)
+    pl = placement(device, dtype)
+    _threads(threads)
+    res = run_prefix_bench(model=model, questions=questions, state_tokens=state_tokens, repeats=repeats, seed=seed,
+                           placement=pl)
+    save_result("prefix", invocation(shlex.join(["rlcd", "bench", "prefix", "--model", model, "--json", str(json_out)])),
+                res, path=json_out)
+
+
+@app.command("train")
+def train(
+    model: Annotated[str, typer.Option(help="backbone preset (tiny, tiny-toy, ...) or local dir")] = "tiny",
+    updates: Annotated[int, typer.Option(min=1, help="measured optimizer updates")] = 20,
+    warmup: Annotated[int, typer.Option(min=0, help="warm-up updates run first and excluded")] = 2,
+    seed: Annotated[int, typer.Option()] = 0,
+    data: Annotated[Optional[Path], typer.Option(help="processed data dir (default: generated synth data)")] = None,
+    sampler_calls: Annotated[int, typer.Option(min=1, help="microbatch calls of the sampler benchmark")] = 20_000,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads (default: torch's)")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the result JSON (bench format) here")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DTypeOpt = DType.auto,
+) -> None:
+    """Training-loop throughput and per-part share of an update; sampler rows/s."""
+    from rlcd.bench.report import invocation, save_result
+    from rlcd.bench.train import run_train_bench
+    from rlcd.model.backbone import check_backbone_spec
+
+    check_backbone_spec(model)
+    if data is not None and not (data / "train.jsonl").is_file():
+        raise typer.BadParameter(f"{data}: not a processed data directory (no train.jsonl)", param_hint="--data")
+    res = run_train_bench(model=model, updates=updates, seed=seed, data_dir=data, warmup=warmup,
+                          sampler_calls=sampler_calls, threads=threads, placement=placement(device, dtype))
+    if json_out is not None:
+        cmd = invocation(shlex.join(["rlcd", "bench", "train", "--model", model, "--updates", str(updates),
+                                     "--json", str(json_out)]))
+        save_result("train", cmd, res, path=json_out)
+
+
+@app.command("serve")
+def serve(
+    run: RunArg = None,
+    run_alias: RunAlias = None,
+    requests: Annotated[int, typer.Option(min=1, help="requests to send")] = 1000,
+    concurrency: Annotated[int, typer.Option(min=1, help="requests in flight at most")] = 16,
+    malformed: Annotated[float, typer.Option(min=0, max=1, help="fraction of deliberately malformed requests")] = 0.10,
+    sizes: Annotated[str, typer.Option(help="questions per request, comma-separated, used in turn")] = "1,5,50",
+    seed: Annotated[int, typer.Option()] = 0,
+    port: Annotated[int, typer.Option(help="loopback port (0 = a free one)")] = 0,
+    timeout: Annotated[float, typer.Option(help="per-request timeout in seconds")] = 60.0,
+    total_timeout: Annotated[float, typer.Option(help="time bound of the whole load in seconds")] = 900.0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the summary here")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DTypeOpt = DType.auto,
+) -> None:
+    """Bounded loopback load on `rlcd serve`: latency, decisions/s, 4xx/5xx."""
+    from rlcd.bench.report import invocation, save_result
+    from rlcd.bench.serve import run_serve_bench
+    from rlcd.export import find_export
+
+    path = run_path(run, run_alias)
+    find_export(path)
+    try:
+        size_t = tuple(int(x) for x in sizes.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter("--sizes must be comma-separated integers, e.g. 1,5,50") from None
+    summary = run_serve_bench(path, requests=requests, concurrency=concurrency, malformed=malformed, sizes=size_t,
+                              seed=seed, port=port, timeout=timeout, total_timeout=total_timeout,
+                              placement=placement(device, dtype))
+    if json_out is not None:
+        save_result("serve", invocation(f"rlcd bench serve {path} --json {json_out}"), summary, path=json_out)
+    if summary["c5xx"] or summary["crashes"]:
+        raise typer.Exit(1)
+
+
+@app.command("report")
+def report(
+    results_dir: Annotated[Path, typer.Option(help="directory of bench JSON files")] = RESULTS,
+    out: Annotated[Path, typer.Option(help="Markdown file to write")] = Path("benchmarks/BENCHMARKS.md"),
+) -> None:
+    """Regenerate benchmarks/BENCHMARKS.md from benchmarks/results/*.json."""
+    from rlcd.bench.report import load_results, write_benchmarks_md
+
+    if not results_dir.is_dir():
+        raise typer.BadParameter(f"{results_dir}: no such directory", param_hint="--results-dir")
+    path = write_benchmarks_md(results_dir, out)
+    typer.echo(f"wrote {path} from {len(load_results(results_dir))} result file(s) in {results_dir}")
+
+
+@app.command("data")
+def data(
+    cases: Annotated[int, typer.Option(min=1, help="synthetic cases (six questions each)")] = 400,
+    easy_vqa: Annotated[int, typer.Option(min=0, help="easy-vqa questions")] = 400,
+    seed: Annotated[int, typer.Option()] = 0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the result JSON (bench format) here")] = None,
+) -> None:
+    """Data layer speed: cases -> prepared splits (rows/s) and sampler rows/s."""
+    from rlcd.bench.data import run_data_bench
+    from rlcd.bench.report import invocation, save_result
+
+    res = run_data_bench(cases=cases, easy_vqa=easy_vqa, seed=seed)
+    if json_out is not None:
+        save_result("data", invocation(f"rlcd bench data --json {json_out}"), res, path=json_out)

@@ -1,0 +1,145 @@
+"""`rlcd data import|synth|prepare|validate`: records in, isolated splits out."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(help="Import, generate, validate and split typed-decision records.", no_args_is_help=True)
+
+
+class Kind(str, Enum):
+    typed_decisions = "typed-decisions"
+    vqav2 = "vqav2"
+    text = "text"
+    easy_vqa = "easy-vqa"
+    jsonl = "jsonl"
+
+
+StrictOpt = Annotated[bool, typer.Option("--strict", help="exit 1 when any row is excluded (or a split is empty)")]
+
+
+@app.command("import")
+def import_cmd(
+    kind: Annotated[Kind, typer.Option("--kind", help="input format")],
+    out: Annotated[Path, typer.Option("--out", help="records file to write (JSONL)")],
+    input_: Annotated[Optional[str], typer.Option(
+        "--input", help="input file (.jsonl/.csv/.parquet) or hub id owner/name (needs the hub extra); not for easy-vqa")] = None,
+    split: Annotated[Optional[str], typer.Option(help="official split of every row (train/dev/calibration/test)")] = None,
+    images: Annotated[Optional[Path], typer.Option(help="vqav2: directory the image column is relative to")] = None,
+    text_column: Annotated[str, typer.Option(help="text: column holding the text")] = "text",
+    label_column: Annotated[str, typer.Option(help="text: column holding the label")] = "label",
+    labels: Annotated[Optional[str], typer.Option(help="text: comma-separated label set (default: inferred)")] = None,
+    task: Annotated[Optional[str], typer.Option(help="text: task name (default: the input file's stem)")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="easy-vqa: keep this many questions in total")] = None,
+    strict: StrictOpt = False,
+) -> None:
+    """Convert an outside data set into records; exclusions go to `<out stem>.excluded.jsonl`."""
+    from rlcd.data import importers
+    from rlcd.data.io import excluded_path, write_jsonl
+    from rlcd.data.summary import console, exclusions_table, records_table
+
+    if kind is not Kind.easy_vqa and not input_:
+        raise typer.BadParameter("--input is required for this kind", param_hint="--input")
+    if input_ and not importers.is_hub_id(input_) and not Path(input_).is_file():
+        raise typer.BadParameter(f"{input_}: no such file", param_hint="--input")
+    out_dir = out.parent
+    if kind is Kind.typed_decisions:
+        records, excluded = importers.import_typed_decisions(input_, split=split)
+    elif kind is Kind.vqav2:
+        if images is None:
+            raise typer.BadParameter("--images is required for vqav2", param_hint="--images")
+        records, excluded = importers.import_vqav2(input_, images, out_dir, split=split)
+    elif kind is Kind.text:
+        label_set = [x.strip() for x in labels.split(",")] if labels else None
+        records, excluded = importers.import_text(input_, text_column=text_column, label_column=label_column,
+                                                  labels=label_set, task=task, split=split)
+    elif kind is Kind.easy_vqa:
+        records, excluded = importers.import_easy_vqa(out_dir, limit=limit)
+    else:
+        records, excluded = importers.import_jsonl(Path(input_), out_dir)
+    write_jsonl(out, records)
+    write_jsonl(excluded_path(out), excluded)
+    console.print(records_table(records, f"imported {len(records)} records -> {out}"))
+    if excluded:
+        console.print(exclusions_table(excluded, f"excluded -> {excluded_path(out)}"))
+        if strict:
+            raise typer.Exit(1)
+
+
+@app.command("synth")
+def synth_cmd(
+    out: Annotated[Path, typer.Option("--out", help="records file to write (JSONL)")],
+    cases: Annotated[int, typer.Option(min=1, help="number of cases (six questions each)")] = 400,
+    seed: Annotated[int, typer.Option()] = 0,
+    votes: Annotated[Optional[int], typer.Option(min=1, help="target = mean of this many votes (default: the posterior)")] = None,
+) -> None:
+    """Generate known-posterior typed-decision cases."""
+    from rlcd.data import synth
+    from rlcd.data.io import write_jsonl
+    from rlcd.data.summary import console, records_table
+
+    records = synth.generate(cases, seed, votes=votes)
+    write_jsonl(out, records)
+    console.print(records_table(records, f"{cases} cases, {len(records)} records -> {out}"))
+
+
+def _verdict(manifest: dict, strict: bool) -> None:
+    """Warn on empty splits; with --strict, exit 1 when rows were excluded or a split is empty."""
+    from rlcd.data.summary import console
+
+    empty = [s for s, n in manifest["splits"].items() if n == 0]
+    for split in empty:
+        console.print(f"warning: the {split} split is empty (no rows were placed there); "
+                      f"{'training needs train and dev rows' if split in ('train', 'dev') else 'its metrics will be missing'}",
+                      style="yellow", highlight=False)
+    if strict and (manifest["excluded"] or empty):
+        why = [f"{manifest['excluded']} row(s) excluded"] if manifest["excluded"] else []
+        why += [f"empty split(s): {', '.join(empty)}"] if empty else []
+        console.print(f"--strict: {'; '.join(why)}", style="red", highlight=False)
+        raise typer.Exit(1)
+
+
+def _inputs_exist(inputs: list[Path]) -> None:
+    for p in inputs:
+        if not p.is_file():
+            raise typer.BadParameter(f"{p}: no such file", param_hint="INPUTS")
+
+
+@app.command("prepare")
+def prepare_cmd(
+    inputs: Annotated[list[Path], typer.Argument(help="record files (JSONL)")],
+    out: Annotated[Path, typer.Option("--out", help="processed directory to write")],
+    seed: Annotated[int, typer.Option(help="seed of the hash that places groups without official splits")] = 0,
+    strict: StrictOpt = False,
+) -> None:
+    """Validate, isolate and split records into a processed directory with a manifest."""
+    from rlcd.data.prepare import prepare
+    from rlcd.data.summary import console, print_manifest
+
+    _inputs_exist(inputs)
+    manifest = prepare(inputs, out, seed=seed)
+    print_manifest(manifest)
+    console.print(f"wrote {out}")
+    _verdict(manifest, strict)
+
+
+@app.command("validate")
+def validate_cmd(
+    inputs: Annotated[list[Path], typer.Argument(help="record files (JSONL)")],
+    seed: Annotated[int, typer.Option()] = 0,
+    strict: StrictOpt = False,
+) -> None:
+    """Dry run of `prepare`: the same counts and exclusion reasons, nothing written."""
+    from rlcd.data.prepare import manifest_of, plan
+    from rlcd.data.summary import print_details, print_manifest
+
+    _inputs_exist(inputs)
+    result = plan(inputs, seed)
+    manifest = manifest_of(result)
+    print_manifest(manifest)
+    print_details(result.excluded)
+    _verdict(manifest, strict)

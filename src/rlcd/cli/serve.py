@@ -1,0 +1,88 @@
+"""`rlcd predict` (one request, from a file, stdin or flags) and `rlcd serve` (HTTP /v1/systemone)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from rlcd.cli._common import DeviceOpt, DType, DTypeOpt, RunAlias, RunArg, echo_json, placement, run_path
+
+# the server's defaults (rlcd.serving.limits.Limits), spelled here so --help needs no import of it
+MAX_QUESTIONS, MAX_CANDIDATES, MAX_TOKENS, MAX_REQUEST_BYTES, MAX_IMAGE_PIXELS = 64, 255, 8192, 8 << 20, 4096 * 4096
+
+
+def predict(
+    run: RunArg = None,
+    run_alias: RunAlias = None,
+    request: Annotated[Optional[Path], typer.Option(
+        help="request JSON file ('-' = stdin; default: stdin when it is not a terminal)")] = None,
+    state: Annotated[Optional[str], typer.Option(help="state text (or a JSON object)")] = None,
+    question: Annotated[Optional[list[str]], typer.Option(
+        "--question", "-q", help='a question: JSON with an "id" key, or qid=JSON (repeatable)')] = None,
+    image: Annotated[Optional[Path], typer.Option(help="image file for the request")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DTypeOpt = DType.auto,
+) -> None:
+    """Answer one /v1/systemone request with a run's export and print the JSON response.
+
+    The request is read and validated before the model loads, so a malformed one fails at once.
+    """
+    import json
+
+    from rlcd.errors import UserError
+    from rlcd.export import find_export
+    from rlcd.predict import Predictor, validate_request
+    from rlcd.serving.cli_request import build_cli_request
+    from rlcd.serving.limits import Limits
+
+    path = run_path(run, run_alias)
+    find_export(path)
+    if request is None and state is None and not question and not sys.stdin.isatty():
+        request = Path("-")
+    if request is not None and str(request) != "-" and not request.is_file():
+        raise typer.BadParameter(f"{request}: no such file", param_hint="--request")
+    try:
+        req, img = build_cli_request(request, state, question)
+    except json.JSONDecodeError as e:
+        src = "stdin" if str(request) == "-" else str(request)
+        raise UserError(f"the request ({src}) is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except (ValueError, OSError) as e:
+        raise UserError(f"the request: {e}") from None
+    if image is not None:
+        if not image.is_file():
+            raise typer.BadParameter(f"{image}: no such file", param_hint="--image")
+        img = image
+    validate_request(req, Limits())  # before the model loads
+    predictor = Predictor.from_run(path, placement=placement(device, dtype))
+    echo_json(predictor.predict(req, img))
+
+
+def serve(
+    run: RunArg = None,
+    run_alias: RunAlias = None,
+    host: Annotated[str, typer.Option(help="bind address (loopback by default)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    image_root: Annotated[Optional[Path], typer.Option(
+        help="directory that image paths in requests are resolved under (none: base64 images only)")] = None,
+    max_questions: Annotated[int, typer.Option(help="questions per request")] = MAX_QUESTIONS,
+    max_candidates: Annotated[int, typer.Option(help="candidates per question")] = MAX_CANDIDATES,
+    max_tokens: Annotated[int, typer.Option(help="tokens per rendered row (image tokens included)")] = MAX_TOKENS,
+    max_request_bytes: Annotated[int, typer.Option(help="request body bytes")] = MAX_REQUEST_BYTES,
+    max_image_pixels: Annotated[int, typer.Option(help="pixels of a decoded image")] = MAX_IMAGE_PIXELS,
+    device: DeviceOpt = "auto",
+    dtype: DTypeOpt = DType.auto,
+) -> None:
+    """Serve a run over HTTP: POST /v1/systemone, GET /healthz, GET /v1/models."""
+    from rlcd.export import find_export
+    from rlcd.server import serve as run_server
+
+    path = run_path(run, run_alias)
+    find_export(path)
+    if image_root is not None and not image_root.is_dir():
+        raise typer.BadParameter(f"{image_root}: not a directory", param_hint="--image-root")
+    run_server(path, host=host, port=port, image_root=image_root, placement=placement(device, dtype),
+               max_questions=max_questions, max_candidates=max_candidates, max_tokens=max_tokens,
+               max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels)

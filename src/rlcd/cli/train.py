@@ -1,0 +1,74 @@
+"""`rlcd train`: a new run with the recipe (and any `--recipe` overrides), or `--resume` of one."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from rlcd.cli._common import DeviceOpt, DType, DTypeOpt, RunAlias, RunArg, echo_json
+
+
+class Objective(str, Enum):
+    rlcd = "rlcd"
+    ce = "ce"
+
+
+def train(
+    run: RunArg = None,
+    data: Annotated[Optional[Path], typer.Option(help="processed data directory (rlcd data prepare)")] = None,
+    run_alias: RunAlias = None,
+    model: Annotated[Optional[str], typer.Option(
+        help="backbone: a preset (qwen3.5-0.8b, the default; qwen3.5-2b, tiny, tiny-toy), a local model directory "
+             "or a hub id owner/name@revision")] = None,
+    resume: Annotated[Optional[Path], typer.Option(help="resume this run (only --steps may grow)")] = None,
+    steps: Annotated[Optional[int], typer.Option(min=1, help="optimizer updates (recipe: 3600)")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="sampling, LoRA and noise seed (recipe: 0)")] = None,
+    objective: Annotated[Optional[Objective], typer.Option(help="rlcd (recipe) or the CE-only arm")] = None,
+    sigma: Annotated[Optional[float], typer.Option(help="std of the logit perturbations (recipe: 0.3)")] = None,
+    ce_weight: Annotated[Optional[float], typer.Option(help="weight of the soft CE term (recipe: 1.0)")] = None,
+    recipe: Annotated[Optional[list[str]], typer.Option(
+        "--recipe", metavar="FIELD=VALUE", help="override any recipe field (repeatable), e.g. --recipe lora_rank=4; "
+                                                "recorded in config.json")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DTypeOpt = DType.auto,
+) -> None:
+    """Train a run with the fixed recipe, or resume one (a larger --steps extends it).
+
+    New run: `rlcd train RUN --data DATA [--model M]`. Resume: `rlcd train --resume RUN [--steps N]`.
+    Under torchrun every update keeps the recipe's batch of 8 x 4 examples, split over the processes.
+    """
+    from rlcd.errors import OptionError
+    from rlcd.recipe import Recipe, parse_overrides
+    from rlcd.train import train as run_train
+
+    if resume is not None:
+        frozen = [flag for flag, value in (("--data", data), ("--model", model), ("--seed", seed),
+                                           ("--objective", objective), ("--sigma", sigma), ("--ce-weight", ce_weight),
+                                           ("--recipe", recipe)) if value]
+        if frozen:
+            raise OptionError(f"--resume {resume}: {', '.join(frozen)} would change the run's frozen config; a resume "
+                              "takes only --steps (larger), --device and --dtype; start a new run to change the rest")
+        for other in (run, run_alias):
+            if other is not None and Path(other) != Path(resume):
+                raise OptionError(f"--resume {resume} and run directory {other} differ; give the run once")
+        out = run_train(resume, resume=True, steps=steps, device=device, dtype=dtype.value)
+    else:
+        if run is not None and run_alias is not None and Path(run) != Path(run_alias):
+            raise typer.BadParameter(f"RUN given twice ({run} and --run {run_alias}); give it once")
+        path = run if run is not None else run_alias
+        if path is None or data is None:
+            raise typer.BadParameter("a new run needs a run directory and --data: rlcd train RUN --data DATA "
+                                     "(or rlcd train --resume RUN)")
+        fields = parse_overrides(recipe or [])
+        knobs = {k: v for k, v in (("seed", seed), ("objective", objective.value if objective else None),
+                                   ("sigma", sigma), ("ce_weight", ce_weight)) if v is not None}
+        both = sorted(set(fields) & set(knobs))
+        if both:
+            raise OptionError(f"--{both[0].replace('_', '-')} and --recipe {both[0]}=... both given; give it once")
+        rec = Recipe().with_(**fields, **knobs)
+        out = run_train(path, data_dir=data, model=model or "qwen3.5-0.8b", recipe=rec, steps=steps,
+                        device=device, dtype=dtype.value)
+    echo_json({k: out[k] for k in ("step", "best_step", "best_score")})

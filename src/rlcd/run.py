@@ -1,0 +1,218 @@
+"""`Run`: the run directory, the one place that knows its layout.
+
+    RUN/
+      config.json          resolved recipe + model + data + versions (frozen at the first start)
+      samples.json         frozen training pool and dev subset ids, data file sha256s
+      metrics.jsonl        one JSON object per logged update / evaluation
+      checkpoints/last/    trainable weights, optimizer, RNG, state (atomic, see rlcd.checkpoint)
+      checkpoints/best/
+      eval/                predictions-<split>.jsonl, temperatures.json, evaluation.json,
+                           report.md, report.html, plots/
+      export/              model.json + trainable.safetensors (rlcd's predictor), hf/ (transformers)
+      tb/                  TensorBoard event files (`rlcd train --log tensorboard`)
+
+Every other module asks a `Run` for paths instead of spelling them. A new run is written only
+after its inputs were checked and its model was built (`Run.create`), so a failed start leaves
+nothing behind; opening an existing run checks that it is one and says how to make one if not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from rlcd.errors import RunError
+
+SPLITS = ("dev", "calibration", "test")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class Run:
+    """A run directory (it need not exist yet: see `create` and `open`)."""
+
+    CONFIG = "config.json"
+    SAMPLES = "samples.json"
+    METRICS = "metrics.jsonl"
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self._config: dict | None = None
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.root)!r})"
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def name(self) -> str:
+        return self.root.resolve().name or "rlcd"
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / self.CONFIG
+
+    @property
+    def samples_path(self) -> Path:
+        return self.root / self.SAMPLES
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.root / self.METRICS
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.root / "checkpoints"
+
+    def checkpoint(self, which: str) -> Path:
+        return self.checkpoints_dir / which
+
+    @property
+    def eval_dir(self) -> Path:
+        return self.root / "eval"
+
+    def predictions_path(self, split: str) -> Path:
+        return self.eval_dir / f"predictions-{split}.jsonl"
+
+    @property
+    def temperatures_path(self) -> Path:
+        return self.eval_dir / "temperatures.json"
+
+    @property
+    def evaluation_path(self) -> Path:
+        return self.eval_dir / "evaluation.json"
+
+    @property
+    def report_md(self) -> Path:
+        return self.eval_dir / "report.md"
+
+    @property
+    def report_html(self) -> Path:
+        return self.eval_dir / "report.html"
+
+    @property
+    def plots_dir(self) -> Path:
+        return self.eval_dir / "plots"
+
+    @property
+    def export_dir(self) -> Path:
+        return self.root / "export"
+
+    @property
+    def hf_export_dir(self) -> Path:
+        return self.export_dir / "hf"
+
+    @property
+    def tb_dir(self) -> Path:
+        return self.root / "tb"
+
+    # ------------------------------------------------------------------ opening
+    def exists(self) -> bool:
+        return self.config_path.is_file()
+
+    @classmethod
+    def open(cls, path: str | Path) -> "Run":
+        """An existing run at `path` (or at the parent of its `export/`), else a one-line RunError."""
+        p = Path(path).expanduser()
+        if not (p / cls.CONFIG).is_file() and p.name == "export" and (p.parent / cls.CONFIG).is_file():
+            p = p.parent
+        if not p.exists():
+            raise RunError(f"{p}: no such run directory; train one with `rlcd train {p} --data DATA`")
+        if not (p / cls.CONFIG).is_file():
+            raise RunError(f"{p} is not a run directory (no {cls.CONFIG}); train one with "
+                           f"`rlcd train {p} --data DATA`")
+        return cls(p)
+
+    @classmethod
+    def create(cls, path: str | Path, config: dict, samples: dict) -> "Run":
+        """Write config.json and samples.json of a new run (refused when `path` already holds one)."""
+        run = cls(path)
+        if run.exists():
+            raise RunError(f"{run.root} already holds a run; resume it with `rlcd train --resume {run.root}` "
+                           "or choose another run directory")
+        run.root.mkdir(parents=True, exist_ok=True)
+        _atomic_write(run.samples_path, json.dumps(samples, indent=2, sort_keys=True))
+        _atomic_write(run.config_path, json.dumps(config, indent=2, sort_keys=True))  # last: marks a run
+        run._config = config
+        run.metrics_path.write_text("")
+        return run
+
+    # ------------------------------------------------------------------ contents
+    def config(self) -> dict:
+        if self._config is None:
+            try:
+                self._config = json.loads(self.config_path.read_text(encoding="utf-8"))
+            except FileNotFoundError:
+                raise RunError(f"{self.root} is not a run directory (no {self.CONFIG})") from None
+            except json.JSONDecodeError as e:
+                raise RunError(f"{self.config_path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+        return self._config
+
+    def write_config(self, config: dict) -> None:
+        _atomic_write(self.config_path, json.dumps(config, indent=2, sort_keys=True))
+        self._config = config
+
+    def samples(self) -> dict:
+        if not self.samples_path.is_file():
+            raise RunError(f"{self.root} has no {self.SAMPLES}; it is not a complete run")
+        return json.loads(self.samples_path.read_text(encoding="utf-8"))
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.config()["data_dir"])
+
+    def require_checkpoint(self, which: str = "best") -> Path:
+        """The loadable checkpoint `which` (or its `.old` twin), else a RunError saying how to get one."""
+        from rlcd import checkpoint as ckpt
+
+        found = ckpt.resolve(self.checkpoint(which))
+        if found is None:
+            raise RunError(f"{self.root} has no loadable checkpoints/{which}; train the run first "
+                           f"(`rlcd train --resume {self.root}`)")
+        return found
+
+    def require_export(self) -> Path:
+        if not (self.export_dir / "model.json").is_file():
+            raise RunError(f"{self.root} has no export/; run `rlcd evaluate {self.root}` first")
+        return self.export_dir
+
+    def prediction_paths(self) -> dict[str, Path]:
+        """{split: path} of the prediction files present, in dev, calibration, test order first."""
+        found = {p.name[len("predictions-"):-len(".jsonl")]: p for p in sorted(self.eval_dir.glob("predictions-*.jsonl"))}
+        order = [s for s in SPLITS if s in found] + sorted(s for s in found if s not in SPLITS)
+        return {s: found[s] for s in order}
+
+    # ------------------------------------------------------------------ the metrics log
+    def log(self, row: dict) -> None:
+        with open(self.metrics_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+
+    def metrics(self) -> list[dict]:
+        if not self.metrics_path.is_file():
+            return []
+        return [json.loads(ln) for ln in self.metrics_path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+
+    def trim_metrics(self, step: int) -> None:
+        """Drop log lines after `step` (written after the checkpoint a resume starts from)."""
+        if not self.metrics_path.is_file():
+            return
+        keep = [ln for ln in self.metrics_path.read_text(encoding="utf-8").splitlines()
+                if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        _atomic_write(self.metrics_path, "".join(ln + "\n" for ln in keep))
+
+
+def write_json(path: Path, obj: Any) -> Path:
+    """JSON file written atomically (parents created)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+__all__ = ["Run", "SPLITS", "write_json"]
+
+
