@@ -22,7 +22,8 @@ FIX = Path(__file__).parent / "fixtures" / "data"
 
 TABLE = {
     "data": {"import", "synth", "prepare", "validate"},
-    "train": None, "calibrate": None, "evaluate": None, "report": None, "predict": None, "serve": None,
+    "train": None, "calibrate": None, "evaluate": None, "report": None, "export": None, "predict": None,
+    "serve": None,
     "compare": None, "sweep": None, "demo": None,
     "analyze": {"toy-bias"},
     "probe": {"order", "noise"},
@@ -138,7 +139,7 @@ def test_train_user_errors_write_nothing(tmp_path, data_dir):
 
 def test_run_commands_name_the_missing_piece(tmp_path, bare_run):
     missing = tmp_path / "nope"
-    for cmd in ("evaluate", "calibrate", "predict", "serve", "report"):
+    for cmd in ("evaluate", "calibrate", "predict", "serve", "report", "export"):
         user_error([cmd, missing], contains=str(missing))
         user_error([cmd], contains="RUN")
     user_error(["evaluate", bare_run], contains="checkpoints/best")
@@ -146,6 +147,7 @@ def test_run_commands_name_the_missing_piece(tmp_path, bare_run):
     user_error(["predict", bare_run, "--state", "x"], contains="rlcd evaluate")
     user_error(["serve", bare_run], contains="rlcd evaluate")
     user_error(["report", bare_run], contains="rlcd evaluate")
+    user_error(["export", bare_run], contains="rlcd calibrate")
     user_error(["probe", "order", missing])
     user_error(["bench", "serve", missing])
     user_error(["bench", "prefix", "--model", "nosuch"], contains="unknown backbone")

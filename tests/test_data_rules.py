@@ -33,7 +33,7 @@ CASES = [
     ("choice_duplicate_labels", _q(criteria=["a", "a"]), "question", "choice labels must be unique"),
     ("choice_empty_label", _q(criteria={"a": "x", " ": "y"}), "question", "non-empty strings"),
     ("choice_missing_criteria", _q(criteria=None), "question", "choice criteria is required"),
-    ("noul_wrong_keys", _q(type="noul", criteria={"yes": "y", "no": "n"}), "question", "exactly the keys 'false' and 'true'"),
+    ("noul_wrong_keys", _q(type="noul", criteria={"yes": "y", "no": "n"}), "question", "only describe 'true' and 'false'"),
     ("noul_list_criteria", _q(type="noul", criteria=["false", "true"]), "question", "must be a mapping"),
     ("score_one_level", _q(type="score", criteria=["only"]), "question", "score criteria must be a list of 2..255"),
     ("score_mapping", _q(type="score", criteria={"0": "low", "1": "high"}), "question", "score criteria must be a list"),

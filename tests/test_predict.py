@@ -79,13 +79,26 @@ def _probs(answer: dict) -> list[float]:
 
 
 # ------------------------------------------------------------------------------------- schema
+def _transformers_confidence(kind: str, p: list[float]) -> float | None:
+    """transformers.decision.Question.answer's confidence, written out independently in float64."""
+    k = len(p)
+    best = max(range(k), key=p.__getitem__)
+    if kind == "choice":
+        return max(0.0, (p[best] - 1 / k) / (1 - 1 / k))
+    if kind == "score":
+        distance = sum(x * abs(i - best) for i, x in enumerate(p))
+        uniform = sum(abs(i - (k - 1) / 2) for i in range(k)) / k
+        return max(0.0, 1 - distance / uniform)
+    return None
+
+
 def test_response_schema_for_each_type(predictor):
     out = predictor.predict({"model": predictor.name, "state": STATE, "questions": QUESTIONS})
     assert set(out) == {"model", "answers", "usage"}
     assert out["model"] == predictor.name == "tiny-run"
     assert list(out["answers"]) == list(QUESTIONS)
     assert isinstance(out["usage"]["input_tokens"], int) and out["usage"]["input_tokens"] > 0
-    assert out["usage"]["images"] == 0
+    assert out["usage"]["images"] == 0 and out["usage"]["output_tokens"] == 0
     spread = 0.0
     for qid, ans in out["answers"].items():
         q = QUESTIONS[qid]
@@ -93,23 +106,40 @@ def test_response_schema_for_each_type(predictor):
         p = _probs(ans)
         assert all(0.0 < x < 1.0 for x in p)
         assert math.isclose(sum(p), 1.0, abs_tol=1e-9)
-        assert ans["confidence"] == pytest.approx(max(p), abs=1e-12)  # the documented definition
         spread = max(spread, max(p) - min(p))
         if q["type"] == "choice":
-            assert set(ans) == {"type", "choice", "probabilities", "confidence"}
+            assert list(ans) == ["type", "choice", "confidence", "probabilities"]  # transformers' keys
             labels = list(q["criteria"])
             assert list(ans["probabilities"]) == labels
             assert ans["choice"] == labels[max(range(len(p)), key=p.__getitem__)]
+            assert ans["confidence"] == pytest.approx(_transformers_confidence("choice", p), abs=1e-12)
         elif q["type"] == "noul":
-            assert set(ans) == {"type", "noul", "confidence"}
+            assert list(ans) == ["type", "noul"]
             assert isinstance(ans["noul"], float)
         else:
-            assert set(ans) == {"type", "score", "probabilities", "confidence"}
+            assert list(ans) == ["type", "score", "legend", "confidence", "probabilities"]
             assert list(ans["probabilities"]) == [str(i) for i in range(len(q["criteria"]))]
+            assert ans["legend"] == {str(i): level for i, level in enumerate(q["criteria"])}
             assert ans["score"] == pytest.approx(sum(i * x for i, x in enumerate(p)), abs=1e-12)
+            assert ans["confidence"] == pytest.approx(_transformers_confidence("score", p), abs=1e-12)
             assert 0.0 <= ans["score"] <= len(q["criteria"]) - 1
     assert spread > 0.1, "the tiny export should give non-trivial predictions"
     json.dumps(out)  # JSON-serialisable as is
+
+
+def test_confidence_at_the_extremes():
+    """Uniform answers have confidence 0, certain ones 1 (transformers' definitions)."""
+    from rlcd.schema import Question
+    from rlcd.serving.answer import make_answer
+
+    choice = Question(type="choice", criteria=["a", "b", "c"])
+    assert make_answer(choice, [0.0, 0.0, 0.0], 1.0)["confidence"] == pytest.approx(0.0, abs=1e-12)
+    assert make_answer(choice, [60.0, 0.0, 0.0], 1.0)["confidence"] == pytest.approx(1.0, abs=1e-12)
+    score = Question(type="score", criteria=["l", "m", "h", "x"])
+    assert make_answer(score, [0.0] * 4, 1.0)["confidence"] == pytest.approx(0.0, abs=1e-12)
+    assert make_answer(score, [0.0, 60.0, 0.0, 0.0], 1.0)["confidence"] == pytest.approx(1.0, abs=1e-12)
+    assert make_answer(score, [0.0, 1.0, 0.0, 0.0], 1.0, levels=[{"type": "text", "text": "l"}, "m", "h", "x"])[
+        "legend"]["0"] == {"type": "text", "text": "l"}  # the level as the request gave it
 
 
 # ------------------------------------------------------------------------------------- temperatures
@@ -283,9 +313,9 @@ def _req(**kw):
 
 
 VALIDATION_CASES = [
-    ("not_object", ["state", "questions"], {}, "request", None),
+    ("not_object", ["state", "questions"], {}, "body", None),
     ("unknown_field", _req(temperature=0.5), {}, "temperature", None),
-    ("unknown_model", _req(model="gpt-9"), {}, "model", None),
+    ("model_not_text", _req(model=7), {}, "model", None),
     ("missing_state", {"questions": {"q1": QUESTIONS["dept"]}}, {}, "state", None),
     ("state_not_text", _req(state=42), {}, "state", None),
     ("missing_questions", {"state": STATE}, {}, "questions", None),
@@ -295,7 +325,14 @@ VALIDATION_CASES = [
     ("question_not_object", _req(questions={"q1": "choose"}), {}, "questions.q1", "q1"),
     ("unknown_type", _req(questions={"q1": {"type": "rank", "instructions": "x", "criteria": ["a", "b"]}}), {},
      "questions.q1.type", "q1"),
-    ("missing_instructions", _req(questions={"q1": {"type": "noul"}}), {}, "questions.q1.instructions", "q1"),
+    ("bad_text_part", _req(questions={"q1": {"type": "noul", "instructions": {"type": "text", "txt": "x"}}}), {},
+     "questions.q1.instructions", "q1"),
+    ("asset_url", _req(state="see img-1", assets={"img-1": {"url": "https://example.com/a.png"}}), {},
+     "assets.img-1.url", None),
+    ("asset_not_object", _req(state="see img-1", assets={"img-1": "a.png"}), {}, "assets.img-1", None),
+    ("too_many_assets", _req(assets={f"i{j}": {"data_base64": "AAAA"} for j in range(5)}), {}, "assets", None),
+    ("two_images", _req(state="img-1 and img-2", assets={"img-1": {"data_base64": "AAAA"},
+                                                         "img-2": {"data_base64": "AAAA"}}), {}, "assets.img-2", None),
     ("too_few_candidates", _req(questions={"q1": {"type": "choice", "instructions": "x", "criteria": ["a"]}}), {},
      "questions.q1.criteria", "q1"),
     ("too_many_candidates", _req(questions={"q1": {"type": "choice", "instructions": "x",
@@ -331,7 +368,8 @@ def test_validation_errors_name_the_field_and_question(predictor, name, request_
     assert err.question == qid
     assert 400 <= err.status < 500
     assert err.message and isinstance(err.message, str)
-    assert err.to_json()["error"]["field"] == field
+    assert err.to_json()["detail"][0]["loc"] == (["body"] if field in ("body", "request") else
+                                                 ["body", *field.split(".")])
     if qid is not None:
         assert repr(qid) in str(err)
     # the same request is fine once the limit it broke is lifted (limit cases only)

@@ -86,6 +86,16 @@ def _body(obj) -> bytes:
     return json.dumps(obj).encode()
 
 
+def _error(r) -> dict:
+    """The one error of a 4xx/5xx body {"detail": [{loc, msg, type, question?}]}, with loc as a dotted field."""
+    body = r.json()
+    assert set(body) == {"detail"} and len(body["detail"]) == 1, body
+    item = body["detail"][0]
+    assert item["loc"][0] == "body" and isinstance(item["type"], str)
+    return {"field": ".".join(map(str, item["loc"][1:])) or "body", "message": item["msg"],
+            "question": item.get("question")}
+
+
 # name, body (bytes), expected status, expected field, expected question id
 ERROR_CASES = [
     ("malformed_json", b'{"state": "x", "questions": {', 400, "body", None),
@@ -116,7 +126,6 @@ ERROR_CASES = [
     ("reserved_token_criteria", _body(_good(questions={"q": {"type": "choice", "instructions": "x",
                                                              "criteria": {"a": "<|image_pad|>", "b": "b"}}})), 422,
      "questions.q.criteria", "q"),
-    ("unknown_model", _body(_good(model="someone-else")), 404, "model", None),
     ("unknown_request_field", _body(_good(stream=True)), 422, "stream", None),
     ("image_not_object", _body(_good(image="a.png")), 422, "image", None),
     ("image_both_keys", _body(_good(image={"path": "sub/a.png", "base64": "AAAA"})), 422, "image", None),
@@ -138,7 +147,7 @@ ERROR_CASES = [
 def test_bad_input_gets_a_4xx_json_error_naming_the_field(client, name, body, status, field, qid):
     r = client.post("/v1/systemone", content=body, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
-    err = r.json()["error"]
+    err = _error(r)
     assert err["field"] == field, err
     assert isinstance(err["message"], str) and len(err["message"]) > 5
     assert err.get("question") == qid
@@ -150,8 +159,8 @@ def test_bad_input_gets_a_4xx_json_error_naming_the_field(client, name, body, st
 def test_image_path_without_an_image_root_is_refused(client_no_root):
     r = client_no_root.post("/v1/systemone", json=_good(image={"path": "sub/a.png"}))
     assert r.status_code == 403
-    assert r.json()["error"]["field"] == "image.path"
-    assert "image root" in r.json()["error"]["message"]
+    assert _error(r)["field"] == "image.path"
+    assert "image root" in _error(r)["message"]
 
 
 def test_oversize_body_without_content_length_is_refused(client):
@@ -161,14 +170,14 @@ def test_oversize_body_without_content_length_is_refused(client):
 
     r = client.post("/v1/systemone", content=chunks())
     assert r.status_code == 413
-    assert r.json()["error"]["field"] == "body"
-    assert "received" in r.json()["error"]["message"]
+    assert _error(r)["field"] == "body"
+    assert "received" in _error(r)["message"]
 
 
 def test_declared_content_length_over_the_limit_is_refused_before_reading(client):
     r = client.post("/v1/systemone", content=b"{}", headers={"content-length": str(LIMITS.max_request_bytes + 1)})
     assert r.status_code == 413
-    assert "Content-Length" in r.json()["error"]["message"]
+    assert "Content-Length" in _error(r)["message"]
 
 
 def test_images_by_base64_and_by_path_agree(client, image_root, predictor):
@@ -185,32 +194,36 @@ def test_images_by_base64_and_by_path_agree(client, image_root, predictor):
 
 
 def test_routes_and_unknown_routes(client, predictor):
-    h = client.get("/healthz")
-    assert h.status_code == 200 and h.json() == {"status": "ok", "model": predictor.name}
+    for path in ("/health", "/healthz"):
+        h = client.get(path)
+        assert h.status_code == 200 and h.json() == {"status": "ok", "model": predictor.name}
     m = client.get("/v1/models").json()
     assert m["object"] == "list" and m["data"][0]["id"] == predictor.name
-    assert m["data"][0]["temperatures"] == predictor.temperatures
-    assert m["data"][0]["limits"]["max_questions"] == LIMITS.max_questions
+    card = m["data"][0]
+    assert card["object"] == "model" and card["owned_by"] == "rlcd" and isinstance(card["created"], int)
+    assert card["temperatures"] == predictor.temperatures
+    assert card["limits"]["max_questions"] == LIMITS.max_questions
+    assert card["placement"] == {"device": "cpu", "dtype": "float32"}
     r = client.get("/v1/systemone")
-    assert r.status_code == 405 and "error" in r.json()
+    assert r.status_code == 405 and r.json() == {"detail": "Method Not Allowed"}
     r = client.get("/v1/nothing")
-    assert r.status_code == 404 and "error" in r.json()
+    assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
 
 
 def test_an_internal_failure_is_a_json_500_and_the_server_keeps_serving(predictor):
     class Flaky(Predictor):
         calls = 0
 
-        def predict(self, request, image=None, *, limits=None):
+        def score(self, prepared):
             Flaky.calls += 1
             if Flaky.calls == 1:
                 raise RuntimeError("boom")
-            return super().predict(request, image, limits=limits)
+            return super().score(prepared)
 
     flaky = Flaky(predictor.model, predictor.meta, name=predictor.name)
     c = TestClient(create_app(flaky), raise_server_exceptions=False)
     r = c.post("/v1/systemone", json=_good())
-    assert r.status_code == 500 and r.json()["error"]["message"].startswith("internal error")
+    assert r.status_code == 500 and _error(r)["message"].startswith("internal error")
     assert c.post("/v1/systemone", json=_good()).status_code == 200
 
 
@@ -229,7 +242,7 @@ def test_real_http_server_on_loopback(predictor, image_root):
             r = http.post("/v1/systemone", json=_good())
             assert r.status_code == 200 and r.json() == want
             r = http.post("/v1/systemone", content=b"{not json", headers={"content-type": "application/json"})
-            assert r.status_code == 400 and r.json()["error"]["field"] == "body"
+            assert r.status_code == 400 and _error(r)["field"] == "body"
             r = http.post("/v1/systemone", json=_good(image={"path": "../outside/secret.png"}))
             assert r.status_code == 403
             r = http.post("/v1/systemone", content=b"x" * (LIMITS.max_request_bytes + 10))
@@ -288,10 +301,10 @@ def test_cli_commands_parse(tmp_path_factory):
     from rlcd.cli import app
 
     runner = CliRunner()
-    res = runner.invoke(app, ["serve", "--help"])
+    res = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "250"})
     assert res.exit_code == 0
     for opt in ("--run", "--host", "--port", "--image-root", "--max-questions", "--max-candidates", "--max-tokens",
-                "--max-request-bytes"):
+                "--max-request-bytes", "--served-model-name", "--strict-model", "--device", "--dtype"):
         assert opt in res.output
     run = tiny_export(tmp_path_factory.getbasetemp())
     out = tmp_path_factory.mktemp("bench") / "s.json"

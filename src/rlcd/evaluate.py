@@ -146,8 +146,41 @@ def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
     ev = evaluation_from_predictions(preds, temps, meta, majority_baseline=baseline)
     write_evaluation(run, ev)
     write_export(run, temperatures=temps, model=model, config=config, state=state)
+    cpu_fp32 = placement.to_dict() == {"device": "cpu", "dtype": "float32"}
+    write_hf(run, model=model if cpu_fp32 else None, evaluation=ev)
     write_report(run)
     return ev
+
+
+def write_hf(run: Run, *, model=None, evaluation: dict | None = None) -> Path:
+    """export/hf/ from export/ (rebuilt on the CPU in float32 unless `model` is that already)."""
+    from rlcd.export import load_export, read_export_meta
+    from rlcd.hf.writer import write_hf_export
+
+    run.require_export()
+    meta = read_export_meta(run.export_dir)
+    if model is None:
+        model, meta = load_export(run.export_dir)
+    if evaluation is None and run.evaluation_path.is_file():
+        evaluation = json.loads(run.evaluation_path.read_text())
+    return write_hf_export(model, meta, run.hf_export_dir, evaluation=evaluation, run_name=run.name)
+
+
+def export_run(run: Run | Path, *, placement: Placement | None = None) -> Path:
+    """`rlcd export RUN`: export/ from the best checkpoint and the stored temperatures, then export/hf/."""
+    run = run if isinstance(run, Run) else Run.open(run)
+    placement = placement or resolve_placement("cpu")
+    if not (run.export_dir / "model.json").is_file():
+        stored = stored_temperatures(run, placement) or (
+            json.loads(run.temperatures_path.read_text()) if run.temperatures_path.is_file() else None)
+        if stored is None:
+            from rlcd.errors import RunError
+
+            raise RunError(f"{run.root} has no temperatures yet; run `rlcd calibrate {run.root}` (or `rlcd evaluate "
+                           f"{run.root}`) first")
+        model, config, state = load_checkpoint_model(run, "best", placement=placement)
+        write_export(run, temperatures=stored["temperatures"], model=model, config=config, state=state)
+    return write_hf(run)
 
 
 def print_summary(ev: dict[str, Any]) -> None:

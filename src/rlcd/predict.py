@@ -1,163 +1,60 @@
-"""Predictor: load a run's `export/` and answer `/v1/systemone` requests.
+"""Predictor: load a run's `export/` and answer System One (`/v1/systemone`) requests.
 
-Request (a dict, the TypeSafe-style wire format)::
-
-    {"model"?: str, "state": str | object, "questions": {qid: {"type", "instructions", "criteria"}}}
-
-plus an optional image (a file path or a PIL image, passed separately). Response::
-
-    {"model": name, "answers": {qid: answer}, "usage": {"input_tokens": n, "images": m}}
-
-with, after the run's per-type temperature `T` (probabilities are `softmax(logits / T)`):
-
-* choice -> `{"type", "choice": argmax label, "probabilities": {label: p}, "confidence"}`
-* noul   -> `{"type", "noul": P(true), "confidence"}`
-* score  -> `{"type", "score": sum_i i * p_i, "probabilities": {"0".."K-1": p}, "confidence"}`
-
-**Confidence** is the probability of the most likely candidate after temperature scaling:
-`max_k p_k` (for noul `max(P(true), P(false))`, for score the probability of the modal level). It
-is in `[1/K, 1]`; with calibrated temperatures it is the expected accuracy of the top answer.
+The request format is transformers' (`rlcd.serving.request`: `{"model"?, "state", "questions",
+"assets"?}` plus rlcd's `image` alias); the answers are transformers' shapes and meanings
+(`rlcd.serving.answer`: choice confidence `(p_max - 1/K) / (1 - 1/K)`, score confidence from the
+expected distance to the modal level plus a `legend`, noul `P(true)`), after the run's per-type
+temperature T (probabilities are `softmax(logits / T)`). The response is
+`{"model": <the request's model, else the served name>, "answers": {qid: answer},
+"usage": {"input_tokens", "output_tokens": 0, "images"}}` (+ `"warnings"` when an asset was unused).
 
 All questions of a request are scored in one `DecisionModel.score_case` call: the shared prefix
 (image + state) runs once, the image is encoded once, the question suffixes run batched.
 `usage.input_tokens` counts the tokens processed that way (shared prefix once, plus every
 question's suffix; image tokens included); `usage.images` is 0 or 1.
 
-Answers are deterministic: the model is in eval mode, the scorer's centring buffers are frozen, no
-cache or state survives a call, so the same request gives the same answer whatever came before.
-Requests are serialised: one lock guards the model call (validation and image decoding happen
-outside it), so a `Predictor` may be shared by threads.
+A request goes through three steps: `prepare` (validation and image decoding, no model), `score`
+(the model call, under a lock) and `respond`; `predict` runs the three. Answers are deterministic:
+the model is in eval mode, the scorer's centring buffers are frozen, no cache or state survives a
+call, so the same request gives the same answer whatever came before.
 
 Validation errors raise `PredictError` (a `RecordError`): `.field` is a path into the request
-(`"questions.q1.criteria"`), `.question` the question id where there is one, `.rule` the message.
-Limits (`Limits`): questions per request, candidates per question, tokens per row (image tokens
-included), request bytes (the server's body limit; `predict` checks the JSON size of the request)
-and image pixels.
+(`"questions.q1.criteria"`), `.question` the question id where there is one, `.status` the HTTP
+status. Limits (`Limits`): questions per request, candidates per question, tokens per row (image
+tokens included), request bytes and image pixels.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
-
 from .device import Placement
-from .schema import QUESTION_TYPES, Question, RecordError, find_reserved, parse_question
+from .schema import QUESTION_TYPES, Question, RecordError
+from .serving.answer import make_answer, probabilities
 from .serving.errors import PredictError
-from .serving.images import open_image
+from .serving.images import load_image_spec, open_image
 from .serving.limits import Limits
-
-REQUEST_KEYS = ("model", "state", "questions")
-MAX_QID_CHARS = 256
+from .serving.request import ParsedRequest, parse_request
 
 
-# ----------------------------------------------------------------------------------- answers
-def probabilities(logits: torch.Tensor | list[float], temperature: float) -> torch.Tensor:
-    """softmax(logits / T) in float64."""
-    z = torch.as_tensor(logits, dtype=torch.float64) / float(temperature)
-    return torch.softmax(z, dim=-1)
+def validate_request(request: Any, limits: Limits, *, model_names: tuple[str, ...] = (),
+                     strict_model: bool = False) -> tuple[Any, list[str], list[Question]]:
+    """Check a request against the wire format and the limits -> (state, qids, questions); no model needed."""
+    parsed = parse_request(request, limits, served=model_names, strict_model=strict_model)
+    return parsed.state, parsed.qids, parsed.questions
 
 
-def make_answer(question: Question, logits: torch.Tensor | list[float], temperature: float) -> dict[str, Any]:
-    """The wire answer for one question from its raw logits and its type's temperature."""
-    p = probabilities(logits, temperature)
-    probs = [float(x) for x in p.tolist()]
-    top = max(range(len(probs)), key=lambda i: probs[i])  # first maximum on ties
-    confidence = probs[top]
-    labels = question.labels
-    if question.type == "choice":
-        return {"type": "choice", "choice": labels[top], "probabilities": dict(zip(labels, probs)),
-                "confidence": confidence}
-    if question.type == "noul":
-        return {"type": "noul", "noul": probs[1], "confidence": confidence}
-    return {"type": "score", "score": math.fsum(i * x for i, x in enumerate(probs)),
-            "probabilities": dict(zip(labels, probs)), "confidence": confidence}
+@dataclass
+class Prepared:
+    """A request ready for the model: parsed, its image decoded (or None), the limits it is held to."""
 
-
-# ----------------------------------------------------------------------------------- validation
-def _json_size(obj: Any) -> int:
-    try:
-        return len(json.dumps(obj, ensure_ascii=False).encode("utf-8"))
-    except (TypeError, ValueError) as e:
-        raise PredictError("request", f"must be JSON-serialisable ({e})", status=400) from None
-    except RecursionError:
-        raise PredictError("request", "is nested too deeply", status=400) from None
-
-
-def validate_request(request: Any, limits: Limits, *, model_names: tuple[str, ...] = ()) -> tuple[Any, list[str], list[Question]]:
-    """Check a request against the wire format and the limits -> (state, qids, questions)."""
-    if not isinstance(request, Mapping):
-        raise PredictError("request", f"must be a JSON object, got {type(request).__name__}", status=400)
-    unknown = sorted(str(k) for k in request if k not in REQUEST_KEYS)
-    if "image" in unknown:
-        raise PredictError("image", "pass the image to Predictor.predict(request, image=...) (a path or a PIL "
-                                    "image); only the HTTP server reads an image member from the request")
-    if unknown:
-        raise PredictError(unknown[0], f"unknown field; a request has {', '.join(REQUEST_KEYS)} (and an "
-                                       "optional image)")
-    size = _json_size(request)
-    if size > limits.max_request_bytes:
-        raise PredictError("request", f"is {size} bytes, more than max_request_bytes={limits.max_request_bytes}",
-                           status=413)
-    name = request.get("model")
-    if name is not None:
-        if not isinstance(name, str):
-            raise PredictError("model", "must be a string")
-        if model_names and name not in model_names:
-            raise PredictError("model", f"unknown model {name!r}; this server serves {model_names[0]!r}", status=404)
-    if "state" not in request or request["state"] is None:
-        raise PredictError("state", "is required (a string or a JSON object)")
-    state = request["state"]
-    if not isinstance(state, (str, dict, list)):
-        raise PredictError("state", f"must be a string or a JSON object/array, got {type(state).__name__}")
-    tok = find_reserved(state)
-    if tok is not None:
-        raise PredictError("state", f"contains the reserved token {tok!r}; special-token text is not allowed "
-                                    "in inputs")
-    if "questions" not in request or request["questions"] is None:
-        raise PredictError("questions", "is required: an object mapping question id -> {type, instructions, "
-                                        "criteria}")
-    qs = request["questions"]
-    if not isinstance(qs, Mapping):
-        raise PredictError("questions", f"must be an object mapping question id -> question, got "
-                                        f"{type(qs).__name__}")
-    if not qs:
-        raise PredictError("questions", "must contain at least one question")
-    if len(qs) > limits.max_questions:
-        raise PredictError("questions", f"has {len(qs)} questions, more than max_questions={limits.max_questions}",
-                           status=413)
-    qids: list[str] = []
-    questions: list[Question] = []
-    for qid, raw in qs.items():
-        if not isinstance(qid, str) or not qid.strip() or len(qid) > MAX_QID_CHARS:
-            raise PredictError("questions", f"question ids must be non-empty strings of at most {MAX_QID_CHARS} "
-                                            f"characters (got {str(qid)[:40]!r})", question=str(qid))
-        base = f"questions.{qid}"
-        if isinstance(raw, Mapping):
-            t = raw.get("type")
-            if t not in QUESTION_TYPES:
-                raise PredictError(f"{base}.type", f"unknown question type {t!r}; use one of "
-                                                   f"{', '.join(QUESTION_TYPES)}", question=qid)
-            if "instructions" not in raw:
-                raise PredictError(f"{base}.instructions", "is required", question=qid)
-        try:
-            q = parse_question(raw if not isinstance(raw, Mapping) else dict(raw), qid=qid)
-        except RecordError as e:
-            sub = e.field
-            if sub == "record":  # a whole-question rule: name the part it is about
-                sub = "instructions" if e.rule.startswith("instructions") else "criteria"
-            field = base if sub == "question" else f"{base}.{sub}"
-            raise PredictError(field, e.rule, question=qid) from None
-        if q.k > limits.max_candidates:
-            raise PredictError(f"{base}.criteria", f"has {q.k} candidates, more than max_candidates="
-                                                   f"{limits.max_candidates}", question=qid, status=413)
-        qids.append(qid)
-        questions.append(q)
-    return state, qids, questions
+    request: ParsedRequest
+    image: Any
+    limits: Limits
 
 
 # ----------------------------------------------------------------------------------- predictor
@@ -177,7 +74,7 @@ class Predictor:
     """
 
     def __init__(self, model: Any, meta: Mapping[str, Any], *, name: str | None = None,
-                 limits: Limits | None = None):
+                 limits: Limits | None = None, strict_model: bool = False):
         temps = dict(meta.get("temperatures") or {})
         missing = [t for t in QUESTION_TYPES if t not in temps]
         if missing:
@@ -190,17 +87,24 @@ class Predictor:
         self.temperatures = {t: float(temps[t]) for t in QUESTION_TYPES}
         self.name = name or str(meta.get("model") or "rlcd")
         self.limits = limits or Limits()
+        self.strict_model = bool(strict_model)
+        self.takes_images = bool(getattr(model, "takes_images", True))
         self._lock = threading.Lock()
         model.eval()
 
     @classmethod
     def from_run(cls, path: str | Path, *, placement: Placement | None = None, name: str | None = None,
-                 limits: Limits | None = None) -> "Predictor":
+                 limits: Limits | None = None, strict_model: bool = False) -> "Predictor":
         """Load from a run dir (its `export/`) or an export dir (merged model, temperatures)."""
         from .export import load_export
 
         model, meta = load_export(Path(path), placement=placement)
-        return cls(model, meta, name=name or _run_name(Path(path)), limits=limits)
+        return cls(model, meta, name=name or _run_name(Path(path)), limits=limits, strict_model=strict_model)
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Names a strict server accepts in `model`: the served name and the backbone spec."""
+        return (self.name, str(self.meta.get("model")))
 
     # ------------------------------------------------------------------ info
     def info(self) -> dict[str, Any]:
@@ -217,35 +121,69 @@ class Predictor:
             "selected_step": self.meta.get("selected_step"),
             "checkpoint_sha256": self.meta.get("checkpoint_sha256"),
             "limits": self.limits.to_dict(),
-            "confidence": "probability of the most likely candidate after temperature scaling",
+            "strict_model": self.strict_model,
+            "images": self.takes_images,
+            "confidence": "transformers' System One definitions: choice (p_max - 1/K) / (1 - 1/K); score "
+                          "1 - E|level - argmax| / E_uniform|level - middle|; noul has none (its answer is P(true))",
             "placement": getattr(self.model, "placement", None),
         }
 
     # ------------------------------------------------------------------ answering
-    def validate(self, request: Any, limits: Limits | None = None) -> tuple[Any, list[str], list[Question]]:
-        return validate_request(request, limits or self.limits, model_names=(self.name, str(self.meta.get("model"))))
-
-    def predict(self, request: Mapping[str, Any], image: Any = None, *, limits: Limits | None = None) -> dict[str, Any]:
-        """Answer one request (see the module docstring). Raises PredictError on bad input."""
+    def prepare(self, request: Any, image: Any = None, *, image_root: Path | None = None,
+                limits: Limits | None = None) -> Prepared:
+        """Validate `request` and decode its image (from `image`, the request's `image`, an asset or a part)."""
         lim = limits or self.limits
-        state, qids, questions = self.validate(request, lim)
+        parsed = parse_request(request, lim, served=self.served_names, strict_model=self.strict_model,
+                               takes_images=self.takes_images)
         if image is not None:
-            image = open_image(image, max_pixels=lim.max_image_pixels)
+            if parsed.images:
+                raise PredictError(parsed.images[0][0], "the request carries an image and another was passed "
+                                                        "beside it; this model reads one image per request")
+            if not self.takes_images:
+                raise PredictError("image", "this model's backbone reads no images; send text only")
+            return Prepared(parsed, open_image(image, max_pixels=lim.max_image_pixels), lim)
+        decoded = None
+        if parsed.images:
+            field, spec = parsed.images[0]
+            decoded = load_image_spec(field, spec, image_root, lim)
+        return Prepared(parsed, decoded, lim)
+
+    def score(self, prepared: Prepared) -> tuple[list[Any], dict]:
+        """The model call: logits per question and usage (serialised by a lock)."""
+        r, lim = prepared.request, prepared.limits
         with self._lock:
             encoder = getattr(self.model, "encoder", None)
             old = getattr(encoder, "max_tokens", None)
             if encoder is not None:
                 encoder.max_tokens = lim.max_tokens
             try:
-                logits, usage = self.model.score_case_with_usage(state, questions, image, qids)
+                return self.model.score_case_with_usage(r.state, r.questions, prepared.image, r.qids)
             except RecordError as e:
-                raise self._from_record_error(e, qids) from None
+                raise self._from_record_error(e, r.qids) from None
             finally:
                 if encoder is not None:
                     encoder.max_tokens = old
-        answers = {qid: make_answer(q, lg, self.temperatures[q.type]) for qid, q, lg in zip(qids, questions, logits)}
-        return {"model": self.name, "answers": answers,
-                "usage": {"input_tokens": int(usage["input_tokens"]), "images": 0 if image is None else 1}}
+
+    def respond(self, prepared: Prepared, logits: list[Any], usage: Mapping[str, Any]) -> dict[str, Any]:
+        """The System One response from the logits."""
+        r = prepared.request
+        answers = {}
+        for qid, q, lg in zip(r.qids, r.questions, logits):
+            levels = r.raw_criteria.get(qid) if q.type == "score" else None
+            answers[qid] = make_answer(q, lg, self.temperatures[q.type], levels=levels)
+        out = {"model": r.model if r.model is not None else self.name, "answers": answers,
+               "usage": {"input_tokens": int(usage["input_tokens"]), "output_tokens": 0,
+                         "images": 0 if prepared.image is None else 1}}
+        if r.warnings:
+            out["warnings"] = list(r.warnings)
+        return out
+
+    def predict(self, request: Mapping[str, Any], image: Any = None, *, image_root: Path | None = None,
+                limits: Limits | None = None) -> dict[str, Any]:
+        """Answer one request (see the module docstring). Raises PredictError on bad input."""
+        prepared = self.prepare(request, image, image_root=image_root, limits=limits)
+        logits, usage = self.score(prepared)
+        return self.respond(prepared, logits, usage)
 
     @staticmethod
     def _from_record_error(e: RecordError, qids: list[str]) -> PredictError:
@@ -262,5 +200,5 @@ class Predictor:
         return PredictError(f"questions.{qid}.{field}", e.rule, question=qid, status=status)
 
 
-__all__ = ["Limits", "PredictError", "Predictor", "make_answer", "probabilities", "open_image",
+__all__ = ["Limits", "PredictError", "Predictor", "Prepared", "make_answer", "probabilities", "open_image",
            "validate_request"]

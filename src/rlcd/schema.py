@@ -47,9 +47,11 @@ class RecordError(UserError, ValueError):
 
 
 def text_of(value: Any) -> str:
-    """The text a state / instruction / criteria value contributes to a prompt (JSON for objects)."""
+    """The text a state / instruction / criteria value contributes to a prompt (JSON for objects, "" for None)."""
     if isinstance(value, str):
         return value
+    if value is None:
+        return ""
     return json.dumps(value, ensure_ascii=False)
 
 
@@ -90,7 +92,7 @@ class Question(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     type: QuestionType
-    instructions: JSONValue
+    instructions: Optional[JSONValue] = None  # optional, as in transformers' System One questions
     criteria: Union[list[str], dict[str, Optional[str]], None] = None
 
     @model_validator(mode="after")
@@ -108,11 +110,11 @@ class Question(BaseModel):
                 raise ValueError("choice labels must be non-empty strings")
         elif self.type == "noul":
             if c is not None:
-                keys = list(c) if isinstance(c, list) else list(c.keys())
-                if sorted(keys) != ["false", "true"]:
-                    raise ValueError("noul criteria must be a mapping with exactly the keys 'false' and 'true'")
                 if isinstance(c, list):
                     raise ValueError("noul criteria must be a mapping {false: description, true: description}")
+                if not set(c) <= {"false", "true"}:
+                    raise ValueError("noul criteria may only describe 'true' and 'false' (one, both or neither), got "
+                                     f"keys {sorted(c)}")
         else:  # score
             if not isinstance(c, list) or not MIN_CANDIDATES <= len(c) <= MAX_CANDIDATES:
                 raise ValueError(f"score criteria must be a list of {MIN_CANDIDATES}..{MAX_CANDIDATES} level descriptions, ascending")
@@ -142,7 +144,7 @@ class Question(BaseModel):
         if self.type == "score":
             return list(c)  # type: ignore[arg-type]
         if isinstance(c, dict):
-            return [c[label] for label in self.labels]
+            return [c.get(label) for label in self.labels]
         return [None] * self.k
 
 

@@ -1,24 +1,27 @@
-"""HTTP server speaking `/v1/systemone` (FastAPI + uvicorn).
+"""HTTP server speaking System One (`POST /v1/systemone`) as `transformers serve` does (FastAPI + uvicorn).
 
 Endpoints:
 
-* `POST /v1/systemone`: a request `{"model"?, "state", "questions", "image"?}` -> the Predictor's
-  response. The image is `{"base64": "..."}` (a `data:image/...;base64,` prefix is accepted) or
-  `{"path": "relative/path.png"}`, resolved under the configured image root only: absolute paths,
-  `..` segments and symlinks that lead outside the root are refused, and without an image root
-  every path is refused.
-* `GET /healthz`: `{"status": "ok", "model": name}`.
-* `GET /v1/models`: `{"object": "list", "data": [model info incl. temperatures and limits]}`.
+* `POST /v1/systemone`: a System One request (see `rlcd.serving.request`: transformers' format, plus
+  rlcd's `image` alias) -> `{"model", "answers", "usage": {"input_tokens", "output_tokens": 0,
+  "images"}}`. Images come as `assets` (`data_base64`, or a `path` resolved under the configured image
+  root only: absolute paths, `..` and symlinks leading outside are refused; without an image root every
+  path is refused; URLs are refused, the server does not fetch) or as `image: {"base64"|"path"}`.
+* `GET /health` and `GET /healthz`: `{"status": "ok", "model": name}`.
+* `GET /v1/models`: `{"object": "list", "data": [{"id", "object": "model", "created", "owned_by", ...}]}`
+  (+ backbone, temperatures, limits, placement).
+* `/openapi.json` declares the request, response and error schemas; `/docs` serves Swagger UI.
 
-Every bad input gets a 4xx JSON body `{"error": {"field": ..., "message": ...}}` (plus `question`
-when one question is at fault): 400 undecodable input (JSON, base64, image bytes), 403 an image
-path outside the root, 404 unknown model / image file / route, 405 wrong method, 413 size limits
-(body bytes -- the `Content-Length` header and the bytes actually received --, questions,
-candidates, tokens, image pixels), 422 rule violations. An unexpected failure is a 500 with the
-same JSON shape, and the server keeps serving.
+Every response carries `X-Request-ID` (the client's, else a new one). Every bad input gets FastAPI's
+and transformers' error body `{"detail": [{"loc", "msg", "type"}]}` (+ `question` when one question
+is at fault): 400 undecodable input (JSON, base64, image bytes), 403 an image path outside the root,
+404 an unknown model (only with `strict_model`) or image file, 413 size limits (body bytes -- the
+`Content-Length` header and the bytes actually received --, questions, candidates, tokens, image
+pixels), 422 rule violations. Unknown routes and methods keep FastAPI's `{"detail": "Not Found"}`.
+An unexpected failure is a 500 with the same JSON shape, and the server keeps serving.
 
-Concurrency: one model, requests serialised by the Predictor's lock. Body parsing, validation and
-image decoding run in worker threads outside the lock; only the model call is serialised.
+Concurrency: body parsing, validation and image decoding run in worker threads; the model call is
+serialised by the Predictor's lock, also in a worker thread, so the event loop never blocks on it.
 """
 
 import json
@@ -32,15 +35,6 @@ from .serving.images import decode_base64_image, load_request_image, resolve_ima
 from .serving.limits import Limits
 
 log = logging.getLogger("rlcd.server")
-
-
-def _err(status: int, field: str | None, message: str, question: str | None = None):
-    from fastapi.responses import JSONResponse
-
-    body: dict[str, Any] = {"field": field, "message": message}
-    if question is not None:
-        body["question"] = question
-    return JSONResponse({"error": body}, status_code=status)
 
 
 def _reject_constant(name: str) -> Any:
@@ -75,12 +69,33 @@ def parse_body(body: bytes) -> Any:
         raise PredictError("body", "is nested too deeply", status=400) from None
 
 
+def _err(e: PredictError):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(e.to_json(), status_code=e.status)
+
+
+def _openapi_body() -> dict[str, Any]:
+    """The request body of /v1/systemone in the OpenAPI document (parsed by hand for exact 4xx errors)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/SystemOneRequest"}}}},
+        "responses": {str(code): {"description": why, "content": {"application/json": {
+            "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+            for code, why in ((400, "undecodable input"), (403, "image path outside the image root"),
+                              (404, "unknown model (strict) or image file"), (413, "a size limit"),
+                              (422, "a rule of the request format"))}}
+
+
 def create_app(predictor: Predictor, *, image_root: Path | str | None = None, limits: Limits | None = None):
     """The FastAPI app around one Predictor (see the module docstring)."""
+    import time
+    import uuid
+
     from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
+    from fastapi.openapi.utils import get_openapi
     from starlette.concurrency import run_in_threadpool
-    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from .serving import wire
 
     limits = limits or predictor.limits
     root: Path | None = None
@@ -88,45 +103,43 @@ def create_app(predictor: Predictor, *, image_root: Path | str | None = None, li
         root = Path(image_root).expanduser().resolve()
         if not root.is_dir():
             raise ValueError(f"image root {image_root} is not a directory")
+    started = int(time.time())
 
-    app = FastAPI(title="rlcd", summary="Calibrated typed decisions over /v1/systemone", docs_url=None,
-                  redoc_url=None)
+    app = FastAPI(title="rlcd", summary="Calibrated typed decisions over System One (/v1/systemone)")
     app.state.predictor = predictor
     app.state.limits = limits
     app.state.image_root = root
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        return _err(exc.status_code, None, str(exc.detail))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError):
-        return _err(422, "request", str(exc))
+    @app.middleware("http")
+    async def request_id(request: Request, call_next):
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        response = await call_next(request)
+        response.headers["X-Request-ID"] = rid
+        return response
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
-        return _err(500, None, f"internal error: {type(exc).__name__}")
+        return _err(PredictError("body", f"internal error: {type(exc).__name__}", status=500))
 
-    @app.get("/healthz")
-    def healthz() -> dict:
+    @app.get("/health")
+    @app.get("/healthz", include_in_schema=False)
+    def health() -> dict:
         return {"status": "ok", "model": predictor.name}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=wire.ModelList)
     def models() -> dict:
         info = predictor.info()
-        info["limits"] = limits.to_dict()
-        info["image_root"] = root is not None
+        info.update({"created": started, "owned_by": "rlcd", "limits": limits.to_dict(), "image_root": root is not None})
         return {"object": "list", "data": [info]}
 
     def answer(obj: Any) -> dict:
-        if not isinstance(obj, dict):
-            raise PredictError("body", f"must be a JSON object, got {type(obj).__name__}", status=400)
-        obj = dict(obj)
-        image = load_request_image(obj.pop("image", None), root, limits)
-        return predictor.predict(obj, image, limits=limits)
+        prepared = predictor.prepare(obj, image_root=root, limits=limits)
+        logits, usage = predictor.score(prepared)
+        return predictor.respond(prepared, logits, usage)
 
-    @app.post("/v1/systemone")
+    @app.post("/v1/systemone", response_model=wire.SystemOneResponse, response_model_exclude_none=True,
+              openapi_extra=_openapi_body())
     async def systemone(request: Request):
         try:
             declared = request.headers.get("content-length")
@@ -147,21 +160,35 @@ def create_app(predictor: Predictor, *, image_root: Path | str | None = None, li
             obj = await run_in_threadpool(parse_body, bytes(body))
             return await run_in_threadpool(answer, obj)
         except PredictError as e:
-            return _err(e.status, e.field, e.message, e.question)
+            return _err(e)
         except Exception as e:  # a bug, not bad input: report it and keep serving
             log.exception("unhandled error in /v1/systemone")
-            return _err(500, None, f"internal error: {type(e).__name__}: {e}")
+            return _err(PredictError("body", f"internal error: {type(e).__name__}: {e}", status=500))
 
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version="1", summary=app.summary, routes=app.routes)
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (wire.SystemOneRequest, wire.ErrorResponse):
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                comps.update(js.pop("$defs", {}))
+                comps[model.__name__] = js
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
 def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root: Path | str | None = None,
-          log_level: str = "info", placement: Any = None, **limits: Any) -> None:
+          log_level: str = "info", placement: Any = None, served_model_name: str | None = None,
+          strict_model: bool = False, **limits: Any) -> None:
     """Load `run`'s export and serve it with uvicorn until interrupted."""
     import uvicorn
 
     lim = Limits().with_(**limits)
-    predictor = Predictor.from_run(Path(run), limits=lim, placement=placement)
+    predictor = Predictor.from_run(Path(run), limits=lim, placement=placement, name=served_model_name,
+                                   strict_model=strict_model)
     app = create_app(predictor, image_root=image_root, limits=lim)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 

@@ -225,8 +225,9 @@ def _expected(res: dict) -> bool:
     if res["kind"] == "ok":
         return (status is not None and 200 <= status < 300 and isinstance(body, dict)
                 and len(body.get("answers") or {}) == res["n_questions"])
-    return (status is not None and 400 <= status < 500 and isinstance(body, dict)
-            and isinstance(body.get("error"), dict) and "field" in body["error"])
+    detail = body.get("detail") if isinstance(body, dict) else None
+    return (status is not None and 400 <= status < 500 and isinstance(detail, list) and bool(detail)
+            and all(isinstance(d, dict) and "loc" in d and "msg" in d for d in detail))
 
 
 def summarise(results: list[dict], wall: float, sizes: tuple[int, ...]) -> dict[str, Any]:

@@ -37,3 +37,16 @@ def report(run: RunArg = None) -> None:
     from rlcd.report import write_report
 
     typer.echo(str(write_report(run_path(run, None))))
+
+
+def export(run: RunArg = None) -> None:
+    """Write export/ (rlcd's predictor) and export/hf/ (transformers: pipeline("decision", trust_remote_code=True)).
+
+    Uses the best checkpoint and the temperatures `rlcd calibrate` / `rlcd evaluate` stored; runs on the CPU
+    in float32 (what `rlcd predict` serves).
+    """
+    from rlcd.cli._common import run_path
+    from rlcd.evaluate import export_run
+    from rlcd.run import Run
+
+    typer.echo(str(export_run(Run.open(run_path(run, None)))))

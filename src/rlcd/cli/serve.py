@@ -72,10 +72,15 @@ def serve(
     max_tokens: Annotated[int, typer.Option(help="tokens per rendered row (image tokens included)")] = MAX_TOKENS,
     max_request_bytes: Annotated[int, typer.Option(help="request body bytes")] = MAX_REQUEST_BYTES,
     max_image_pixels: Annotated[int, typer.Option(help="pixels of a decoded image")] = MAX_IMAGE_PIXELS,
+    served_model_name: Annotated[Optional[str], typer.Option(
+        help="the model name /v1/models shows and responses echo when a request names none (default: the run's "
+             "directory name)")] = None,
+    strict_model: Annotated[bool, typer.Option(
+        help="refuse (404) a request whose `model` is not the served name; by default any name is echoed")] = False,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
 ) -> None:
-    """Serve a run over HTTP: POST /v1/systemone, GET /healthz, GET /v1/models."""
+    """Serve a run over HTTP: POST /v1/systemone (System One, as transformers serve), GET /health, GET /v1/models."""
     from rlcd.export import find_export
     from rlcd.server import serve as run_server
 
@@ -84,5 +89,5 @@ def serve(
     if image_root is not None and not image_root.is_dir():
         raise typer.BadParameter(f"{image_root}: not a directory", param_hint="--image-root")
     run_server(path, host=host, port=port, image_root=image_root, placement=placement(device, dtype),
-               max_questions=max_questions, max_candidates=max_candidates, max_tokens=max_tokens,
+               served_model_name=served_model_name, strict_model=strict_model, max_questions=max_questions, max_candidates=max_candidates, max_tokens=max_tokens,
                max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels)

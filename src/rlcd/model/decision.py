@@ -199,6 +199,11 @@ class DecisionModel(nn.Module):
         return self.head.w_d.weight.device
 
     @property
+    def takes_images(self) -> bool:
+        """Whether the backbone has a vision tower (a request image is refused otherwise)."""
+        return getattr(self._core(), "visual", None) is not None
+
+    @property
     def placement(self) -> dict[str, str]:
         """Where the model runs: {"device": "cuda:0", "dtype": "bfloat16"} (the backbone's; the scorer is FP32)."""
         dtype = next(self.backbone.parameters()).dtype

@@ -7,6 +7,11 @@ from typing import Any
 from rlcd.schema import RecordError
 
 
+# the error `type` per HTTP status (FastAPI uses pydantic's error types; these name ours)
+ERROR_TYPES = {400: "invalid_input", 403: "forbidden_path", 404: "not_found", 413: "too_large", 422: "value_error",
+               503: "overloaded", 504: "timeout"}
+
+
 class PredictError(RecordError):
     """A request broke a rule. `field` is a path into the request, `question` the question id (or None).
 
@@ -21,10 +26,12 @@ class PredictError(RecordError):
         super().__init__(question, field, message)
 
     def to_json(self) -> dict[str, Any]:
-        err: dict[str, Any] = {"field": self.field, "message": self.message}
+        """FastAPI's / transformers' error body: {"detail": [{"loc", "msg", "type"}]} (+ rlcd's "question")."""
+        item: dict[str, Any] = {"loc": ["body", *self.field.split(".")] if self.field not in ("body", "request")
+                                else ["body"], "msg": self.message, "type": ERROR_TYPES.get(self.status, "value_error")}
         if self.question is not None:
-            err["question"] = self.question
-        return {"error": err}
+            item["question"] = self.question
+        return {"detail": [item]}
 
     def __str__(self) -> str:
         where = f"question {self.question!r}: " if self.question is not None else ""

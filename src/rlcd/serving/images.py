@@ -126,3 +126,38 @@ def load_request_image(spec: Any, image_root: Path | None, limits: Limits) -> An
         return decode_base64_image(spec["base64"], max_pixels=limits.max_image_pixels)
     path = resolve_image_path(spec["path"], image_root)
     return open_image(path, field="image.path", max_pixels=limits.max_image_pixels)
+
+
+ASSET_SOURCES = ("data_base64", "base64", "path", "url", "image", "image_url")
+ASSET_META = ("type", "format", "detail")
+
+
+def load_image_spec(field: str, spec: Any, image_root: Path | None, limits: Limits) -> Any:
+    """An image of a request -> decoded RGB PIL image, whatever way it came.
+
+    `field == "image"` is rlcd's alias (`{"base64"}` or `{"path"}`); anything else is a System One asset
+    or an image content part: `{"type": "image", "format": "png", "data_base64": ...}`, `{"path": ...}`
+    (under the image root), `{"image": "data:image/png;base64,..." | path}`. URLs are refused: the server
+    does not fetch (it may run offline); send the bytes.
+    """
+    if field == "image":
+        return load_request_image(spec, image_root, limits)
+    if not isinstance(spec, dict):
+        raise PredictError(field, 'an image is an object, e.g. {"type": "image", "format": "png", "data_base64": "..."}')
+    unknown = sorted(k for k in spec if k not in ASSET_SOURCES + ASSET_META)
+    if unknown:
+        raise PredictError(f"{field}.{unknown[0]}", f"unknown field; an image has one of {', '.join(ASSET_SOURCES)}")
+    sources = [k for k in ASSET_SOURCES if k in spec]
+    if len(sources) != 1:
+        raise PredictError(field, "give exactly one of data_base64, path or url (data_base64 is what System One sends)")
+    key = sources[0]
+    value = spec[key]
+    if key == "image" and isinstance(value, str) and not value.startswith(("data:", "http://", "https://")):
+        key = "path"
+    if key == "image_url" or (isinstance(value, str) and value.startswith(("http://", "https://"))) or key == "url":
+        raise PredictError(f"{field}.{key}", "URL images are not fetched (this server does not go online); send the "
+                                             "bytes as data_base64, or a path under the server's image root")
+    if key == "path":
+        path = resolve_image_path(value, image_root, field=f"{field}.{key}")
+        return open_image(path, field=f"{field}.{key}", max_pixels=limits.max_image_pixels)
+    return decode_base64_image(value, field=f"{field}.{key}", max_pixels=limits.max_image_pixels)

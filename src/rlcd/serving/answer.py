@@ -1,0 +1,66 @@
+"""Answers in transformers' System One shapes and meanings (`transformers.decision.Question.answer`).
+
+With p = softmax(logits / T_type) over the K options (float64):
+
+* choice -> `{"type", "choice": argmax, "confidence", "probabilities": {label: p}}` with
+  confidence = max(0, (p_max - 1/K) / (1 - 1/K)): 0 for a uniform answer, 1 for a certain one;
+* noul   -> `{"type", "noul": P(true)}`;
+* score  -> `{"type", "score": sum_l l p_l, "legend": {"0": level, ...}, "confidence", "probabilities"}`
+  with confidence = max(0, 1 - E|l - argmax| / E_uniform|l - (K-1)/2|): the expected distance to the
+  modal level against a uniform distribution's expected distance to the middle.
+
+The first maximum wins ties, as in transformers (dict order = option order).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+from rlcd.schema import Question
+
+
+def probabilities(logits: torch.Tensor | Sequence[float], temperature: float) -> torch.Tensor:
+    """softmax(logits / T) in float64."""
+    z = torch.as_tensor(logits, dtype=torch.float64) / float(temperature)
+    return torch.softmax(z, dim=-1)
+
+
+def choice_confidence(p_max: float, k: int) -> float:
+    return 1.0 if k == 1 else max(0.0, (p_max - 1 / k) / (1 - 1 / k))
+
+
+def score_confidence(probs: Sequence[float], best: int) -> float:
+    k = len(probs)
+    if k == 1:
+        return 1.0
+    distance = sum(p * abs(level - best) for level, p in enumerate(probs))
+    uniform = sum(abs(level - (k - 1) / 2) for level in range(k)) / k
+    return max(0.0, 1 - distance / uniform)
+
+
+def make_answer(question: Question, logits: torch.Tensor | Sequence[float], temperature: float,
+                levels: Sequence[Any] | None = None) -> dict[str, Any]:
+    """The wire answer for one question from its raw logits and its type's temperature.
+
+    `levels`: the score levels as the request gave them (content objects included) for the legend;
+    defaults to the parsed level texts.
+    """
+    probs = [float(x) for x in probabilities(logits, temperature).tolist()]
+    labels = question.labels
+    by_option = dict(zip(labels, probs))
+    if question.type == "noul":
+        return {"type": "noul", "noul": by_option["true"]}
+    best = max(range(len(probs)), key=lambda i: probs[i])  # first maximum on ties
+    if question.type == "choice":
+        return {"type": "choice", "choice": labels[best], "confidence": choice_confidence(probs[best], len(probs)),
+                "probabilities": by_option}
+    legend = list(levels) if levels is not None else question.descriptions()
+    return {"type": "score", "score": math.fsum(i * x for i, x in enumerate(probs)),
+            "legend": dict(zip(labels, legend)), "confidence": score_confidence(probs, best),
+            "probabilities": by_option}
+
+
+__all__ = ["make_answer", "probabilities", "choice_confidence", "score_confidence"]
