@@ -271,18 +271,20 @@ def test_real_http_server_on_loopback(predictor, image_root):
 def test_serve_bench_tiny_run(predictor, capsys):
     from rlcd.bench.serve import run_serve_bench
 
-    s = run_serve_bench(predictor, requests=40, concurrency=4, sizes=(1, 5, 50), seed=1)
-    assert s["requests"] == 40
+    s = run_serve_bench(predictor, requests=30, levels=(1, 4), sizes=(1, 5, 50), seed=1, window_ms=2.0)
     assert s["c5xx"] == 0 and s["crashes"] == 0 and s["unexpected"] == 0
-    assert s["c4xx"] == 4 and s["ok"] == 36
-    assert s["decisions_per_s"] > 0
-    for size in (1, 5, 50):
-        assert s[f"n_{size}"] == 12 and s[f"p95_ms_{size}"] >= s[f"p50_ms_{size}"] > 0
+    for mode in ("batched", "unbatched"):
+        for level in ("1", "4"):
+            m = s["modes"][mode][level]
+            assert m["requests"] == 30 and m["c4xx"] == 3 and m["ok"] == 27 and m["decisions_per_s"] > 0
+            for size in (1, 5, 50):
+                assert m[f"n_{size}"] == 9 and m[f"p99_ms_{size}"] >= m[f"p95_ms_{size}"] >= m[f"p50_ms_{size}"] > 0
+    assert s["modes"]["unbatched"]["4"]["mean_batch"] == 1.0  # window 0: one request per forward
+    assert s["speedup_level"] == 4 and s["ratio_level"] == 1 and s["peak_rss_mib"] > 0
+    assert s["batching_speedup_c16"] == pytest.approx(s["modes"]["batched"]["4"]["decisions_per_s"]
+                                                      / s["modes"]["unbatched"]["4"]["decisions_per_s"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("serve: ")
-    fields = dict(kv.split("=") for kv in last[len("serve: "):].split())
-    assert fields["requests"] == "40" and fields["c5xx"] == "0" and fields["crashes"] == "0"
-    assert {"decisions_per_s", "p50_ms_1", "p95_ms_1", "p50_ms_5", "p95_ms_5", "p50_ms_50", "p95_ms_50"} <= set(fields)
+    assert last.startswith("serve: batching_speedup_c16=") and last.endswith("c5xx=0 crashes=0")
 
 
 def test_malformed_plan_covers_every_kind():
@@ -308,10 +310,10 @@ def test_cli_commands_parse(tmp_path_factory):
         assert opt in res.output
     run = tiny_export(tmp_path_factory.getbasetemp())
     out = tmp_path_factory.mktemp("bench") / "s.json"
-    res = runner.invoke(app, ["bench", "serve", "--run", str(run), "--requests", "12", "--concurrency", "3",
+    res = runner.invoke(app, ["bench", "serve", "--run", str(run), "--requests", "12", "--levels", "3",
                               "--sizes", "1,5", "--json", str(out)])
     assert res.exit_code == 0, res.output
-    assert res.output.strip().splitlines()[-1].startswith("serve: requests=12 ")
+    assert res.output.strip().splitlines()[-1].startswith("serve: batching_speedup_c16=")
     saved = json.loads(out.read_text())
     assert saved["bench"] == "serve" and saved["results"]["c5xx"] == 0
     assert os.path.getsize(out) > 0

@@ -56,6 +56,10 @@ class Prepared:
     image: Any
     limits: Limits
 
+    def size(self) -> tuple[int, int]:
+        """(questions, tokens) for the batcher's bounds (tokens: 0 until rows are encoded in prepare)."""
+        return len(self.request.qids), 0
+
 
 # ----------------------------------------------------------------------------------- predictor
 def _run_name(path: Path) -> str:
@@ -163,6 +167,22 @@ class Predictor:
             finally:
                 if encoder is not None:
                     encoder.max_tokens = old
+
+    def score_many(self, prepared: list[Prepared]) -> list[Any]:
+        """Score several requests together: [(logits, usage) or the PredictError of that request].
+
+        Uses the model's batched path (`score_cases`: prefixes batched, suffixes batched) when it has
+        one; each request's logits equal those it gets alone.
+        """
+        if len(prepared) == 1 or not hasattr(self.model, "score_cases"):
+            out: list[Any] = []
+            for p in prepared:
+                try:
+                    out.append(self.score(p))
+                except PredictError as e:
+                    out.append(e)
+            return out
+        return self._score_cases(prepared)
 
     def respond(self, prepared: Prepared, logits: list[Any], usage: Mapping[str, Any]) -> dict[str, Any]:
         """The System One response from the logits."""

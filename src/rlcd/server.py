@@ -29,7 +29,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from .predict import Predictor
+from .predict import Predictor, Prepared
+from .serving.batcher import Batcher, BatchingConfig, Overloaded
 from .serving.errors import PredictError
 from .serving.images import decode_base64_image, load_request_image, resolve_image_path  # noqa: F401 (API)
 from .serving.limits import Limits
@@ -72,7 +73,8 @@ def parse_body(body: bytes) -> Any:
 def _err(e: PredictError):
     from fastapi.responses import JSONResponse
 
-    return JSONResponse(e.to_json(), status_code=e.status)
+    headers = {"Retry-After": str(e.retry_after)} if isinstance(e, Overloaded) else None
+    return JSONResponse(e.to_json(), status_code=e.status, headers=headers)
 
 
 def _openapi_body() -> dict[str, Any]:
@@ -86,8 +88,11 @@ def _openapi_body() -> dict[str, Any]:
                               (422, "a rule of the request format"))}}
 
 
-def create_app(predictor: Predictor, *, image_root: Path | str | None = None, limits: Limits | None = None):
+def create_app(predictor: Predictor, *, image_root: Path | str | None = None, limits: Limits | None = None,
+               batching: BatchingConfig | None = None):
     """The FastAPI app around one Predictor (see the module docstring)."""
+    import asyncio
+    import contextlib
     import time
     import uuid
 
@@ -104,9 +109,18 @@ def create_app(predictor: Predictor, *, image_root: Path | str | None = None, li
         if not root.is_dir():
             raise ValueError(f"image root {image_root} is not a directory")
     started = int(time.time())
+    batching = batching or BatchingConfig()
+    batcher = Batcher(predictor.score_many, batching, size_of=Prepared.size)
 
-    app = FastAPI(title="rlcd", summary="Calibrated typed decisions over System One (/v1/systemone)")
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, batcher.close)  # answers what is queued
+
+    app = FastAPI(title="rlcd", summary="Calibrated typed decisions over System One (/v1/systemone)",
+                  lifespan=lifespan)
     app.state.predictor = predictor
+    app.state.batcher = batcher
     app.state.limits = limits
     app.state.image_root = root
 
@@ -130,12 +144,17 @@ def create_app(predictor: Predictor, *, image_root: Path | str | None = None, li
     @app.get("/v1/models", response_model=wire.ModelList)
     def models() -> dict:
         info = predictor.info()
-        info.update({"created": started, "owned_by": "rlcd", "limits": limits.to_dict(), "image_root": root is not None})
+        info.update({"created": started, "owned_by": "rlcd", "limits": limits.to_dict(), "image_root": root is not None,
+                     "batching": batcher.stats()})
         return {"object": "list", "data": [info]}
 
-    def answer(obj: Any) -> dict:
-        prepared = predictor.prepare(obj, image_root=root, limits=limits)
-        logits, usage = predictor.score(prepared)
+    async def answer(obj: Any) -> dict:
+        prepared = await run_in_threadpool(predictor.prepare, obj, image_root=root, limits=limits)
+        future = batcher.submit(prepared)
+        try:
+            logits, usage = await asyncio.wait_for(asyncio.wrap_future(future), batching.timeout_s)
+        except asyncio.TimeoutError:
+            raise batcher.timed_out(future) from None
         return predictor.respond(prepared, logits, usage)
 
     @app.post("/v1/systemone", response_model=wire.SystemOneResponse, response_model_exclude_none=True,
@@ -158,7 +177,7 @@ def create_app(predictor: Predictor, *, image_root: Path | str | None = None, li
                     raise PredictError("body", f"more than max_request_bytes={limits.max_request_bytes} bytes "
                                                "received", status=413)
             obj = await run_in_threadpool(parse_body, bytes(body))
-            return await run_in_threadpool(answer, obj)
+            return await answer(obj)
         except PredictError as e:
             return _err(e)
         except Exception as e:  # a bug, not bad input: report it and keep serving

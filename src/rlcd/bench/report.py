@@ -32,11 +32,11 @@ ORDER = ("prefix", "train", "serve", "gpu")
 HOW = {
     "prefix": "rlcd bench prefix --json benchmarks/results/prefix.json",
     "train": "rlcd bench train --model tiny --json benchmarks/results/train.json",
-    "serve": "rlcd bench serve --run RUN --json benchmarks/results/serve.json",
+    "serve": "rlcd bench serve RUN --json benchmarks/results/serve.json",
     "gpu": "bash benchmarks/gpu.sh",
 }
 HOW_NOTE = {
-    "serve": "needs a trained run, e.g. the demo's",
+    "serve": "needs a trained run, e.g. the demo's (runs/demo/run)",
     "gpu": "on a GPU machine with the wheels of `benchmarks/gpu-wheels.sh` carried; then copy `$OUT/gpu.json` to the results directory",
 }
 
@@ -47,8 +47,10 @@ HEADLINE = {
     "train": ("model", "hidden", "device", "batch_size", "grad_accum", "updates", "warmup_updates", "mean_row_tokens",
               "step_ms", "examples_per_s", "tokens_per_s", "objective_share", "objective_pass",
               "sampler_rows_per_s", "sampler_pass"),
-    "serve": ("model", "requests", "concurrency", "ok", "c4xx", "c5xx", "crashes", "unexpected", "decisions_per_s",
-              "p50_ms_1", "p95_ms_1", "p50_ms_5", "p95_ms_5", "p50_ms_50", "p95_ms_50"),
+    "serve": ("model", "requests_per_level", "window_ms", "batching_speedup_c16", "p50_ratio_c1", "c5xx", "crashes",
+              "unexpected", "peak_rss_mib",
+              *(f"modes.{m}.{c}.{k}" for m in ("batched", "unbatched") for c in (1, 4, 16, 64)
+                for k in ("decisions_per_s", "p50_ms_1", "p99_ms_1", "p50_ms_50", "mean_batch"))),
     "gpu": ("mode", "model.params_total", "matmul.tflops", "train.tokens_per_s", "train.examples_per_s", "train.mfu",
             "train.step_ms", "serve.p50_ms", "serve.decisions_per_s", "prefix.speedup", "prefix.bound",
             "prefix.ratio", "prefix.max_abs_diff", "memory.peak_allocated_gib"),

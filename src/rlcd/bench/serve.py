@@ -132,7 +132,7 @@ class BackgroundServer:
         self.sock.bind(("127.0.0.1", port))
         self.port = self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level=log_level,
-                                                    lifespan="off", access_log=False))
+                                                    lifespan="on", access_log=False))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="rlcd-bench-server")
 
@@ -251,6 +251,7 @@ def summarise(results: list[dict], wall: float, sizes: tuple[int, ...]) -> dict[
         out[f"n_{size}"] = len(lat)
         out[f"p50_ms_{size}"] = _pct(lat, 0.50)
         out[f"p95_ms_{size}"] = _pct(lat, 0.95)
+        out[f"p99_ms_{size}"] = _pct(lat, 0.99)
     bad_lat = [r["latency"] * 1000 for r in results if r["kind"] != "ok" and r.get("status") is not None]
     out["p50_ms_malformed"] = _pct(bad_lat, 0.50)
     errors = [r.get("error") for r in results if r.get("error")]
@@ -270,51 +271,97 @@ def format_line(s: dict, sizes: tuple[int, ...]) -> str:
     return "serve: " + " ".join(parts)
 
 
-def run_serve_bench(run: Any, requests: int = 1000, concurrency: int = 16, malformed: float = 0.10,
-                    sizes: tuple[int, ...] = (1, 5, 50), seed: int = 0, port: int = 0, *,
-                    timeout: float = 60.0, total_timeout: float = 900.0, verbose: bool = True,
-                    placement: Any = None) -> dict[str, Any]:
-    """Serve `run` (a run/export dir, or a `Predictor`) on loopback, send the load, return the summary.
+def _peak_rss_mib() -> float:
+    import resource
 
-    The server runs with the default `Limits`, except `max_questions` is raised to the largest size
-    when that exceeds the default. It always stops before returning.
-    """
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def serve_predictor(run: Any, sizes: tuple[int, ...], placement: Any = None) -> tuple[Any, Any]:
+    """(predictor, limits) for the bench: the default limits, max_questions raised to the largest size."""
     from ..predict import Predictor
-    from ..server import create_app
     from ..serving.limits import Limits
 
-    if requests < 1 or concurrency < 1 or not 0 <= malformed <= 1:
-        raise ValueError("need requests >= 1, concurrency >= 1 and 0 <= malformed <= 1")
-    sizes = tuple(int(s) for s in sizes)
     limits = Limits()
     if max(sizes) > limits.max_questions:
         limits = limits.with_(max_questions=max(sizes))
-    predictor = run if isinstance(run, Predictor) else Predictor.from_run(Path(run), limits=limits,
-                                                                          placement=placement)
-    app = create_app(predictor, limits=limits)
-    plan = plan_requests(requests, malformed=malformed, sizes=sizes, seed=seed, max_questions=limits.max_questions)
+    predictor = run if isinstance(run, Predictor) else Predictor.from_run(Path(run), limits=limits, placement=placement)
+    return predictor, limits
+
+
+def run_load(predictor: Any, limits: Any, plan: list[dict], *, concurrency: int, batching: Any, timeout: float = 60.0,
+             total_timeout: float = 900.0, port: int = 0) -> tuple[list[dict], float, dict]:
+    """One load against a fresh server around `predictor` with `batching`; (results, wall, batcher stats)."""
+    from ..server import create_app
+
+    app = create_app(predictor, limits=limits, batching=batching)
     with BackgroundServer(app, port=port) as server:
         results, wall = asyncio.run(_load(server.url, plan, concurrency=concurrency, timeout=timeout,
                                           total_timeout=total_timeout))
-    summary = summarise(results, wall, sizes)
-    summary.update({"concurrency": concurrency, "malformed_fraction": malformed, "seed": seed,
-                    "model": predictor.name, "sizes": list(sizes),
-                    "placement": getattr(predictor.model, "placement", None)})
+        stats = app.state.batcher.stats()
+    return results, wall, stats
+
+
+def run_serve_bench(run: Any, requests: int = 96, levels: tuple[int, ...] = (1, 4, 16, 64), malformed: float = 0.10,
+                    sizes: tuple[int, ...] = (1, 5, 50), seed: int = 0, port: int = 0, *, window_ms: float | None = None,
+                    timeout: float = 120.0, total_timeout: float = 900.0, verbose: bool = True,
+                    placement: Any = None) -> dict[str, Any]:
+    """Each concurrency level in `levels`, with batching on and off, on one loaded model; the summary.
+
+    `run` is a run/export dir or a `Predictor`. Every level sends the same `requests` requests (a plan
+    that is a pure function of `seed`). The last printed line is
+    `serve: batching_speedup_c16=X p50_ratio_c1=Y c5xx=N crashes=N`, X = decisions/s with batching / without
+    at 16 in flight, Y = p50 of 1-question requests at concurrency 1 with batching / without.
+    """
+    from ..serving.batcher import DEFAULT_WINDOW_MS, BatchingConfig
+
+    if requests < 1 or not levels or min(levels) < 1 or not 0 <= malformed <= 1:
+        raise ValueError("need requests >= 1, concurrency levels >= 1 and 0 <= malformed <= 1")
+    sizes = tuple(int(s) for s in sizes)
+    predictor, limits = serve_predictor(run, sizes, placement)
+    plan = plan_requests(requests, malformed=malformed, sizes=sizes, seed=seed, max_questions=limits.max_questions)
+    window = DEFAULT_WINDOW_MS if window_ms is None else float(window_ms)
+    modes = {"batched": BatchingConfig(window_ms=window, max_queue=max(256, 2 * max(levels)), timeout_s=timeout),
+             "unbatched": BatchingConfig(window_ms=0.0, max_queue=max(256, 2 * max(levels)), timeout_s=timeout)}
+    out: dict[str, Any] = {"model": predictor.name, "placement": getattr(predictor.model, "placement", None),
+                           "requests_per_level": requests, "levels": list(levels), "sizes": list(sizes),
+                           "malformed_fraction": malformed, "seed": seed, "window_ms": window, "modes": {}}
+    for mode, cfg in modes.items():
+        out["modes"][mode] = {}
+        for c in levels:
+            results, wall, stats = run_load(predictor, limits, plan, concurrency=c, batching=cfg, timeout=timeout,
+                                            total_timeout=total_timeout, port=port)
+            summary = summarise(results, wall, sizes)
+            summary.update({"concurrency": c, "mean_batch": stats["mean_batch"], "batches": stats["batches"]})
+            out["modes"][mode][str(c)] = summary
+            if verbose:
+                print(f"  {mode:>9} c={c:<3} decisions/s={summary['decisions_per_s']:8.1f}  "
+                      + "  ".join(f"p50/p95/p99 {z}q={summary[f'p50_ms_{z}']:.0f}/{summary[f'p95_ms_{z}']:.0f}/"
+                                  f"{summary[f'p99_ms_{z}']:.0f} ms" for z in sizes)
+                      + f"  2xx={summary['ok']} 4xx={summary['c4xx']} 5xx={summary['c5xx']} "
+                      f"crashes={summary['crashes']} mean batch={stats['mean_batch'] or 0:.1f}", flush=True)
+    b, u = out["modes"]["batched"], out["modes"]["unbatched"]
+    ref = "16" if "16" in b else str(max(levels))
+    low = str(min(levels))
+    out["batching_speedup_c16"] = b[ref]["decisions_per_s"] / u[ref]["decisions_per_s"] if u[ref]["decisions_per_s"] else None
+    small = f"p50_ms_{min(sizes)}"
+    out["p50_ratio_c1"] = b[low][small] / u[low][small] if u[low][small] else None
+    out["speedup_level"], out["ratio_level"] = int(ref), int(low)
+    out["c5xx"] = sum(m[c]["c5xx"] for m in out["modes"].values() for c in m)
+    out["crashes"] = sum(m[c]["crashes"] for m in out["modes"].values() for c in m)
+    out["unexpected"] = sum(m[c]["unexpected"] for m in out["modes"].values() for c in m)
+    out["peak_rss_mib"] = _peak_rss_mib()
     if verbose:
-        print(f"bench serve: model={predictor.name} requests={requests} concurrency={concurrency} "
-              f"malformed={malformed:.0%} sizes={'/'.join(map(str, sizes))} (loopback, requests serialised)")
-        for size in sizes:
-            print(f"  {size:>3} questions: n={summary[f'n_{size}']:>4}  p50={summary[f'p50_ms_{size}']:8.1f} ms  "
-                  f"p95={summary[f'p95_ms_{size}']:8.1f} ms")
-        print(f"  malformed: n={summary['malformed']}  p50={summary['p50_ms_malformed']:.1f} ms")
-        print(f"  2xx={summary['ok']} 4xx={summary['c4xx']} 5xx={summary['c5xx']} crashes={summary['crashes']} "
-              f"unexpected={summary['unexpected']}  decisions/s={summary['decisions_per_s']:.1f} "
-              f"wall={summary['wall_s']:.1f} s")
-        for ex in summary["unexpected_examples"]:
-            print(f"  unexpected: {json.dumps(ex)[:300]}")
-        print(format_line(summary, sizes), flush=True)
-    return summary
+        print(f"peak RSS {out['peak_rss_mib']:.0f} MiB; model {predictor.name}; window {window:g} ms", flush=True)
+        print(format_matrix_line(out), flush=True)
+    return out
 
 
-__all__ = ["run_serve_bench", "BackgroundServer", "plan_requests", "MALFORMED_KINDS",
+def format_matrix_line(s: dict) -> str:
+    x, y = s["batching_speedup_c16"], s["p50_ratio_c1"]
+    return (f"serve: batching_speedup_c16={'nan' if x is None else f'{x:.2f}'} "
+            f"p50_ratio_c1={'nan' if y is None else f'{y:.2f}'} c5xx={s['c5xx']} crashes={s['crashes']}")
+
+
+__all__ = ["run_serve_bench", "run_load", "serve_predictor", "format_matrix_line", "BackgroundServer", "plan_requests", "MALFORMED_KINDS",
            "summarise", "format_line"]

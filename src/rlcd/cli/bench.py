@@ -80,19 +80,20 @@ def train(
 def serve(
     run: RunArg = None,
     run_alias: RunAlias = None,
-    requests: Annotated[int, typer.Option(min=1, help="requests to send")] = 1000,
-    concurrency: Annotated[int, typer.Option(min=1, help="requests in flight at most")] = 16,
+    requests: Annotated[int, typer.Option(min=1, help="requests per concurrency level and mode")] = 96,
+    levels: Annotated[str, typer.Option(help="requests in flight, comma-separated; each with batching on and off")] = "1,4,16,64",
     malformed: Annotated[float, typer.Option(min=0, max=1, help="fraction of deliberately malformed requests")] = 0.10,
     sizes: Annotated[str, typer.Option(help="questions per request, comma-separated, used in turn")] = "1,5,50",
+    window_ms: Annotated[Optional[float], typer.Option(min=0, help="batching window of the batched mode (ms)")] = None,
     seed: Annotated[int, typer.Option()] = 0,
     port: Annotated[int, typer.Option(help="loopback port (0 = a free one)")] = 0,
-    timeout: Annotated[float, typer.Option(help="per-request timeout in seconds")] = 60.0,
-    total_timeout: Annotated[float, typer.Option(help="time bound of the whole load in seconds")] = 900.0,
+    timeout: Annotated[float, typer.Option(help="per-request timeout in seconds")] = 120.0,
+    total_timeout: Annotated[float, typer.Option(help="time bound of each load in seconds")] = 900.0,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the summary here")] = None,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
 ) -> None:
-    """Bounded loopback load on `rlcd serve`: latency, decisions/s, 4xx/5xx."""
+    """Loopback load on the server at several concurrencies, batching on and off: decisions/s, p50/p95/p99, 4xx/5xx."""
     from rlcd.bench.report import invocation, save_result
     from rlcd.bench.serve import run_serve_bench
     from rlcd.export import find_export
@@ -101,10 +102,11 @@ def serve(
     find_export(path)
     try:
         size_t = tuple(int(x) for x in sizes.split(",") if x.strip())
+        level_t = tuple(int(x) for x in levels.split(",") if x.strip())
     except ValueError:
-        raise typer.BadParameter("--sizes must be comma-separated integers, e.g. 1,5,50") from None
-    summary = run_serve_bench(path, requests=requests, concurrency=concurrency, malformed=malformed, sizes=size_t,
-                              seed=seed, port=port, timeout=timeout, total_timeout=total_timeout,
+        raise typer.BadParameter("--sizes and --levels are comma-separated integers, e.g. 1,5,50") from None
+    summary = run_serve_bench(path, requests=requests, levels=level_t, malformed=malformed, sizes=size_t, seed=seed,
+                              port=port, window_ms=window_ms, timeout=timeout, total_timeout=total_timeout,
                               placement=placement(device, dtype))
     if json_out is not None:
         save_result("serve", invocation(f"rlcd bench serve {path} --json {json_out}"), summary, path=json_out)

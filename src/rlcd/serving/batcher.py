@@ -1,0 +1,180 @@
+"""Dynamic batching with back-pressure: concurrent requests share the model's forwards.
+
+One batcher per server, with one model thread. `submit(prepared)` queues a validated request (a
+`Predictor.prepare` result) and returns a `concurrent.futures.Future` of its (logits, usage); the
+server awaits it with `asyncio.wrap_future`, so the event loop never runs or waits on the model. The
+model thread takes the first queued request, then gathers every request that queued while the
+previous batch ran, and those arriving within `window_ms`, up to `max_batch_questions` questions and
+`max_batch_tokens` tokens, and scores them with one `score_many` call (the predictor's batched path:
+each request's answers equal those it gets alone).
+
+`window_ms=0` turns batching off: one request per forward, in arrival order.
+
+Back-pressure: at most `max_queue` requests wait; one more is refused at once (`Overloaded`, a 503
+with a `Retry-After` hint) instead of waiting without bound; a request not answered within
+`timeout_s` gets the same 503 (its work is skipped if it had not started). `close()` stops accepting
+(503) and answers what is queued before it returns: graceful shutdown.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
+
+from rlcd.serving.errors import PredictError
+
+DEFAULT_WINDOW_MS = 4.0
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    """How the server batches: the gathering window, batch bounds, queue bound and request timeout."""
+
+    window_ms: float = DEFAULT_WINDOW_MS
+    max_batch_questions: int = 256
+    max_batch_tokens: int = 65536
+    max_queue: int = 256
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not (self.window_ms >= 0 and math.isfinite(self.window_ms)):
+            raise ValueError(f"window_ms must be >= 0, got {self.window_ms}")
+        for name in ("max_batch_questions", "max_batch_tokens", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.window_ms > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Overloaded(PredictError):
+    """503: the queue is full, the request waited too long, or the server is shutting down."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__("body", message, status=503)
+        self.retry_after = max(1, int(math.ceil(retry_after)))
+
+
+@dataclass
+class _Item:
+    prepared: Any
+    questions: int
+    tokens: int
+    future: concurrent.futures.Future
+
+
+class Batcher:
+    """Queue + model thread around `score_many(prepared list) -> [(logits, usage) | Exception]`."""
+
+    def __init__(self, score_many: Callable[[Sequence[Any]], list[Any]], config: BatchingConfig | None = None, *,
+                 size_of: Callable[[Any], tuple[int, int]] = lambda p: (1, 0)):
+        self.score_many = score_many
+        self.config = config or BatchingConfig()
+        self.size_of = size_of  # prepared -> (questions, tokens)
+        self.queue: queue.Queue[_Item] = queue.Queue()
+        self.accepting = True
+        self.batches = 0
+        self.batched_requests = 0
+        self.last_batch_s = 0.1  # for the Retry-After hint
+        self._held: _Item | None = None
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="rlcd-model", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------ requests
+    def retry_after(self) -> float:
+        per_batch = max(1, self.config.max_batch_questions) if self.config.enabled else 1
+        return self.last_batch_s * (1 + self.queue.qsize() / per_batch)
+
+    def submit(self, prepared: Any) -> concurrent.futures.Future:
+        """Queue `prepared`; raises Overloaded (503) when the queue is full or the server is closing."""
+        if not self.accepting:
+            raise Overloaded("the server is shutting down; retry on another replica", 1)
+        if self.queue.qsize() >= self.config.max_queue:
+            raise Overloaded(f"the server is overloaded ({self.config.max_queue} requests queued); retry later",
+                             self.retry_after())
+        questions, tokens = self.size_of(prepared)
+        item = _Item(prepared, int(questions), int(tokens), concurrent.futures.Future())
+        self.queue.put(item)
+        return item.future
+
+    def timed_out(self, future: concurrent.futures.Future) -> Overloaded:
+        """The 503 for a request whose `timeout_s` passed; cancels its work if it has not started."""
+        future.cancel()
+        return Overloaded(f"no answer within {self.config.timeout_s:g} s (the server is overloaded); retry later",
+                          self.retry_after())
+
+    # ------------------------------------------------------------------ the model thread
+    def _next(self, timeout: float | None) -> _Item | None:
+        if self._held is not None:
+            item, self._held = self._held, None
+            return item
+        try:
+            return self.queue.get(timeout=timeout) if timeout is None or timeout > 0 else self.queue.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _gather(self, first: _Item) -> list[_Item]:
+        batch = [first]
+        if not self.config.enabled:
+            return batch
+        c = self.config
+        questions, tokens = first.questions, first.tokens
+        deadline = time.perf_counter() + c.window_ms / 1000.0
+        while True:
+            item = self._next(max(0.0, deadline - time.perf_counter()))
+            if item is None:
+                return batch
+            if questions + item.questions > c.max_batch_questions or tokens + item.tokens > c.max_batch_tokens:
+                self._held = item  # the first of the next batch
+                return batch
+            batch.append(item)
+            questions += item.questions
+            tokens += item.tokens
+
+    def _run(self) -> None:
+        while not (self._stop.is_set() and self.queue.empty() and self._held is None):
+            first = self._next(0.05)
+            if first is None:
+                continue
+            batch = [i for i in self._gather(first) if i.future.set_running_or_notify_cancel()]
+            if not batch:
+                continue
+            t0 = time.perf_counter()
+            try:
+                results = self.score_many([i.prepared for i in batch])
+            except Exception as e:  # a bug in scoring: every request of the batch gets it
+                results = [e] * len(batch)
+            self.last_batch_s = time.perf_counter() - t0
+            self.batches += 1
+            self.batched_requests += len(batch)
+            for item, res in zip(batch, results):
+                if isinstance(res, BaseException):
+                    item.future.set_exception(res)
+                else:
+                    item.future.set_result(res)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop accepting, answer everything queued, stop the model thread."""
+        self.accepting = False
+        self._stop.set()
+        self.thread.join(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        return {"batches": self.batches, "requests": self.batched_requests,
+                "mean_batch": self.batched_requests / self.batches if self.batches else None,
+                "queued": self.queue.qsize(), **self.config.to_dict()}
+
+
+__all__ = ["Batcher", "BatchingConfig", "Overloaded", "DEFAULT_WINDOW_MS"]
