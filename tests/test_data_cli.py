@@ -27,7 +27,8 @@ def lines(path):
 def test_import_every_kind(tmp_path):
     out = tmp_path / "imported"
     invoke("import", "--kind", "typed-decisions", "--input", FIX / "typed_decisions.jsonl", "--out", out / "td.jsonl")
-    assert len(lines(out / "td.jsonl")) == 8 and len(lines(out / "td.excluded.jsonl")) == 7
+    # td-2:route (gold sums to 0.9) is excluded, not rescaled
+    assert len(lines(out / "td.jsonl")) == 7 and len(lines(out / "td.excluded.jsonl")) == 8
     text = invoke("import", "--kind", "text", "--input", FIX / "text.jsonl", "--text-column", "sentence",
                   "--label-column", "intent", "--labels", "reservation,hours,menu,cancellation", "--out", out / "text.jsonl")
     assert "text.jsonl" in text and len(lines(out / "text.jsonl")) == 4

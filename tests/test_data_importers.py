@@ -1,6 +1,9 @@
 """Each importer on a fixture that mirrors its real schema."""
 
+import csv
+import hashlib
 import json
+import math
 import sys
 from collections import Counter
 from pathlib import Path
@@ -9,7 +12,7 @@ import pytest
 
 from rlcd.data import importers
 from rlcd.data.io import read_jsonl, sha256_file, write_jsonl
-from rlcd.schema import parse_record
+from rlcd.schema import RecordError, parse_record
 
 FIX = Path(__file__).parent / "fixtures" / "data"
 
@@ -31,7 +34,7 @@ def _input_rows(path):
 
 def _check_typed_decisions(records, excluded, source_file):
     recs = _by_id(records)
-    assert set(recs) == {"td-1:action", "td-1:urgent", "td-1:severity", "td-2:approve", "td-2:route",
+    assert set(recs) == {"td-1:action", "td-1:urgent", "td-1:severity", "td-2:approve",
                          "td-3:approve", "td-4:route", "td-10:urgent"}
     action = recs["td-1:action"]
     assert (action.source, action.language, action.task, action.case_id) == ("typed-decisions", "en", "customer_service", "td-1")
@@ -39,12 +42,15 @@ def _check_typed_decisions(records, excluded, source_file):
     assert isinstance(action.state, dict) and action.state["customer"] == "C-1042"
     assert recs["td-1:urgent"].target == pytest.approx([0.2, 0.8])  # noul order is false, true
     assert recs["td-1:severity"].target == pytest.approx([0.1, 0.6, 0.3, 0.0])  # missing level "3" -> 0
-    assert recs["td-2:route"].target == pytest.approx([0.0, 2 / 3, 1 / 3])  # missing label -> 0, renormalised
     assert recs["td-10:urgent"].split == "test" and recs["td-1:urgent"].split is None
     reasons = _reasons(excluded)
-    assert reasons == {"td-3:route": "missing_gold", "td-4:approve": "zero_target", "td-5:action": "invalid",
-                       "td-6": "unparsable", 7: "unparsable", "td-8:action": "invalid", "td-9:urgent": "invalid"}
+    assert reasons == {"td-2:route": "gold_not_normalized", "td-3:route": "missing_gold", "td-4:approve": "zero_target",
+                       "td-5:action": "invalid", "td-6": "unparsable", 7: "unparsable", "td-8:action": "invalid",
+                       "td-9:urgent": "invalid"}
     details = {e["row"]: e["detail"] for e in excluded}
+    # {"controller": 0.6, "cfo": 0.3} sums to 0.9: excluded, not rescaled to [0, 2/3, 1/3]
+    assert "'td-2:route'" in details["td-2:route"] and "question 'route'" in details["td-2:route"]
+    assert "sum to 0.9," in details["td-2:route"]
     assert "store_credit" in details["td-5:action"] and "td-5:action" in details["td-5:action"]
     assert "ranking" in details["td-8:action"] or "'choice', 'noul' or 'score'" in details["td-8:action"]
     assert "reserved token" in details["td-9:urgent"]
@@ -68,12 +74,90 @@ def test_typed_decisions_parquet_matches_jsonl(tmp_path):
     ref, _ = importers.import_typed_decisions(FIX / "typed_decisions.jsonl")
     assert [r.model_dump() for r in records] == [r.model_dump() for r in ref]
     assert sorted(e["reason"] for e in excluded) == sorted(
-        ["missing_gold", "zero_target", "invalid", "unparsable", "invalid", "invalid"])
+        ["gold_not_normalized", "missing_gold", "zero_target", "invalid", "unparsable", "invalid", "invalid"])
 
 
 def test_typed_decisions_split_argument_overrides_column():
     records, _ = importers.import_typed_decisions(FIX / "typed_decisions.jsonl", split="validation")
     assert {r.split for r in records} == {"dev"}
+
+
+THREE = FIX / "typed_decisions_three_columns.jsonl"  # rows with only state, questions, gold (+ one workflow)
+
+
+def _raw_rows(path):
+    return [obj for _, obj in read_jsonl(path)]
+
+
+def _decoded(value):
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def _sha_id(row):
+    """The documented id, computed here from the raw row: td- + sha256(canonical {state, questions})[:16]."""
+    canonical = json.dumps({"state": _decoded(row["state"]), "questions": _decoded(row["questions"])},
+                           sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return "td-" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
+
+
+def test_typed_decisions_gold_is_normalized_within_1e_3():
+    """|sum - 1| <= 1e-3: renormalised (p / sum); further off: excluded `gold_not_normalized`, never rescaled."""
+    raw = _raw_rows(THREE)
+    records, excluded = importers.import_typed_decisions(THREE)
+    first = _sha_id(raw[0])
+    recs = _by_id(records)
+    action, urgent = recs[f"{first}:action"], recs[f"{first}:urgent"]
+    assert action.target == pytest.approx([0.6 / 1.0005, 0.3 / 1.0005, 0.1005 / 1.0005], rel=1e-12)
+    assert urgent.target == pytest.approx([0.5995 / 0.9995, 0.4 / 0.9995], rel=1e-12)  # [P(false), P(true)]
+    assert abs(math.fsum(action.target) - 1) < 1e-12
+    # the same gold unrenormalised would break the schema's own 1e-4 rule for native records
+    with pytest.raises(RecordError, match="within 0.0001"):
+        parse_record({**action.model_dump(mode="json"), "target": [0.6, 0.3, 0.1005]})
+    reasons = _reasons(excluded)
+    assert reasons == {f"{_sha_id(raw[2])}:action": "gold_not_normalized",
+                       f"{_sha_id(raw[3])}:urgent": "gold_not_normalized"}
+    details = " ".join(e["detail"] for e in excluded)
+    assert "question 'action' sum to 1.002," in details and "question 'urgent' sum to 0.998," in details
+
+
+def test_typed_decisions_rows_without_id_get_a_stable_content_id_and_a_default_task(tmp_path):
+    raw = _raw_rows(THREE)
+    records, excluded = importers.import_typed_decisions(THREE)
+    ids = [_sha_id(r) for r in raw]
+    assert ids[0] == ids[1]  # same content, other key order and JSON spacing
+    assert len(set(ids)) == 4
+    assert [r.id for r in records] == [f"{ids[0]}:action", f"{ids[0]}:urgent", f"{ids[1]}:urgent",
+                                       f"{ids[1]}:action", f"{ids[4]}:urgent"]
+    assert {r.case_id for r in records} == {ids[0], ids[4]}
+    by_task = {r.id: r.task for r in records}
+    assert by_task[f"{ids[0]}:action"] == "typed-decisions" and by_task[f"{ids[4]}:urgent"] == "billing"
+    again, _ = importers.import_typed_decisions(THREE)
+    assert [r.model_dump() for r in again] == [r.model_dump() for r in records]
+    # the id is the content's, not the file's: the same rows as CSV (JSON re-spaced) give the same records
+    with open(tmp_path / "td.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=["state", "questions", "gold", "workflow"])
+        writer.writeheader()
+        for r in raw:
+            writer.writerow({k: v if isinstance(v, str) else json.dumps(v, indent=1) for k, v in r.items()})
+    from_csv, _ = importers.import_typed_decisions(tmp_path / "td.csv")
+    assert [r.model_dump() for r in from_csv] == [r.model_dump() for r in records]
+    # every question of every row is either a record or an exclusion
+    questions = sum(len(_decoded(r["questions"])) for r in raw)
+    assert len(records) + len(excluded) == questions
+
+
+def test_prepare_excludes_the_second_of_two_rows_with_the_same_content(tmp_path):
+    from rlcd.data.prepare import prepare
+
+    records, _ = importers.import_typed_decisions(THREE)
+    write_jsonl(tmp_path / "td.jsonl", records)
+    manifest = prepare([tmp_path / "td.jsonl"], tmp_path / "processed", seed=0)
+    assert manifest["exclusions"] == {"duplicate_id": 2}  # the copy's two questions
+    assert manifest["read"] == len(records) == manifest["used"] + manifest["excluded"]
+    dup = [e for _, e in read_jsonl(tmp_path / "processed" / "excluded.jsonl")]
+    first = _sha_id(_raw_rows(THREE)[0])
+    assert {e["row"] for e in dup} == {f"{first}:action", f"{first}:urgent"}
+    assert all("already used at td.jsonl:" in e["detail"] for e in dup)
 
 
 def test_a_hub_id_without_datasets_is_a_clear_error(monkeypatch):

@@ -11,9 +11,10 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from rlcd.analysis.sweep import (SweepError, expand_grid, mean_std, metric_values, parse_grid, parse_overrides,
-                                 parse_seeds, plan_runs, run_sweep, scaled_cadence, summarize_runs, write_summary)
-from rlcd.recipe import Recipe
+from rlcd.analysis.sweep import (SweepError, expand_grid, mean_std, metric_values, parse_grid, parse_seeds, plan_runs,
+                                 run_sweep, scaled_cadence, summarize_runs, write_summary)
+from rlcd.errors import OptionError, UserError
+from rlcd.recipe import Recipe, parse_overrides
 
 torch.set_num_threads(1)
 
@@ -29,13 +30,16 @@ def test_parse_grid_types_values_and_rejects_bad_keys():
     assert g == {"sigma": [0.25, 1.0, 4.0], "objective": ["rlcd", "ce"], "ce_weight": [0.0, 1.0]}
     assert all(isinstance(v, float) for v in g["sigma"])
     assert parse_overrides(["eval_every=5", "batch_size=4"]) == {"eval_every": 5, "batch_size": 4}
-    with pytest.raises(SweepError, match="not a recipe field"):
+    with pytest.raises(OptionError, match="--grid sgima: not a recipe field"):  # the recipe's own parser
         parse_grid(["sgima=1"])
-    with pytest.raises(SweepError, match="not a valid int"):
+    with pytest.raises(OptionError, match="not a valid int"):
         parse_overrides(["eval_every=2.5"])
     with pytest.raises(SweepError, match="KEY="):
         parse_grid(["sigma"])
     assert parse_seeds("3") == [0, 1, 2] and parse_seeds("4,7") == [4, 7] and parse_seeds(2) == [0, 1]
+    with pytest.raises(SweepError, match="--seeds 'three'"):
+        parse_seeds("three")
+    assert issubclass(SweepError, OptionError) and issubclass(SweepError, UserError)
 
 
 def test_expand_grid_dedupes_the_ce_arm():
@@ -193,10 +197,57 @@ def test_dry_run_writes_worker_configs(tmp_path):
     (data / "train.jsonl").write_text("")
     res = run_sweep(data, "tiny-toy", GRID, 2, 5, tmp_path / "out", {"eval_every": 2}, dry_run=True)
     assert len(res["commands"]) == 8
-    assert all(" -m rlcd.analysis.sweep run-one --config " in c for c in res["commands"])
+    assert all(" -m rlcd.cli sweep-worker --config " in c for c in res["commands"])
     cfg = json.loads((tmp_path / "out" / "configs" / "ce-s1.json").read_text())
     assert cfg["recipe"]["objective"] == "ce" and cfg["recipe"]["eval_every"] == 2 and cfg["recipe"]["seed"] == 1
+    assert cfg["dtype"] == "auto"
     assert not (tmp_path / "out" / "runs").exists()
+
+
+def test_cli_dry_run_records_the_dtype_and_prints_worker_commands(tmp_path):
+    from rlcd.cli import app
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("")
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["sweep", "--data", str(data), "--out", str(out), "--model", "tiny-toy",
+                                   "--grid", "sigma=1,2", "--seeds", "1", "--steps", "4", "--dtype", "bfloat16",
+                                   "--dry-run"])
+    assert res.exit_code == 0, res.output
+    commands = res.stdout.strip().splitlines()
+    assert len(commands) == 2 and all(c.endswith(".json") and " sweep-worker --config " in c for c in commands)
+    for name in ("sigma1-s0", "sigma2-s0"):
+        assert json.loads((out / "configs" / f"{name}.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_sweep_user_errors_are_one_line(tmp_path):
+    """Bad grids, seeds, dtypes, data dirs and worker configs: exit 2, one line, no traceback, nothing run."""
+    from rlcd.cli import app
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("")
+    out = tmp_path / "out"
+    base = ["sweep", "--data", str(data), "--out", str(out), "--model", "tiny-toy", "--steps", "2", "--dry-run"]
+    cases = [
+        (base + ["--grid", "sgima=1"], "sgima"),
+        (base + ["--grid", "sigma"], "KEY=V1,V2"),
+        (base + ["--grid", "seed=0,1"], "cannot be a grid key"),
+        (base + ["--grid", "sigma=0"], "sigma must be > 0"),
+        (base + ["--seeds", "three"], "--seeds"),
+        (base + ["--recipe", "eval_every=2.5"], "eval_every"),
+        (base + ["--dtype", "float16"], "--dtype"),
+        (["sweep", "--data", str(tmp_path), "--out", str(out), "--dry-run"], "rlcd data prepare"),
+        (["sweep-worker", "--config", str(tmp_path / "nope.json")], "no such sweep run config"),
+    ]
+    for args, needle in cases:
+        res = CliRunner().invoke(app, args)
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert res.exit_code == 2 and 1 <= len(lines) <= 2 and needle in res.stderr, (args, res.output)
+        assert "Traceback" not in res.output
+    assert not (out / "configs").exists()
+    assert "sweep-worker" not in CliRunner().invoke(app, ["--help"]).stdout  # hidden: launched by `rlcd sweep`
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,15 +298,22 @@ def test_in_process_sweep_resumes_an_interrupted_run(tmp_path):
     prepare([tmp_path / "synth.jsonl"], tmp_path / "data", seed=0)
     out = tmp_path / "sweep"
     grid = {"objective": ["ce"]}
-    (spec,) = plan_runs(tmp_path / "data", "tiny-toy", expand_grid(grid)[0], [0], 2, out)
+    (spec,) = plan_runs(tmp_path / "data", "tiny-toy", expand_grid(grid)[0], [0], 2, out, dtype="float32")
     train(spec.run_dir, data_dir=tmp_path / "data", model="tiny-toy", recipe=Recipe.from_dict(spec.config["recipe"]),
-          progress=False, stop_after=1)
+          progress=False, stop_after=1, dtype="float32")
     assert not spec.evaluation_path.exists()
     log = spec.run_dir / "metrics.jsonl"
     rows = [json.loads(x) for x in log.read_text().splitlines()]
     log.write_text("".join(json.dumps({**r, "before_kill": True}) + "\n" for r in rows))
-    summary = run_sweep(tmp_path / "data", "tiny-toy", grid, 1, 2, out, in_process=True, progress=False)
+    # the same run under another dtype is a different run: refused, nothing trained
+    refused = run_sweep(tmp_path / "data", "tiny-toy", grid, 1, 2, out, in_process=True, progress=False,
+                        dtype="bfloat16")
+    assert refused["failed"] == ["ce-s0"] and "dtype 'float32' != 'bfloat16'" in refused["arms"][0]["runs"][0]["error"]
+    summary = run_sweep(tmp_path / "data", "tiny-toy", grid, 1, 2, out, in_process=True, progress=False,
+                        dtype="float32")
     assert summary["failed"] == [] and summary["arms"][0]["runs"][0]["status"] == "done"
+    assert summary["config"]["dtype"] == "float32" and json.loads(spec.run.config_path.read_text())["dtype"] == "float32"
+    assert json.loads(spec.evaluation_path.read_text())["meta"]["placement"] == {"device": "cpu", "dtype": "float32"}
     train_rows = [json.loads(x) for x in log.read_text().splitlines() if '"train"' in x]
     # continued from the checkpoint (the pre-kill line is kept), not restarted
     assert [(r["step"], r.get("before_kill", False)) for r in train_rows] == [(1, True), (2, False)]

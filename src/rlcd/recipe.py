@@ -2,7 +2,7 @@
 
 Users turn five knobs (`steps`, `seed`, `objective`, `sigma`, `ce_weight`); the rest is the recipe
 and is frozen into every run's `config.json`. Any field can still be overridden
-(`rlcd train --recipe FIELD=VALUE`, `rlcd sweep --grid FIELD=...`, both through `parse_overrides`);
+(`rlcd train --recipe FIELD=VALUE`, `rlcd sweep --grid FIELD=...`, typed by the same `coerce_value`);
 a run whose non-knob fields differ from the pinned values records them as `recipe_deviations` and
 says so when it starts. A resume may only raise `steps`.
 """

@@ -84,6 +84,7 @@ app.command("predict")(serve.predict)
 app.command("serve")(serve.serve)
 app.command("compare")(analysis.compare)
 app.command("sweep")(analysis.sweep)
+app.command("sweep-worker", hidden=True)(analysis.sweep_worker)  # one sweep run
 app.add_typer(analysis.analyze_app, name="analyze")
 app.add_typer(analysis.probe_app, name="probe")
 app.add_typer(bench.app, name="bench")

@@ -1,4 +1,4 @@
-"""`rlcd analyze toy-bias`, `rlcd compare`, `rlcd sweep`, `rlcd probe order|noise`: the analysis suite.
+"""`rlcd analyze toy-bias`, `rlcd compare`, `rlcd sweep` (+ its hidden `sweep-worker`), `rlcd probe order|noise`.
 
 Heavy imports (torch, matplotlib) happen inside the commands so importing this module stays cheap.
 """
@@ -126,7 +126,7 @@ def compare(
 
 
 # ----------------------------------------------------------------------------------------------
-# sweep and probes (registered by rlcd.cli as `rlcd sweep`, `rlcd probe order`, `rlcd probe noise`)
+# sweep and probes (registered by rlcd.cli as `rlcd sweep`, `rlcd sweep-worker`, `rlcd probe order|noise`)
 
 
 def _fail(prefix: str, e: Exception) -> None:
@@ -162,25 +162,25 @@ def sweep(
     scale_cadence: Annotated[bool, typer.Option(help="scale eval/checkpoint/log/diagnostics cadence to a budget "
                                                      "below 3,600 updates")] = True,
     in_process: Annotated[bool, typer.Option(help="run every arm in this process instead of one process per run")] = False,
-    devices: Annotated[Optional[str], typer.Option(help="comma-separated CUDA devices: one run per device at a time")] = None,
+    devices: Annotated[Optional[str], typer.Option(help="comma-separated CUDA devices: one run per device at a time "
+                                                        "(each run's --device auto is its GPU)")] = None,
+    dtype: DTypeOpt = DType.auto,
     dry_run: Annotated[bool, typer.Option(help="write the run configs and print the worker commands; train nothing")] = False,
 ) -> None:
     """Run a grid of recipe arms x seeds (one run dir and process each), evaluate each, and summarise.
 
     Finished runs (eval/evaluation.json present) are skipped, so re-running resumes a sweep. The ce
-    objective ignores sigma/ce_weight: its arm runs once per seed. Writes summary.json, summary.md,
-    fitted_T_vs_sigma.png and nll_vs_sigma.png under --out; exits 1 if a run failed.
+    objective ignores sigma/ce_weight: its arm runs once per seed. Every run trains and evaluates on
+    the auto device (its GPU with --devices) in --dtype, recorded in its config. Writes summary.json,
+    summary.md, fitted_T_vs_sigma.png and nll_vs_sigma.png under --out; exits 1 if a run failed.
     """
-    from rlcd.analysis.sweep import SweepError, parse_grid, parse_overrides, run_sweep
+    from rlcd.analysis.sweep import parse_grid, run_sweep
+    from rlcd.recipe import parse_overrides
 
-    try:
-        g = parse_grid(grid or [])
-        overrides = parse_overrides(recipe or [])
-        dev = [d.strip() for d in devices.split(",") if d.strip()] if devices else None
-        summary = run_sweep(data, model, g, seeds, steps, out, overrides, scale_cadence=scale_cadence,
-                            in_process=in_process, devices=dev, dry_run=dry_run)
-    except (SweepError, ValueError, FileNotFoundError) as e:
-        _fail("rlcd sweep", e)
+    dev = [d.strip() for d in devices.split(",") if d.strip()] if devices else None
+    summary = run_sweep(data, model, parse_grid(grid or []), seeds, steps, out, parse_overrides(recipe or []),
+                        scale_cadence=scale_cadence, in_process=in_process, devices=dev, dtype=dtype.value,
+                        dry_run=dry_run)
     if dry_run:
         for cmd in summary["commands"]:
             typer.echo(cmd)
@@ -210,6 +210,16 @@ def sweep(
     if summary["failed"]:
         typer.echo(f"{len(summary['failed'])} run(s) failed: {', '.join(summary['failed'])} (see summary.md)", err=True)
         raise typer.Exit(code=1)
+
+
+def sweep_worker(
+    config: Annotated[Path, typer.Option("--config", help="a run config written by `rlcd sweep` (OUT/configs/RUN.json)")],
+) -> None:
+    """Train (or resume) and evaluate one sweep run from its config; `rlcd sweep` starts one per run."""
+    from rlcd.analysis.sweep.scheduler import read_run_config, run_one
+    from rlcd.evaluate import print_summary
+
+    print_summary(run_one(read_run_config(config)))
 
 
 @probe_app.command("order")

@@ -34,8 +34,6 @@ SPLIT_ALIASES = {"train": "train", "dev": "dev", "validation": "dev", "val": "de
 YES_NO = {"no": 0, "yes": 1}
 EASY_VQA_COLOURS = ("black", "blue", "brown", "gray", "green", "red", "teal", "yellow")
 EASY_VQA_SHAPES = ("circle", "rectangle", "triangle")
-NO_GOLD, ZERO_GOLD = "no gold entry for this question", "all probabilities are zero"
-TYPED_REASONS = {NO_GOLD: "missing_gold", ZERO_GOLD: "zero_target"}  # RecordError rule -> exclusion reason
 
 
 def exclusion(row: Any, source_file: str | Path, reason: str, detail: str) -> Exclusion:
@@ -143,9 +141,28 @@ def relative_to(path: Path, out_dir: Path) -> str:
 
 # --- typed-decisions ------------------------------------------------------------------------
 
+GOLD_SUM_TOL = 1e-3  # the dataset's gold is "normalized within tolerance"
+DEFAULT_TASK = "typed-decisions"  # task of a row without a `workflow` column
 
-def gold_target(question: Question, gold: Any, *, row: str) -> list[float]:
-    """Target from `gold[qid]["probabilities"]` keyed by label; missing labels count 0, then renormalise."""
+
+class GoldError(RecordError):
+    """A gold entry excluded under its own reason (`missing_gold`, `zero_target`, `gold_not_normalized`)."""
+
+    def __init__(self, row: str | None, field: str, rule: str, reason: str):
+        super().__init__(row, field, rule)
+        self.reason = reason
+
+
+def gold_target(question: Question, gold: Any, *, row: str, qid: str | None = None) -> list[float]:
+    """Target from `gold[qid]["probabilities"]` keyed by label (a missing label counts 0).
+
+    The dataset documents its gold as normalized within tolerance: with s = sum of the given
+    probabilities, |s - 1| <= GOLD_SUM_TOL (1e-3) is accepted and renormalised, t_k = p_k / s (so
+    the record passes the schema's stricter 1e-4 check); anything further off is refused
+    (`gold_not_normalized`), never rescaled into a distribution nobody wrote.
+    """
+    if gold is None:
+        raise GoldError(row, "gold", "no gold entry for this question", "missing_gold")
     probs = gold.get("probabilities") if isinstance(gold, dict) else None
     if not isinstance(probs, dict):
         raise RecordError(row, "gold.probabilities", "must be a mapping label -> probability")
@@ -159,15 +176,41 @@ def gold_target(question: Question, gold: Any, *, row: str) -> list[float]:
             raise RecordError(row, "gold.probabilities", f"entries must be finite non-negative numbers, got {v!r}")
     total = math.fsum(values)
     if total <= 0:
-        raise RecordError(row, "gold.probabilities", ZERO_GOLD)
+        raise GoldError(row, "gold.probabilities", "all probabilities are zero", "zero_target")
+    if abs(total - 1.0) > GOLD_SUM_TOL:
+        what = f"question {qid!r}" if qid is not None else "the question"
+        raise GoldError(row, "gold.probabilities",
+                        f"probabilities of {what} sum to {total:.6g}, not 1 within {GOLD_SUM_TOL:g} (the dataset's "
+                        "gold is normalized within tolerance); fix the row's gold or drop the row",
+                        "gold_not_normalized")
     return [v / total for v in values]
+
+
+def content_id(state: Any, questions: Any) -> str:
+    """`td-` + the first 16 hex digits of sha256 over the canonical JSON of {state, questions}.
+
+    Canonical = keys sorted, no whitespace, UTF-8: the same content gives the same id on every run
+    whatever its key order or JSON spacing, so two rows with the same content share an id and
+    `rlcd data prepare` excludes the second as `duplicate_id`.
+    """
+    text = json.dumps({"state": state, "questions": questions}, sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=False)
+    return "td-" + sha256_bytes(text.encode("utf-8"))[:16]
+
+
+def _given(row: dict, name: str) -> Any:
+    """A column's value, None when absent, null or blank."""
+    value = row.get(name)
+    return None if value is None or (isinstance(value, str) and not value.strip()) else value
 
 
 def import_typed_decisions(path: str | Path, *, split: str | None = None,
                            source: str = "typed-decisions", language: str = "en") -> ImportResult:
-    """Typed-decisions rows (`id, workflow, state, questions, gold`; the last three JSON strings).
+    """Typed-decisions rows -> one record per (row, question).
 
-    One record per (row, question): id `{row_id}:{qid}`, case_id `row_id`, task = workflow.
+    The dataset documents three columns, `state`, `questions` and `gold` (JSON strings or objects);
+    `id`, `workflow` and `split` are optional. Record id `{row_id}:{qid}`, case_id `row_id`, task =
+    `workflow`, else `typed-decisions`; `row_id` = the `id` column, else `content_id(state, questions)`.
     """
     records: list[Record] = []
     excluded: list[Exclusion] = []
@@ -175,54 +218,46 @@ def import_typed_decisions(path: str | Path, *, split: str | None = None,
         if isinstance(row, Exception):
             excluded.append(exclusion(row_no, path, "unparsable", f"row {row_no}: {row}"))
             continue
-        if row.get("id") in (None, ""):
-            missing = RecordError(f"row {row_no}", "id", "column is missing or empty")
-            excluded.append(exclusion(row_no, path, "invalid", str(missing)))
-            continue
-        rid = str(row["id"])
+        given = None if _given(row, "id") is None else str(row["id"])
+        where = given or str(row_no)  # names the row in details until its id is known
         try:
-            case = _typed_case(row, rid, split)
+            task, row_split, state, questions, gold = _typed_case(row, split)
         except json.JSONDecodeError as exc:
-            excluded.append(exclusion(rid, path, "unparsable", f"row {rid!r}: a JSON column does not parse ({exc})"))
+            excluded.append(exclusion(given or row_no, path, "unparsable",
+                                      f"row {where!r}: a JSON column does not parse ({exc})"))
             continue
         except RecordError as exc:
-            excluded.append(exclusion(rid, path, "invalid", str(RecordError(rid, exc.field, exc.rule))))
+            excluded.append(exclusion(given or row_no, path, "invalid", str(RecordError(where, exc.field, exc.rule))))
             continue
-        workflow, row_split, state, questions, gold = case
+        rid = given or content_id(state, questions)
         for qid, qobj in questions.items():
             record_id = f"{rid}:{qid}"
             try:
+                question = parse_question(qobj, qid=record_id)
+                target = gold_target(question, gold.get(qid), row=record_id, qid=qid)
                 records.append(parse_record({
-                    "id": record_id, "source": source, "language": language, "task": workflow,
+                    "id": record_id, "source": source, "language": language, "task": task,
                     "split": row_split, "state": state, "case_id": rid,
-                    **_typed_question(record_id, qobj, gold.get(qid)),
+                    "question": question.model_dump(mode="json"), "target": target,
                 }))
             except RecordError as exc:
-                excluded.append(exclusion(record_id, path, TYPED_REASONS.get(exc.rule, "invalid"),
+                excluded.append(exclusion(record_id, path, getattr(exc, "reason", "invalid"),
                                           str(RecordError(record_id, exc.field, exc.rule))))
     return records, excluded
 
 
-def _typed_case(row: dict, rid: str, split: str | None) -> tuple[str, str | None, Any, dict, dict]:
-    """(workflow, split, state, questions, gold) of a typed-decisions row, or RecordError."""
-    workflow = row.get("workflow")
-    if not isinstance(workflow, str) or not workflow.strip():
-        raise RecordError(rid, "workflow", "must be a non-empty string")
+def _typed_case(row: dict, split: str | None) -> tuple[str, str | None, Any, dict, dict]:
+    """(task, split, state, questions, gold) of a typed-decisions row, or RecordError / JSONDecodeError."""
+    workflow = _given(row, "workflow")
+    if workflow is not None and not isinstance(workflow, str):
+        raise RecordError(None, "workflow", f"must be a string (or absent: task {DEFAULT_TASK!r}), got {workflow!r}")
     row_split = _split_of(row, split)
     state, questions, gold = (_json_field(row, name) for name in ("state", "questions", "gold"))
     if not isinstance(questions, dict) or not questions:
-        raise RecordError(rid, "questions", "must be a non-empty mapping qid -> question")
+        raise RecordError(None, "questions", "must be a non-empty mapping qid -> question")
     if not isinstance(gold, dict):
-        raise RecordError(rid, "gold", "must be a mapping qid -> {probabilities}")
-    return workflow, row_split, state, questions, gold
-
-
-def _typed_question(record_id: str, qobj: Any, gold: Any) -> dict:
-    """The question and target fields of one (row, question) record."""
-    if gold is None:
-        raise RecordError(record_id, "gold", NO_GOLD)
-    question = parse_question(qobj, qid=record_id)
-    return {"question": question.model_dump(mode="json"), "target": gold_target(question, gold, row=record_id)}
+        raise RecordError(None, "gold", "must be a mapping qid -> {probabilities}")
+    return workflow or DEFAULT_TASK, row_split, state, questions, gold
 
 
 # --- VQAv2-style yes/no ---------------------------------------------------------------------
