@@ -151,3 +151,46 @@ def _rss_mib() -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024.0
     raise RuntimeError("no VmRSS")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_serve_with_two_uvicorn_workers(tmp_path_factory, predictor):
+    """`rlcd serve RUN --workers 2`: uvicorn's process manager, two processes each with its own model."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from _tiny_export import tiny_export
+
+    run = tiny_export(tmp_path_factory.getbasetemp())
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "rlcd.cli", "serve", str(run), "--workers", "2", "--port",
+                             str(port), "--device", "cpu"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.5)
+        want = predictor.predict(REQ)
+        got = [httpx.post(url + "/v1/systemone", json=REQ, timeout=60, trust_env=False).json() for _ in range(6)]
+        assert all(g["answers"] == want["answers"] for g in got)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert out.count("Started server process") == 2, out[-2000:]

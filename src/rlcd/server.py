@@ -199,17 +199,52 @@ def create_app(predictor: Predictor, *, image_root: Path | str | None = None, li
     return app
 
 
+SERVE_ENV = "RLCD_SERVE_CONFIG"
+
+
+def app_from_env():
+    """The app a uvicorn worker builds (`rlcd serve --workers N`): its config comes in `RLCD_SERVE_CONFIG`."""
+    import os
+
+    from .device import Placement
+
+    cfg = json.loads(os.environ[SERVE_ENV])
+    placement = Placement(**cfg["placement"]) if cfg.get("placement") else None
+    lim = Limits(**cfg["limits"])
+    predictor = Predictor.from_run(Path(cfg["run"]), limits=lim, placement=placement, name=cfg.get("name"),
+                                   strict_model=bool(cfg.get("strict_model")))
+    return create_app(predictor, image_root=cfg.get("image_root"), limits=lim,
+                      batching=BatchingConfig(**cfg["batching"]))
+
+
 def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root: Path | str | None = None,
           log_level: str = "info", placement: Any = None, served_model_name: str | None = None,
-          strict_model: bool = False, **limits: Any) -> None:
-    """Load `run`'s export and serve it with uvicorn until interrupted."""
+          strict_model: bool = False, batching: BatchingConfig | None = None, workers: int = 1,
+          **limits: Any) -> None:
+    """Load `run`'s export and serve it with uvicorn until interrupted.
+
+    `workers` > 1 runs that many uvicorn worker processes (uvicorn's own process manager), each with its
+    own copy of the model: memory grows by one model per worker; throughput by up to one model's per
+    worker on as many cores / devices.
+    """
+    import os
+
     import uvicorn
 
     lim = Limits().with_(**limits)
+    batching = batching or BatchingConfig()
+    if workers > 1:
+        os.environ[SERVE_ENV] = json.dumps({
+            "run": str(Path(run).resolve()), "placement": placement.to_dict() if placement is not None else None,
+            "limits": lim.to_dict(), "batching": batching.to_dict(), "name": served_model_name,
+            "strict_model": strict_model, "image_root": str(image_root) if image_root is not None else None})
+        uvicorn.run("rlcd.server:app_from_env", factory=True, host=host, port=port, log_level=log_level,
+                    workers=workers, timeout_graceful_shutdown=int(batching.timeout_s))
+        return
     predictor = Predictor.from_run(Path(run), limits=lim, placement=placement, name=served_model_name,
                                    strict_model=strict_model)
-    app = create_app(predictor, image_root=image_root, limits=lim)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    app = create_app(predictor, image_root=image_root, limits=lim, batching=batching)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(batching.timeout_s))
 
 
 __all__ = ["create_app", "serve", "parse_body", "decode_base64_image", "resolve_image_path", "load_request_image"]

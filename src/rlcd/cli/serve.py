@@ -77,17 +77,30 @@ def serve(
              "directory name)")] = None,
     strict_model: Annotated[bool, typer.Option(
         help="refuse (404) a request whose `model` is not the served name; by default any name is echoed")] = False,
+    batch_window_ms: Annotated[float, typer.Option(
+        min=0, help="gather requests arriving within this many ms into one forward (0 = no batching)")] = 4.0,
+    max_batch_questions: Annotated[int, typer.Option(min=1, help="questions per batched forward")] = 256,
+    max_batch_tokens: Annotated[int, typer.Option(min=1, help="prompt tokens per batched forward")] = 65536,
+    max_queue: Annotated[int, typer.Option(min=1, help="requests waiting at most; more get 503 + Retry-After")] = 256,
+    request_timeout: Annotated[float, typer.Option(min=0.001, help="seconds a request may wait for its answer "
+                                                                    "(then 503 + Retry-After)")] = 60.0,
+    workers: Annotated[int, typer.Option(min=1, help="uvicorn worker processes, each with its own copy of the "
+                                                     "model (memory: one model per worker)")] = 1,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
 ) -> None:
     """Serve a run over HTTP: POST /v1/systemone (System One, as transformers serve), GET /health, GET /v1/models."""
     from rlcd.export import find_export
     from rlcd.server import serve as run_server
+    from rlcd.serving.batcher import BatchingConfig
 
     path = run_path(run, run_alias)
     find_export(path)
     if image_root is not None and not image_root.is_dir():
         raise typer.BadParameter(f"{image_root}: not a directory", param_hint="--image-root")
+    batching = BatchingConfig(window_ms=batch_window_ms, max_batch_questions=max_batch_questions,
+                              max_batch_tokens=max_batch_tokens, max_queue=max_queue, timeout_s=request_timeout)
     run_server(path, host=host, port=port, image_root=image_root, placement=placement(device, dtype),
-               served_model_name=served_model_name, strict_model=strict_model, max_questions=max_questions, max_candidates=max_candidates, max_tokens=max_tokens,
+               served_model_name=served_model_name, strict_model=strict_model, batching=batching, workers=workers,
+               max_questions=max_questions, max_candidates=max_candidates, max_tokens=max_tokens,
                max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels)
