@@ -155,7 +155,7 @@ def test_gpu_script_dry_run(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable)
     env.pop("RLCD_BENCH_COMMAND", None)
     p = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--dry-run", "--threads", "1"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=240)
+                       capture_output=True, text=True, timeout=420)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rec = json.loads((tmp_path / "out" / "gpu.json").read_text())
     assert rec["bench"] == "gpu" and rec["command"] == "bash benchmarks/gpu.sh --dry-run --threads 1"
@@ -166,5 +166,12 @@ def test_gpu_script_dry_run(tmp_path):
     assert res["serve"]["questions"] == 5 and res["serve"]["p50_ms"] > 0 and res["serve"]["finite"]
     assert res["prefix"]["tol_ok"] and res["prefix"]["speedup"] > 0
     assert res["memory"]["peak_rss_gib"] > 0 and res["model"]["params_trainable"] > 0
+    load = res["serve_load"]
+    assert load["c5xx"] == 0 and load["crashes"] == 0 and set(load["modes"]) == {"batched", "unbatched"}
+    assert load["batching_speedup_c16"] > 0 and load["p50_ratio_c1"] > 0
+    policy = res["policy"]
+    assert policy["auto"] == {"device": "cpu", "dtype": "float32"} and policy["all_recorded"]
+    assert policy["evaluation_placement"] == policy["auto"] and policy["export_hf_written"]
+    assert policy["max_abs_prob_diff_auto_vs_cpu_fp32"] == 0.0
     table = p.stdout.strip().splitlines()
-    assert table[-1].startswith("time") and any(ln.startswith("== rlcd gpu bench: dry-run") for ln in table[-20:])
+    assert table[-1].startswith("time") and any(ln.startswith("== rlcd gpu bench: dry-run") for ln in table[-30:])

@@ -72,10 +72,12 @@ DRY_NAME = "tiny-dry-run"
 # sizes per mode
 FULL = dict(matmul_n=8192, matmul_iters=50, train_cases=64, train_state_tokens=450, train_updates=10,
             train_warmup=3, train_batch=8, train_accum=4, serve_questions=50, serve_state_tokens=1000, serve_repeats=20, serve_warmup=3,
-            prefix_questions=32, prefix_state_tokens=512, prefix_repeats=5)
+            prefix_questions=32, prefix_state_tokens=512, prefix_repeats=5,
+            load_requests=64, load_levels=(1, 4, 16, 64), policy_cases=24, policy_steps=2)
 DRY = dict(matmul_n=256, matmul_iters=5, train_cases=12, train_state_tokens=48, train_updates=1,
            train_warmup=0, train_batch=2, train_accum=2, serve_questions=5, serve_state_tokens=64, serve_repeats=2, serve_warmup=1,
-           prefix_questions=4, prefix_state_tokens=64, prefix_repeats=1)
+           prefix_questions=4, prefix_state_tokens=64, prefix_repeats=1,
+           load_requests=6, load_levels=(2,), policy_cases=8, policy_steps=1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,6 +227,58 @@ def serve_request(dm: Any, tokenizer: Any, *, questions: int, state_tokens: int,
             "finite": all(bool(torch.isfinite(x).all()) for x in logits)}
 
 
+def serve_load(dm: Any, *, requests: int, levels: tuple[int, ...], seed: int = 0) -> dict:
+    """`rlcd bench serve` (batching on and off at each concurrency) around the merged bench model."""
+    from rlcd.bench.serve import run_serve_bench
+    from rlcd.predict import Predictor
+    from rlcd.serving.limits import Limits
+
+    meta = {"model": dm.info.get("preset"), "temperatures": {"choice": 1.0, "noul": 1.0, "score": 1.0}}
+    predictor = Predictor(dm, meta, name=str(meta["model"]), limits=Limits())
+    res = run_serve_bench(predictor, requests=requests, levels=levels, sizes=(1, 5, 50), seed=seed)
+    return {k: v for k, v in res.items() if k != "modes"} | {"modes": {
+        mode: {c: {k: v for k, v in m.items() if not k.endswith("examples") and k != "first_errors"}
+               for c, m in by_c.items()} for mode, by_c in res["modes"].items()}}
+
+
+def device_policy(workdir: Path, *, cases: int, steps: int, seed: int = 0) -> dict:
+    """The device policy end to end on this machine: train, evaluate and predict the `tiny` preset with
+    `--device auto`, and check that every output records where it ran (and that CPU float32 agrees)."""
+    from rlcd.bench.train import make_bench_data
+    from rlcd.device import resolve_placement
+    from rlcd.evaluate import evaluate_run
+    from rlcd.predict import Predictor
+    from rlcd.recipe import Recipe
+    from rlcd.run import Run
+    from rlcd.train import train
+
+    auto = resolve_placement("auto")
+    data = make_bench_data(workdir / "policy", cases=cases, seed=seed)
+    run = Run(workdir / "policy" / "run")
+    t0 = time.perf_counter()
+    train(run.root, data_dir=data, model="tiny", device="auto", dtype="auto", progress=False,
+          recipe=Recipe(steps=steps, eval_every=steps, checkpoint_every=steps, log_every=1, diagnostics_every=0,
+                        grad_accum=1, seed=seed))
+    train_s = time.perf_counter() - t0
+    session = next(r for r in run.metrics() if r.get("event") == "session")
+    ev = evaluate_run(run, placement=auto)
+    request = {"state": "Order 1182: the parcel went to the wrong address.", "questions": {
+        "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": None, "shipping": None}},
+        "upset": {"type": "noul", "instructions": "Is the customer upset?"}}}
+    on_auto = Predictor.from_run(run.root, placement=auto)
+    on_cpu = Predictor.from_run(run.root, placement=resolve_placement("cpu"))
+    a, b = on_auto.predict(request), on_cpu.predict(request)
+    diff = max([abs(a["answers"]["upset"]["noul"] - b["answers"]["upset"]["noul"])]
+               + [abs(p - q) for p, q in zip(a["answers"]["team"]["probabilities"].values(),
+                                             b["answers"]["team"]["probabilities"].values())])
+    return {"auto": auto.to_dict(), "train_session": {k: session[k] for k in ("device", "dtype")},
+            "evaluation_placement": ev["meta"]["placement"], "predictor_placement": on_auto.info()["placement"],
+            "export_hf_written": (run.hf_export_dir / "model.safetensors").is_file(), "train_s": train_s,
+            "max_abs_prob_diff_auto_vs_cpu_fp32": diff,
+            "all_recorded": session["device"] == auto.device == ev["meta"]["placement"]["device"]
+            and on_auto.info()["placement"]["device"] == auto.device}
+
+
 def kernels() -> dict:
     import importlib.util
 
@@ -239,7 +293,7 @@ def kernels() -> dict:
 def run_gpu_bench(out_dir: str | Path, *, dry_run: bool = False, seed: int = 0, budget_s: float = 450.0,
                   tokenizer_dir: str | None = None, command: str | None = None,
                   print_fn: Callable[[str], None] = print) -> dict:
-    """Run the four sections; write `out_dir/gpu.json` after each; return the results dict."""
+    """Run the sections (matmul, train, serve, prefix, serve_load, policy); write `out_dir/gpu.json` after each."""
     from rlcd.bench.prefix import run_prefix_bench
     from rlcd.bench.report import machine_info, save_result
     from rlcd.bench.train import bench_session, make_bench_data, time_updates
@@ -360,6 +414,21 @@ def run_gpu_bench(out_dir: str | Path, *, dry_run: bool = False, seed: int = 0, 
                                                  print_fn=print_fn)
             elif go:
                 res["prefix"] = {"skipped": "no model (the train section did not run)"}
+
+        with section("serve_load") as go:
+            if go and dm is not None:
+                res["serve_load"] = serve_load(dm, requests=sizes["load_requests"], levels=sizes["load_levels"],
+                                               seed=seed)
+            elif go:
+                res["serve_load"] = {"skipped": "no model (the train section did not run)"}
+        dm = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+        with section("policy") as go:
+            if go:
+                res["policy"] = device_policy(Path(tmp), cases=sizes["policy_cases"], steps=sizes["policy_steps"],
+                                              seed=seed)
     save()
     for line in format_table(res, machine):
         print_fn(line)
@@ -393,6 +462,13 @@ def format_table(res: dict, machine: dict) -> list[str]:
         ("prefix", "speedup / bound / ratio",
          f"{f(g('prefix', 'speedup'), '.2f')} / {f(g('prefix', 'bound'), '.2f')} / {f(g('prefix', 'ratio'), '.2f')}"),
         ("prefix", "max abs logit diff", f(g("prefix", "max_abs_diff"), ".2g")),
+        ("load", "batching speedup at 16 in flight / p50 ratio at 1",
+         f"{f(g('serve_load', 'batching_speedup_c16'), '.2f')} / {f(g('serve_load', 'p50_ratio_c1'), '.2f')}"),
+        ("load", "5xx / crashes", f"{g('serve_load', 'c5xx')} / {g('serve_load', 'crashes')}"),
+        ("policy", "auto placement / all outputs record it",
+         f"{(g('policy', 'auto') or {}).get('device')} {(g('policy', 'auto') or {}).get('dtype')} / "
+         f"{g('policy', 'all_recorded')}"),
+        ("policy", "max |p(auto) - p(cpu fp32)|", f(g("policy", "max_abs_prob_diff_auto_vs_cpu_fp32"), ".2g")),
         ("memory", "peak allocated GiB", f(g("memory", "peak_allocated_gib"), ".2f")),
         ("memory", "peak host RSS GiB", f(g("memory", "peak_rss_gib"), ".2f")),
         ("time", "total s", f(res["timing_s"].get("total"), ".1f")),
