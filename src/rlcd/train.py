@@ -31,6 +31,7 @@ from rlcd import checkpoint as ckpt
 from rlcd.device import Placement, describe, resolve_placement
 from rlcd.errors import OptionError, UserError
 from rlcd.objectives import ce_loss, gradient_diagnostics, rlcd_loss
+from rlcd.progress import Progress, echo
 from rlcd.recipe import Recipe, lr_factor
 from rlcd.run import Run
 from rlcd.schema import QUESTION_TYPES, Record
@@ -483,15 +484,15 @@ def deviation_notice(recipe: Recipe) -> str | None:
 
 def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-0.8b",
           recipe: Recipe | None = None, resume: bool = False, steps: int | None = None,
-          stop_after: int | None = None, progress: bool | None = None, model_seed: int = 0,
+          stop_after: int | None = None, progress: bool = True, model_seed: int = 0,
           objective_fn: Callable | None = None, device: str = "auto", dtype: str = "auto",
-          backbone=None, print_fn: Callable[[str], None] = print) -> dict:
+          backbone=None, print_fn: Callable[[str], None] = echo) -> dict:
     """Train (or resume) the run at `run_dir`; returns the final state dict.
 
     Inputs are checked and the model is built before anything is written, so a failed start leaves
     no run directory behind. `stop_after` ends the process after that many updates without a final
     evaluation, as a kill would (used to test resume equivalence). `backbone` hands `build_model` a
-    ready backbone (tests, benchmarks).
+    ready backbone (tests, benchmarks). `progress=False` silences the progress display (stderr).
     """
     from rlcd.model.backbone import check_backbone_spec
 
@@ -573,7 +574,7 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
         evaluate_and_select(0)
         writer.checkpoint("last", s, snapshot())
 
-    bar = _Progress(total=r.steps, start=state["step"], enabled=d.main, rich=progress)
+    bar = Progress("train", r.steps, unit="updates", start=state["step"], enabled=d.main and progress)
     trainable = [p for ps in s.model.param_groups().values() for p in ps]
     t_last, window_examples, window_tokens = time.perf_counter(), 0, 0
     start = state["step"]
@@ -593,7 +594,7 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
                    "tokens_per_s": window_tokens / dt, "consumed": dict(sorted(s.consumed.items()))}
             writer.log(row)
             t_last, window_examples, window_tokens = now, 0, 0
-        bar.update(done, stats.get("loss"), stats.get("ce_loss"), state["score"])
+        bar.update(done, _progress_info(stats, state["score"]))
         if done % r.eval_every == 0 or done == r.steps:
             evaluate_and_select(done)
         if done % r.checkpoint_every == 0 or done == r.steps:
@@ -602,6 +603,14 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
     if d.active:
         dist.barrier()
     return snapshot()
+
+
+def _progress_info(stats: dict[str, Any], score: float | None) -> str:
+    """Loss, CE and the last dev score for the progress display."""
+    loss, ce = stats.get("loss"), stats.get("ce_loss")
+    if loss is None or ce is None:
+        return ""
+    return f"loss {loss:.4f} ce {ce:.4f} dev {'-' if score is None else f'{score:.4f}'}"
 
 
 class RunWriter:
@@ -619,38 +628,3 @@ class RunWriter:
         if self.enabled:
             ckpt.save(self.run.checkpoint(name), weights=s.model.trainable_state_dict(),
                       optimizer=s.optimizer.state_dict(), state=state)
-
-
-class _Progress:
-    """A rich progress bar on a terminal; plain periodic lines in CI logs."""
-
-    def __init__(self, total: int, start: int, enabled: bool, rich: bool | None):
-        self.enabled = enabled
-        self.total = total
-        self.rich = sys.stdout.isatty() if rich is None else rich
-        self.t0 = time.perf_counter()
-        self.start = start
-        self.p = None
-        if enabled and self.rich:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.p = Progress(TextColumn("update {task.completed}/{task.total}"), BarColumn(),
-                              TextColumn("{task.fields[info]}"), TimeRemainingColumn())
-            self.p.start()
-            self.task = self.p.add_task("train", total=total, completed=start, info="")
-
-    def update(self, done: int, loss, ce, score) -> None:
-        if not self.enabled:
-            return
-        info = f"loss {loss:.4f} ce {ce:.4f} dev {score if score is None else round(score, 4)}" \
-            if loss is not None and ce is not None else ""
-        if self.p is not None:
-            self.p.update(self.task, completed=done, info=info)
-        elif done == self.total or done % max(1, self.total // 20) == 0:
-            el = time.perf_counter() - self.t0
-            eta = el / max(1, done - self.start) * (self.total - done)
-            print(f"update {done}/{self.total} {info} eta {eta:.0f}s", flush=True)
-
-    def close(self) -> None:
-        if self.p is not None:
-            self.p.stop()

@@ -278,10 +278,12 @@ def _same_run(existing: Mapping[str, Any], config: Mapping[str, Any]) -> list[st
     return diffs
 
 
-def run_one(config: Mapping[str, Any]) -> dict[str, Any]:
+def run_one(config: Mapping[str, Any], *, progress: bool = False) -> dict[str, Any]:
     """Train (or resume) and evaluate one sweep run; returns its evaluation dict.
 
     ``config``: ``{"run_dir", "data_dir", "model", "model_seed", "recipe": full Recipe dict}``.
+    ``progress``: the run's own training and scoring progress (a worker writes it to its log; in
+    process the sweep's per-run lines are enough).
     """
     from rlcd import checkpoint as ckpt
     from rlcd.evaluate import evaluate_run
@@ -304,11 +306,11 @@ def run_one(config: Mapping[str, Any]) -> dict[str, Any]:
         else:
             step = json.loads((last / ckpt.STATE).read_text()).get("step", 0)
             if step < recipe.steps:
-                train(run_dir, resume=True, progress=False)
+                train(run_dir, resume=True, progress=progress)
     if not (run_dir / "config.json").is_file():
-        train(run_dir, data_dir=Path(config["data_dir"]), model=config["model"], recipe=recipe, progress=False,
+        train(run_dir, data_dir=Path(config["data_dir"]), model=config["model"], recipe=recipe, progress=progress,
               model_seed=int(config.get("model_seed", 0)))
-    return evaluate_run(run_dir)
+    return evaluate_run(run_dir, progress=progress)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -784,7 +786,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "run-one":
         config = json.loads(args.config.read_text())
-        ev = run_one(config)
+        ev = run_one(config, progress=True)
         from rlcd.evaluate import print_summary
 
         print_summary(ev)

@@ -39,6 +39,7 @@ def train(
 
     New run: `rlcd train RUN --data DATA [--model M]`. Resume: `rlcd train --resume RUN [--steps N]`.
     Under torchrun every update keeps the recipe's batch of 8 x 4 examples, split over the processes.
+    Progress and notices go to stderr; the final state (JSON) to stdout.
     """
     from rlcd.errors import OptionError
     from rlcd.recipe import Recipe, parse_overrides
