@@ -35,6 +35,7 @@ from rlcd.progress import Progress, echo
 from rlcd.recipe import Recipe, lr_factor
 from rlcd.run import Run
 from rlcd.schema import QUESTION_TYPES, Record
+from rlcd.tracking import check_tracker, open_tracker
 
 DATA_FILES = ("train.jsonl", "dev.jsonl", "calibration.jsonl", "test.jsonl")
 
@@ -427,7 +428,7 @@ def _check_resume(run: Run, config: dict, samples: dict, steps: int | None) -> d
 
 
 def new_run(run_dir: Path, data_dir: Path, model: str, recipe: Recipe, *, model_seed: int = 0,
-            world_size: int = 1, dtype: str = "auto", records=None) -> tuple[dict, dict]:
+            world_size: int = 1, dtype: str = "auto", records=None, log: str = "none") -> tuple[dict, dict]:
     """The config.json and samples.json of a fresh run (nothing is written here)."""
     from rlcd.data.sampling import dev_subset, eligible_pool
 
@@ -449,6 +450,7 @@ def new_run(run_dir: Path, data_dir: Path, model: str, recipe: Recipe, *, model_
         "dtype": dtype,
         "data_dir": str(data_dir),
         "world_size": world_size,
+        "log": log,
         "versions": library_versions(),
         "git_revision": git_revision(),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -486,13 +488,15 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
           recipe: Recipe | None = None, resume: bool = False, steps: int | None = None,
           stop_after: int | None = None, progress: bool = True, model_seed: int = 0,
           objective_fn: Callable | None = None, device: str = "auto", dtype: str = "auto",
-          backbone=None, print_fn: Callable[[str], None] = echo) -> dict:
+          backbone=None, log: str | None = None, print_fn: Callable[[str], None] = echo) -> dict:
     """Train (or resume) the run at `run_dir`; returns the final state dict.
 
     Inputs are checked and the model is built before anything is written, so a failed start leaves
     no run directory behind. `stop_after` ends the process after that many updates without a final
     evaluation, as a kill would (used to test resume equivalence). `backbone` hands `build_model` a
-    ready backbone (tests, benchmarks). `progress=False` silences the progress display (stderr).
+    ready backbone (tests, benchmarks). `progress=False` silences the progress display (stderr);
+    `log` is the experiment tracker (`rlcd.tracking`: "none", the default of a new run, or
+    "tensorboard"); a resume keeps the run's own unless `log` is given, and records the change.
     """
     from rlcd.model.backbone import check_backbone_spec
 
@@ -506,6 +510,9 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
         config = run.config()
         samples = run.samples()
         config = _check_resume(run, config, samples, steps)
+        if log is not None and log != config.get("log", "none"):
+            config = {**config, "log": log}
+        check_tracker(config.get("log", "none"))
     else:
         if data_dir is None:
             raise OptionError("a new run needs --data (a processed data directory)")
@@ -513,6 +520,7 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
             raise OptionError(f"{run.root} already holds a run; resume it with `rlcd train --resume {run.root}` "
                               "or choose another run directory")
         check_backbone_spec(model)
+        log = check_tracker(log or "none")
         data_dir = check_data_dir(Path(data_dir))
         recipe = recipe or Recipe()
         if steps is not None:
@@ -521,7 +529,7 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
         placement = resolve_placement(device, dtype, local_rank=d.local_rank if d.active else None)
         records = _load_records(data_dir)
         config, samples = new_run(run.root, data_dir, model, recipe, model_seed=model_seed, world_size=d.world,
-                                  dtype=dtype, records=records)
+                                  dtype=dtype, records=records, log=log)
     if resume:
         placement = resolve_placement(device, dtype if dtype != "auto" else config.get("dtype", "auto"),
                                       local_rank=d.local_rank if d.active else None)
@@ -543,17 +551,19 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
         state.update({k: loaded["state"][k] for k in ("step", "best_score", "best_step", "score", "consumed")})
         s.consumed.update(state["consumed"])
         if d.main:
-            if steps is not None:
+            if config != run.config():
                 run.write_config(config)
             run.trim_metrics(state["step"])
     else:
         init_centring(s)
         if d.main:
             Run.create(run.root, config, samples)
+    tracker = None
     if d.main:
-        run.log({"event": "session", "step": state["step"], "world_size": d.world, **placement.to_dict(),
-                 "resume": bool(resume)})
-    writer = RunWriter(run, enabled=d.main)
+        tracker = open_tracker(config.get("log", "none"), run, resume_step=state["step"] if resume else None)
+    writer = RunWriter(run, enabled=d.main, tracker=tracker)
+    writer.log({"event": "session", "step": state["step"], "world_size": d.world, **placement.to_dict(),
+                "resume": bool(resume)})
 
     def snapshot() -> dict:
         return {**state, "recipe": r.to_dict(), "consumed": dict(s.consumed), "world_size": d.world,
@@ -600,6 +610,7 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
         if done % r.checkpoint_every == 0 or done == r.steps:
             writer.checkpoint("last", s, snapshot())
     bar.close()
+    writer.close()
     if d.active:
         dist.barrier()
     return snapshot()
@@ -614,15 +625,22 @@ def _progress_info(stats: dict[str, Any], score: float | None) -> str:
 
 
 class RunWriter:
-    """Rank-0-only writer of metrics.jsonl and checkpoints."""
+    """Rank-0-only writer of metrics.jsonl (and of the tracker, which sees every row it gets) and checkpoints."""
 
-    def __init__(self, run: Run, enabled: bool):
+    def __init__(self, run: Run, enabled: bool, tracker=None):
         self.run = run
         self.enabled = enabled
+        self.tracker = tracker
 
     def log(self, row: dict) -> None:
         if self.enabled:
             self.run.log(row)
+            if self.tracker is not None:
+                self.tracker.log(row)
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.close()
 
     def checkpoint(self, name: str, s: Session, state: dict) -> None:
         if self.enabled:
