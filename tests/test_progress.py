@@ -62,13 +62,14 @@ def test_disabled_prints_nothing(clock):
     assert out.getvalue() == ""
 
 
-def test_bar_on_a_terminal():
+def test_bar_on_a_terminal(clock):
     out = io.StringIO()
-    with Progress("score dev", 7, stream=out, bar=True) as p:
-        p.update(7)
+    with Progress("train", 10, unit="updates", start=4, stream=out, bar=True) as p:
+        clock.t += 1.0
+        p.update(6, "loss 1.0")
     text = out.getvalue()
-    assert "score dev" in text and "7/7" in text and "rows" in text
-    assert "score dev: 7/7" not in text  # the bar, not a plain line
+    assert re.search(r"^train .*\s6/10 updates 2\.0 updates/s eta 2s loss 1\.0\s*$", text, re.M), text  # same formulas
+    assert "train: 6/10" not in text  # the bar, not a plain line
 
 
 def test_progress_goes_to_the_current_stderr(capsys):

@@ -22,7 +22,7 @@ import time
 from typing import Any, TextIO
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, ProgressColumn, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, ProgressColumn, TextColumn
 from rich.progress import Progress as RichProgress
 from rich.text import Text
 
@@ -70,10 +70,12 @@ class Progress:
 
     def _start_bar(self, console: Any) -> None:
         self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[unit]}"), _RateColumn(), TimeRemainingColumn(),
-                        TextColumn("{task.fields[info]}"), console=console)
+                        TextColumn("{task.fields[unit]}"), _RateColumn(), _EtaColumn(),
+                        TextColumn("{task.fields[info]}"), console=console,
+                                 get_time=lambda: time.perf_counter())  # the clock of the plain lines
         self._bar.start()
-        self._task = self._bar.add_task(self.label, total=self.total, completed=self.start, unit=self.unit, info="")
+        self._task = self._bar.add_task(self.label, total=self.total, completed=self.start, unit=self.unit,
+                                        first=self.start, info="")
 
     def _next_mark(self, done: int) -> int:
         step = max(1, self.total // self.lines)
@@ -119,12 +121,26 @@ class Progress:
         self.close()
 
 
+def _task_rate(task: Any) -> float:
+    """(done - start) / elapsed of a rich task: the rate of the plain lines."""
+    elapsed = task.finished_time if task.finished else task.elapsed
+    return (task.completed - task.fields["first"]) / elapsed if elapsed else 0.0
+
+
 class _RateColumn(ProgressColumn):
-    """The task's speed in its own unit ('38.2 rows/s')."""
+    """'38.2 rows/s' (or '31.0 s/update')."""
 
     def render(self, task: Any) -> Text:
-        rate = task.finished_speed or task.speed
-        return Text(speed(rate, task.fields["unit"]) if rate else "")
+        rate = _task_rate(task)
+        return Text(speed(rate, task.fields["unit"]) if rate > 0 else "")
+
+
+class _EtaColumn(ProgressColumn):
+    """'eta 1m13s' = (total - done) / rate."""
+
+    def render(self, task: Any) -> Text:
+        rate = _task_rate(task)
+        return Text(f"eta {duration((task.total - task.completed) / rate)}" if rate > 0 else "eta ?")
 
 
 __all__ = ["Progress", "duration", "echo", "speed"]
