@@ -205,3 +205,21 @@ def test_hub_import_without_datasets_is_one_line(tmp_path, monkeypatch):
     user_error(["data", "import", "--kind", "typed-decisions", "--input", "owner/set", "--out",
                 tmp_path / "x.jsonl"], contains="pip install 'rlcd[hub]'")
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_install_hints_name_declared_extras():
+    """Every `pip install 'rlcd[X]'` the code or README prints names an extra that pyproject.toml declares."""
+    import re
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    texts = [p.read_text(encoding="utf-8") for p in (root / "src").rglob("*.py")] + [(root / "README.md").read_text()]
+    hints = {m for text in texts for m in re.findall(r"pip install '?rlcd\[(\w+)\]", text)}
+    assert {"hub", "tracking"} <= hints
+    assert hints <= set(extras)
+    packages = {e: {re.split(r"[<>=!~ ;\[]", r)[0].lower() for r in reqs} for e, reqs in extras.items()}
+    assert "datasets" in packages["hub"] and "tensorboard" in packages["tracking"]
+    # make test installs the tracking extra (requirements.txt pins it), never the hub one: its tests run offline
+    pins = {ln.split("==")[0] for ln in (root / "requirements.txt").read_text().splitlines() if "==" in ln}
+    assert "tensorboard" in pins and "datasets" not in pins

@@ -132,3 +132,38 @@ def test_calibrate_writes_the_temperatures_evaluate_and_export_use(run, tmp_path
     ev = evaluate_run(copy)
     assert ev["temperatures"] == stored["temperatures"]
     assert json.loads(path.read_text())["checkpoint_sha256"] == stored["checkpoint_sha256"]
+
+
+def test_evaluate_piped_shows_progress_lines_on_stderr(run, tmp_path):
+    """`rlcd evaluate RUN | cat`: off a terminal each split prints plain lines (rows done / total, rows/s,
+    eta) on stderr, after saying which model it loads; stdout keeps the summary alone."""
+    import re
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+    from rlcd.data.io import load_split
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("eval", "export"))
+    res = CliRunner().invoke(app, ["evaluate", str(copy), "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    data = Path(json.loads((copy / "config.json").read_text())["data_dir"])
+    for split in ("dev", "calibration", "test"):
+        n = len(load_split(data, split))
+        assert re.search(rf"^score {split}: {n}/{n} rows \(100%\), [\d.]+ rows/s, eta 0s$", res.stderr, re.M), res.stderr
+    assert 0 <= res.stderr.index("model: loading") < res.stderr.index("score dev:")
+    assert "checkpoints/best" in res.stderr.splitlines()[0] and "tiny-toy" in res.stderr
+    assert "rows" not in res.stdout and "model:" not in res.stdout
+
+
+def test_a_library_caller_can_turn_progress_off(run, capsys):
+    import re
+
+    from rlcd.evaluate import calibrate_run
+
+    calibrate_run(run, progress=False)
+    assert "score" not in capsys.readouterr().err
+    calibrate_run(run)
+    assert re.search(r"^score calibration: (\d+)/\1 rows \(100%\)", capsys.readouterr().err, re.M)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -411,3 +414,39 @@ def test_predict_command(run_dir, predictor, png, tmp_path):
                               "-q", "a=" + json.dumps(QUESTIONS["angry"])])
     assert res.exit_code == 2
     assert res.stderr.startswith("rlcd: error:") and "'state'" in res.stderr and len(res.stderr.splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------- stdin, for real
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+def _rlcd(*args: str, stdin: str) -> subprocess.CompletedProcess:
+    """`echo STDIN | python -m rlcd.cli ARGS` in a fresh process of this checkout (stdin a pipe, not a terminal)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)}
+    return subprocess.run([sys.executable, "-m", "rlcd.cli", *args], input=stdin, capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_predict_answers_a_piped_request(run_dir, predictor):
+    """`echo '{...}' | rlcd predict RUN`: the request comes from stdin; stdout is the JSON response alone."""
+    req = {"state": STATE, "questions": {"angry": QUESTIONS["angry"], "dept": QUESTIONS["dept"]}}
+    out = _rlcd("predict", str(run_dir), "--device", "cpu", stdin=json.dumps(req))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == predictor.predict(req)
+    assert "model: loading export" in out.stderr and "model: ready in" in out.stderr  # said on stderr
+
+
+@pytest.mark.parametrize("stdin, needle", [
+    ("{not json", "(stdin) is not valid JSON"),
+    ("", "(stdin) is not valid JSON"),
+    (json.dumps({"state": "s", "questions": {"q1": {"type": "maybe", "instructions": "x"}}}), "unknown question type"),
+])
+def test_a_malformed_piped_request_fails_before_the_model_loads(tmp_path, stdin, needle):
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "model.json").write_text("{}")  # loading this would fail differently ("unsupported export format")
+    out = _rlcd("predict", str(export), stdin=stdin)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("rlcd: error:") and needle in out.stderr and len(out.stderr.splitlines()) == 1
+    assert "model:" not in out.stderr  # nothing was loaded

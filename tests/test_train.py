@@ -224,7 +224,7 @@ def test_recipe_override_reaches_the_model_and_is_recorded(tmp_path, data_dir):
                                    "--recipe", "lora_rank=4", "--recipe", "lora_alpha=8", "--recipe", "eval_every=1",
                                    "--device", "cpu"])
     assert res.exit_code == 0, res.output
-    notice = next(ln for ln in res.stdout.splitlines() if "deviates from the pinned recipe" in ln)
+    notice = next(ln for ln in res.stderr.splitlines() if "deviates from the pinned recipe" in ln)
     assert "lora_rank=4 (pinned 8)" in notice and "lora_alpha=8 (pinned 16)" in notice
     config = json.loads((run / "config.json").read_text())
     assert config["recipe"]["lora_rank"] == 4 and config["recipe"]["lora_alpha"] == 8

@@ -3,6 +3,10 @@
 Writes `eval/predictions-{dev,calibration,test}.jsonl` (raw logits, enough to regenerate every
 number), fits one temperature per type on the calibration split only, writes
 `eval/evaluation.json` (raw and calibrated side by side), `export/` and `eval/report.md`.
+
+Scoring a split is the long part (thousands of rows through the backbone): with `progress` on (the
+default) each split shows rows done / total, rows per second and the time left on stderr
+(`rlcd.progress`: a bar on a terminal, plain lines in a pipe or log); `progress=False` is silent.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from rlcd import checkpoint as ckpt
 from rlcd.calibrate import fit_per_type
 from rlcd.device import Placement, resolve_placement
 from rlcd.export import load_checkpoint_model, write_export
+from rlcd.progress import Progress
 from rlcd.run import Run, write_json
 from rlcd.schema import Record
 
@@ -25,21 +30,26 @@ SPLITS = ("dev", "calibration", "test")
 
 @torch.no_grad()
 def predict_rows(model, records: list[Record], collator, *, device="cpu", batch_size: int = 32,
-                 split: str | None = None) -> list[dict[str, Any]]:
-    """One prediction row per record: id, group, type, labels, target, posterior, raw logits."""
+                 split: str | None = None, progress: bool = False) -> list[dict[str, Any]]:
+    """One prediction row per record: id, group, type, labels, target, posterior, raw logits.
+
+    `progress`: show rows done / total ("score <split>") on stderr while scoring.
+    """
     rows = []
-    for i in range(0, len(records), batch_size):
-        chunk = records[i:i + batch_size]
-        logits = model(collator(chunk).to(device)).float().cpu()
-        for j, rec in enumerate(chunk):
-            k = rec.question.k
-            row = {"id": rec.id, "group": rec.group, "type": rec.question.type, "labels": rec.question.labels,
-                   "target": rec.target, "posterior": rec.posterior, "logits": logits[j, :k].tolist()}
-            if split is not None:
-                row["split"] = split
-            if rec.case_id is not None:
-                row["case_id"] = rec.case_id
-            rows.append(row)
+    with Progress(f"score {split or 'rows'}", len(records), enabled=progress and bool(records)) as bar:
+        for i in range(0, len(records), batch_size):
+            chunk = records[i:i + batch_size]
+            logits = model(collator(chunk).to(device)).float().cpu()
+            for j, rec in enumerate(chunk):
+                k = rec.question.k
+                row = {"id": rec.id, "group": rec.group, "type": rec.question.type, "labels": rec.question.labels,
+                       "target": rec.target, "posterior": rec.posterior, "logits": logits[j, :k].tolist()}
+                if split is not None:
+                    row["split"] = split
+                if rec.case_id is not None:
+                    row["case_id"] = rec.case_id
+                rows.append(row)
+            bar.update(len(rows))
     # round-trip through JSON so in-memory rows equal what the files hold, bit for bit
     return json.loads(json.dumps(rows))
 
@@ -57,9 +67,10 @@ def _records(config: dict, split: str) -> list[Record]:
     return load_split(data_dir, split) if (data_dir / f"{split}.jsonl").is_file() else []
 
 
-def _score(model, config: dict, split: str, records: list[Record], placement: Placement) -> list[dict]:
+def _score(model, config: dict, split: str, records: list[Record], placement: Placement,
+           progress: bool) -> list[dict]:
     return predict_rows(model, records, _collator(model, Path(config["data_dir"])), split=split,
-                        device=placement.torch_device)
+                        device=placement.torch_device, progress=progress)
 
 
 def _calibration_key(run: Run, placement: Placement) -> dict[str, Any]:
@@ -94,18 +105,21 @@ def stored_temperatures(run: Run, placement: Placement) -> dict[str, Any] | None
     return stored if all(stored.get(k) == v for k, v in key.items()) else None
 
 
-def calibrate_run(run: Run | Path, *, placement: Placement | None = None) -> dict[str, Any]:
+def calibrate_run(run: Run | Path, *, placement: Placement | None = None, progress: bool = True) -> dict[str, Any]:
     """Fit per-type temperatures on the calibration partition with the merged best model."""
     run = run if isinstance(run, Run) else Run.open(run)
     placement = placement or resolve_placement("cpu")
     model, config, _ = load_checkpoint_model(run, "best", placement=placement)
-    rows = _score(model, config, "calibration", _records(config, "calibration"), placement)
+    rows = _score(model, config, "calibration", _records(config, "calibration"), placement, progress)
     return fit_temperatures(run, rows, placement)
 
 
 def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
-                 print_fn: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Score every held-out split, calibrate, write eval/ and export/, and render the report."""
+                 print_fn: Callable[[str], None] | None = None, progress: bool = True) -> dict[str, Any]:
+    """Score every held-out split, calibrate, write eval/ and export/, and render the report.
+
+    `print_fn` receives the status lines (none by default); `progress` shows each split's scoring.
+    """
     from rlcd.data.io import write_jsonl
     from rlcd.metrics import majority_baseline
     from rlcd.report import evaluation_from_predictions, write_evaluation, write_report
@@ -116,12 +130,15 @@ def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
     say = print_fn or (lambda _: None)
     model, config, state = load_checkpoint_model(run, "best", placement=placement)
     records = {split: _records(config, split) for split in SPLITS}
-    preds = {split: _score(model, config, split, records[split], placement) for split in SPLITS}
+    preds = {split: _score(model, config, split, records[split], placement, progress) for split in SPLITS}
     for split, rows in preds.items():
         write_jsonl(run.predictions_path(split), rows)
     stored = stored_temperatures(run, placement)
     if stored is not None:
         say(f"temperatures: {run.temperatures_path} (fitted by `rlcd calibrate` on this checkpoint)")
+    else:
+        say(f"temperatures: fitting one per type on {len(preds['calibration'])} calibration rows -> "
+            f"{run.temperatures_path}")
     cal = stored or fit_temperatures(run, preds["calibration"], placement)
     temps, infos = cal["temperatures"], cal["calibration"]
     data_dir = Path(config["data_dir"])
@@ -147,7 +164,9 @@ def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
     write_evaluation(run, ev)
     write_export(run, temperatures=temps, model=model, config=config, state=state)
     cpu_fp32 = placement.to_dict() == {"device": "cpu", "dtype": "float32"}
+    say(f"export: {run.export_dir} and {run.hf_export_dir} (transformers)")
     write_hf(run, model=model if cpu_fp32 else None, evaluation=ev)
+    say(f"report: {run.report_md} and its plots")
     write_report(run)
     return ev
 

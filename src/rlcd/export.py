@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,8 @@ LABEL_CONVENTIONS = {
 
 
 FINGERPRINT_DTYPE = "bfloat16"
+
+log = logging.getLogger(__name__)  # what is loaded from where, before the seconds it takes (the CLI shows INFO)
 
 
 def backbone_fingerprint(model, rounding: str | None = FINGERPRINT_DTYPE) -> str:
@@ -60,12 +64,15 @@ def load_checkpoint_model(run: Run | Path, which: str = "best", *, merge: bool =
     placement = placement or resolve_placement("cpu")
     config = run.config()
     path = run.require_checkpoint(which)
+    t0 = time.perf_counter()
+    log.info("model: loading %s (backbone %s) onto %s", path, config["model"], placement)
     model = build_model(config, device=placement.torch_device, dtype=placement.torch_dtype, backbone=backbone)
     loaded = ckpt.load(path, map_location=placement.device)
     model.load_trainable_state_dict(loaded["weights"])
     if merge:
         model.merge()
     model.eval()
+    log.info("model: ready in %.1f s (update %s)", time.perf_counter() - t0, loaded["state"].get("step"))
     return model, config, loaded["state"]
 
 
@@ -121,6 +128,9 @@ def load_export(path: Path, *, placement: Placement | None = None, backbone=None
     export_dir = find_export(path)
     meta = read_export_meta(export_dir)
     placement = placement or resolve_placement("cpu")
+    t0 = time.perf_counter()
+    log.info("model: loading export %s (backbone %s, selected update %s) onto %s", export_dir, meta.get("model"),
+             meta.get("selected_step"), placement)
     model = build_model(meta, device=placement.torch_device, dtype=placement.torch_dtype, backbone=backbone)
     found = backbone_fingerprint(model, meta.get("backbone_fingerprint_rounding"))
     if found != meta["backbone_fingerprint"]:
@@ -129,4 +139,5 @@ def load_export(path: Path, *, placement: Placement | None = None, backbone=None
     model.load_trainable_state_dict(load_file(str(export_dir / "trainable.safetensors"), device=placement.device))
     model.merge()
     model.eval()
+    log.info("model: ready in %.1f s", time.perf_counter() - t0)
     return model, meta

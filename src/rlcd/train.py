@@ -31,9 +31,11 @@ from rlcd import checkpoint as ckpt
 from rlcd.device import Placement, describe, resolve_placement
 from rlcd.errors import OptionError, UserError
 from rlcd.objectives import ce_loss, gradient_diagnostics, rlcd_loss
+from rlcd.progress import Progress, echo
 from rlcd.recipe import Recipe, lr_factor
 from rlcd.run import Run
 from rlcd.schema import QUESTION_TYPES, Record
+from rlcd.tracking import check_tracker, open_tracker
 
 DATA_FILES = ("train.jsonl", "dev.jsonl", "calibration.jsonl", "test.jsonl")
 
@@ -426,7 +428,7 @@ def _check_resume(run: Run, config: dict, samples: dict, steps: int | None) -> d
 
 
 def new_run(run_dir: Path, data_dir: Path, model: str, recipe: Recipe, *, model_seed: int = 0,
-            world_size: int = 1, dtype: str = "auto", records=None) -> tuple[dict, dict]:
+            world_size: int = 1, dtype: str = "auto", records=None, log: str = "none") -> tuple[dict, dict]:
     """The config.json and samples.json of a fresh run (nothing is written here)."""
     from rlcd.data.sampling import dev_subset, eligible_pool
 
@@ -448,6 +450,7 @@ def new_run(run_dir: Path, data_dir: Path, model: str, recipe: Recipe, *, model_
         "dtype": dtype,
         "data_dir": str(data_dir),
         "world_size": world_size,
+        "log": log,
         "versions": library_versions(),
         "git_revision": git_revision(),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -483,15 +486,17 @@ def deviation_notice(recipe: Recipe) -> str | None:
 
 def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-0.8b",
           recipe: Recipe | None = None, resume: bool = False, steps: int | None = None,
-          stop_after: int | None = None, progress: bool | None = None, model_seed: int = 0,
+          stop_after: int | None = None, progress: bool = True, model_seed: int = 0,
           objective_fn: Callable | None = None, device: str = "auto", dtype: str = "auto",
-          backbone=None, print_fn: Callable[[str], None] = print) -> dict:
+          backbone=None, log: str | None = None, print_fn: Callable[[str], None] = echo) -> dict:
     """Train (or resume) the run at `run_dir`; returns the final state dict.
 
     Inputs are checked and the model is built before anything is written, so a failed start leaves
     no run directory behind. `stop_after` ends the process after that many updates without a final
     evaluation, as a kill would (used to test resume equivalence). `backbone` hands `build_model` a
-    ready backbone (tests, benchmarks).
+    ready backbone (tests, benchmarks). `progress=False` silences the progress display (stderr);
+    `log` is the experiment tracker (`rlcd.tracking`: "none", the default of a new run, or
+    "tensorboard"); a resume keeps the run's own unless `log` is given, and records the change.
     """
     from rlcd.model.backbone import check_backbone_spec
 
@@ -505,6 +510,9 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
         config = run.config()
         samples = run.samples()
         config = _check_resume(run, config, samples, steps)
+        if log is not None and log != config.get("log", "none"):
+            config = {**config, "log": log}
+        check_tracker(config.get("log", "none"))
     else:
         if data_dir is None:
             raise OptionError("a new run needs --data (a processed data directory)")
@@ -512,6 +520,7 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
             raise OptionError(f"{run.root} already holds a run; resume it with `rlcd train --resume {run.root}` "
                               "or choose another run directory")
         check_backbone_spec(model)
+        log = check_tracker(log or "none")
         data_dir = check_data_dir(Path(data_dir))
         recipe = recipe or Recipe()
         if steps is not None:
@@ -520,7 +529,7 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
         placement = resolve_placement(device, dtype, local_rank=d.local_rank if d.active else None)
         records = _load_records(data_dir)
         config, samples = new_run(run.root, data_dir, model, recipe, model_seed=model_seed, world_size=d.world,
-                                  dtype=dtype, records=records)
+                                  dtype=dtype, records=records, log=log)
     if resume:
         placement = resolve_placement(device, dtype if dtype != "auto" else config.get("dtype", "auto"),
                                       local_rank=d.local_rank if d.active else None)
@@ -542,17 +551,19 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
         state.update({k: loaded["state"][k] for k in ("step", "best_score", "best_step", "score", "consumed")})
         s.consumed.update(state["consumed"])
         if d.main:
-            if steps is not None:
+            if config != run.config():
                 run.write_config(config)
             run.trim_metrics(state["step"])
     else:
         init_centring(s)
         if d.main:
             Run.create(run.root, config, samples)
+    tracker = None
     if d.main:
-        run.log({"event": "session", "step": state["step"], "world_size": d.world, **placement.to_dict(),
-                 "resume": bool(resume)})
-    writer = RunWriter(run, enabled=d.main)
+        tracker = open_tracker(config.get("log", "none"), run, resume_step=state["step"] if resume else None)
+    writer = RunWriter(run, enabled=d.main, tracker=tracker)
+    writer.log({"event": "session", "step": state["step"], "world_size": d.world, **placement.to_dict(),
+                "resume": bool(resume)})
 
     def snapshot() -> dict:
         return {**state, "recipe": r.to_dict(), "consumed": dict(s.consumed), "world_size": d.world,
@@ -573,7 +584,7 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
         evaluate_and_select(0)
         writer.checkpoint("last", s, snapshot())
 
-    bar = _Progress(total=r.steps, start=state["step"], enabled=d.main, rich=progress)
+    bar = Progress("train", r.steps, unit="updates", start=state["step"], enabled=d.main and progress)
     trainable = [p for ps in s.model.param_groups().values() for p in ps]
     t_last, window_examples, window_tokens = time.perf_counter(), 0, 0
     start = state["step"]
@@ -593,64 +604,45 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
                    "tokens_per_s": window_tokens / dt, "consumed": dict(sorted(s.consumed.items()))}
             writer.log(row)
             t_last, window_examples, window_tokens = now, 0, 0
-        bar.update(done, stats.get("loss"), stats.get("ce_loss"), state["score"])
+        bar.update(done, _progress_info(stats, state["score"]))
         if done % r.eval_every == 0 or done == r.steps:
             evaluate_and_select(done)
         if done % r.checkpoint_every == 0 or done == r.steps:
             writer.checkpoint("last", s, snapshot())
     bar.close()
+    writer.close()
     if d.active:
         dist.barrier()
     return snapshot()
 
 
-class RunWriter:
-    """Rank-0-only writer of metrics.jsonl and checkpoints."""
+def _progress_info(stats: dict[str, Any], score: float | None) -> str:
+    """Loss, CE and the last dev score for the progress display."""
+    loss, ce = stats.get("loss"), stats.get("ce_loss")
+    if loss is None or ce is None:
+        return ""
+    return f"loss {loss:.4f} ce {ce:.4f} dev {'-' if score is None else f'{score:.4f}'}"
 
-    def __init__(self, run: Run, enabled: bool):
+
+class RunWriter:
+    """Rank-0-only writer of metrics.jsonl (and of the tracker, which sees every row it gets) and checkpoints."""
+
+    def __init__(self, run: Run, enabled: bool, tracker=None):
         self.run = run
         self.enabled = enabled
+        self.tracker = tracker
 
     def log(self, row: dict) -> None:
         if self.enabled:
             self.run.log(row)
+            if self.tracker is not None:
+                self.tracker.log(row)
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.close()
 
     def checkpoint(self, name: str, s: Session, state: dict) -> None:
         if self.enabled:
             ckpt.save(self.run.checkpoint(name), weights=s.model.trainable_state_dict(),
                       optimizer=s.optimizer.state_dict(), state=state)
-
-
-class _Progress:
-    """A rich progress bar on a terminal; plain periodic lines in CI logs."""
-
-    def __init__(self, total: int, start: int, enabled: bool, rich: bool | None):
-        self.enabled = enabled
-        self.total = total
-        self.rich = sys.stdout.isatty() if rich is None else rich
-        self.t0 = time.perf_counter()
-        self.start = start
-        self.p = None
-        if enabled and self.rich:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.p = Progress(TextColumn("update {task.completed}/{task.total}"), BarColumn(),
-                              TextColumn("{task.fields[info]}"), TimeRemainingColumn())
-            self.p.start()
-            self.task = self.p.add_task("train", total=total, completed=start, info="")
-
-    def update(self, done: int, loss, ce, score) -> None:
-        if not self.enabled:
-            return
-        info = f"loss {loss:.4f} ce {ce:.4f} dev {score if score is None else round(score, 4)}" \
-            if loss is not None and ce is not None else ""
-        if self.p is not None:
-            self.p.update(self.task, completed=done, info=info)
-        elif done == self.total or done % max(1, self.total // 20) == 0:
-            el = time.perf_counter() - self.t0
-            eta = el / max(1, done - self.start) * (self.total - done)
-            print(f"update {done}/{self.total} {info} eta {eta:.0f}s", flush=True)
-
-    def close(self) -> None:
-        if self.p is not None:
-            self.p.stop()

@@ -4,6 +4,11 @@ Each module here holds the commands of one area (`train`, `evaluate`, `data`, `s
 `bench`, `demo`) and imports its library lazily, inside the command, so `rlcd --help` and
 `rlcd --version` import neither torch nor transformers. Library modules never import typer.
 
+Streams: stdout carries a command's result (JSON, a summary, a path); stderr carries what happens on
+the way -- progress (`rlcd.progress`), the library's INFO log (which model is loaded, from where:
+`show_status`) and notices -- so `rlcd predict ... | jq` reads pure JSON and `rlcd evaluate RUN | cat`
+still shows the progress.
+
 Error policy (`RlcdGroup.main`): a user's mistake -- a `rlcd.errors.UserError` raised by the library
 (missing path, unknown preset, malformed data or request, refused resume, bad value) or a click usage
 error (unknown option, bad choice) -- is printed in one or two lines on stderr and exits 2; a bug
@@ -20,6 +25,7 @@ from typer._click import exceptions as cx  # typer vendors click (typer._click) 
 from typer.core import TyperGroup
 
 from rlcd.cli import analysis, bench, data, demo, evaluate, serve, train
+from rlcd.cli._common import show_status
 from rlcd.errors import UserError
 
 
@@ -71,6 +77,7 @@ def _version(value: bool) -> None:
 def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
                                        help="Print the version and exit.")) -> None:
     """Train, calibrate, evaluate, analyse and serve calibrated typed-decision models."""
+    show_status()
 
 
 # the command table -------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -46,3 +48,25 @@ def echo_json(obj: Any) -> None:
     import json
 
     typer.echo(json.dumps(obj, indent=2, ensure_ascii=False))
+
+
+class _StderrHandler(logging.Handler):
+    """Writes each record to the *current* sys.stderr (a test runner swaps it for every command)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - logging must never end a command
+            self.handleError(record)
+
+
+def show_status() -> None:
+    """Show the library's INFO messages (what model is loaded, from where) on stderr, stdout staying the result.
+
+    Library code logs to the `rlcd` loggers and prints nothing on its own; the CLI turns them on here, once.
+    """
+    logger = logging.getLogger("rlcd")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        logger.addHandler(_StderrHandler())
+    logger.setLevel(logging.INFO)

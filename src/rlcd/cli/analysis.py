@@ -219,7 +219,7 @@ def sweep_worker(
     from rlcd.analysis.sweep.scheduler import read_run_config, run_one
     from rlcd.evaluate import print_summary
 
-    print_summary(run_one(read_run_config(config)))
+    print_summary(run_one(read_run_config(config), progress=True))
 
 
 @probe_app.command("order")

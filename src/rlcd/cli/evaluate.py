@@ -22,13 +22,18 @@ def calibrate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = 
 
 
 def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = DType.auto) -> None:
-    """Score dev/calibration/test with the merged best checkpoint, calibrate, write eval/ and export/."""
+    """Score dev/calibration/test with the merged best checkpoint, calibrate, write eval/ and export/.
+
+    Progress (rows done / total per split, rows/s, time left) and model loading go to stderr, the
+    summary to stdout.
+    """
     from rlcd.cli._common import run_path
     from rlcd.evaluate import evaluate_run, print_summary
+    from rlcd.progress import echo
     from rlcd.run import Run
 
     r = Run.open(run_path(run, None))
-    print_summary(evaluate_run(r, placement=placement(device, dtype), print_fn=typer.echo))
+    print_summary(evaluate_run(r, placement=placement(device, dtype), print_fn=echo))
 
 
 def report(run: RunArg = None) -> None:

@@ -16,6 +16,11 @@ class Objective(str, Enum):
     ce = "ce"
 
 
+class Tracker(str, Enum):
+    none = "none"
+    tensorboard = "tensorboard"
+
+
 def train(
     run: RunArg = None,
     data: Annotated[Optional[Path], typer.Option(help="processed data directory (rlcd data prepare)")] = None,
@@ -32,6 +37,10 @@ def train(
     recipe: Annotated[Optional[list[str]], typer.Option(
         "--recipe", metavar="FIELD=VALUE", help="override any recipe field (repeatable), e.g. --recipe lora_rank=4; "
                                                 "recorded in config.json")] = None,
+    log: Annotated[Optional[Tracker], typer.Option(
+        help="experiment tracking: tensorboard writes every metrics.jsonl scalar to RUN/tb/ (open it with "
+             "`tensorboard --logdir RUN/tb`; needs pip install 'rlcd[tracking]'); none (the default). Recorded in "
+             "config.json: a resume keeps the run's choice unless --log is given", show_default=False)] = None,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
 ) -> None:
@@ -39,6 +48,7 @@ def train(
 
     New run: `rlcd train RUN --data DATA [--model M]`. Resume: `rlcd train --resume RUN [--steps N]`.
     Under torchrun every update keeps the recipe's batch of 8 x 4 examples, split over the processes.
+    Progress and notices go to stderr; the final state (JSON) to stdout.
     """
     from rlcd.errors import OptionError
     from rlcd.recipe import Recipe, parse_overrides
@@ -50,11 +60,12 @@ def train(
                                            ("--recipe", recipe)) if value]
         if frozen:
             raise OptionError(f"--resume {resume}: {', '.join(frozen)} would change the run's frozen config; a resume "
-                              "takes only --steps (larger), --device and --dtype; start a new run to change the rest")
+                              "takes only --steps (larger), --log, --device and --dtype; start a new run to change the rest")
         for other in (run, run_alias):
             if other is not None and Path(other) != Path(resume):
                 raise OptionError(f"--resume {resume} and run directory {other} differ; give the run once")
-        out = run_train(resume, resume=True, steps=steps, device=device, dtype=dtype.value)
+        out = run_train(resume, resume=True, steps=steps, device=device, dtype=dtype.value,
+                        log=log.value if log else None)
     else:
         if run is not None and run_alias is not None and Path(run) != Path(run_alias):
             raise typer.BadParameter(f"RUN given twice ({run} and --run {run_alias}); give it once")
@@ -70,5 +81,5 @@ def train(
             raise OptionError(f"--{both[0].replace('_', '-')} and --recipe {both[0]}=... both given; give it once")
         rec = Recipe().with_(**fields, **knobs)
         out = run_train(path, data_dir=data, model=model or "qwen3.5-0.8b", recipe=rec, steps=steps,
-                        device=device, dtype=dtype.value)
+                        device=device, dtype=dtype.value, log=log.value if log else None)
     echo_json({k: out[k] for k in ("step", "best_step", "best_score")})

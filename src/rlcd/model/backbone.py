@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from ..schema import MARKER_TOKEN
 from .tokenizer import fix_tokenizer, load_tokenizer, qwen_tokenizer, special_ids, toy_tokenizer, vocab_name
 
 INFO_FILE = "rlcd_backbone.json"
+
+log = logging.getLogger(__name__)  # what is loaded from where (the CLI shows INFO on stderr)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen3.5-0.8b": {
@@ -350,15 +353,21 @@ def load_backbone(spec: str = DEFAULT_PRESET, *, dtype: torch.dtype = torch.floa
 
     `seed` (and `hidden`) only apply to the random presets; `cache_dir` only to hub loads.
     """
+    onto = f"{device} {str(dtype).removeprefix('torch.')}"
     if isinstance(spec, Path) or (isinstance(spec, str) and spec not in PRESETS and Path(spec).expanduser().is_dir()):
+        log.info("backbone: loading local directory %s onto %s", Path(spec).expanduser(), onto)
         return _load_local(Path(spec).expanduser(), dtype=dtype, device=device)
     if spec in PRESETS:
         p = PRESETS[spec]
         if p["kind"] == "random":
+            log.info("backbone: building preset %s (random weights, seed %s) on %s", spec, seed, onto)
             return build_random(spec, hidden=hidden, seed=seed, dtype=dtype, device=device)
+        log.info("backbone: loading preset %s = %s@%s from the Hugging Face hub (or its local cache) onto %s", spec,
+                 p["hub_id"], p["revision"][:12], onto)
         return _load_hub(spec, p["hub_id"], p["revision"], dtype=dtype, device=device, cache_dir=cache_dir)
     if isinstance(spec, str) and spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
         hub_id, _, rev = spec.partition("@")
+        log.info("backbone: loading %s from the Hugging Face hub (or its local cache) onto %s", spec, onto)
         try:
             return _load_hub(spec, hub_id, rev or None, dtype=dtype, device=device, cache_dir=cache_dir)
         except BackboneError as e:

@@ -69,10 +69,12 @@ def read_run_config(path: Path) -> dict[str, Any]:
         raise SweepError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
-def run_one(config: Mapping[str, Any]) -> dict[str, Any]:
+def run_one(config: Mapping[str, Any], *, progress: bool = False) -> dict[str, Any]:
     """Train (or resume) and evaluate one sweep run; returns its evaluation dict.
 
     ``config``: ``{"run_dir", "data_dir", "model", "model_seed", "dtype", "recipe": full Recipe dict}``.
+    ``progress``: the run's own training and scoring progress (a worker writes it to its log; in
+    process the sweep's per-run lines are enough).
     Training and evaluation run on the ``auto`` device (the GPU ``CUDA_VISIBLE_DEVICES`` leaves
     visible, else the CPU) with the config's backbone dtype.
     """
@@ -97,11 +99,11 @@ def run_one(config: Mapping[str, Any]) -> dict[str, Any]:
         else:
             step = json.loads((last / ckpt.STATE).read_text()).get("step", 0)
             if step < recipe.steps:
-                train(run.root, resume=True, progress=False, dtype=dtype)
+                train(run.root, resume=True, progress=progress, dtype=dtype)
     if not run.exists():
-        train(run.root, data_dir=Path(config["data_dir"]), model=config["model"], recipe=recipe, progress=False,
+        train(run.root, data_dir=Path(config["data_dir"]), model=config["model"], recipe=recipe, progress=progress,
               model_seed=int(config.get("model_seed", 0)), dtype=dtype)
-    return evaluate_run(run.root, placement=resolve_placement("auto", dtype))
+    return evaluate_run(run.root, placement=resolve_placement("auto", dtype), progress=progress)
 
 
 def worker_command(config_path: Path) -> list[str]:
