@@ -24,7 +24,7 @@ from rlcd import checkpoint as ckpt
 from rlcd.device import Placement, resolve_placement
 from rlcd.errors import RunError
 from rlcd.model.build import build_model
-from rlcd.run import Run
+from rlcd.run import Run, find_export  # noqa: F401 (find_export: public API here too)
 
 FORMAT = "rlcd.export/1"
 LABEL_CONVENTIONS = {
@@ -99,20 +99,6 @@ def write_export(run: Run, *, temperatures: dict[str, float], model, config: dic
     }
     (out / "model.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
     return out
-
-
-def find_export(path: Path) -> Path:
-    """The export directory for `path` (a run dir or an export dir), else a one-line RunError."""
-    path = Path(path).expanduser()
-    if (Run(path).export_dir / "model.json").is_file():
-        return Run(path).export_dir
-    if (path / "model.json").is_file():
-        return path
-    if not path.exists():
-        raise RunError(f"{path}: no such run or export directory")
-    if (path / Run.CONFIG).is_file():
-        raise RunError(f"{path} has no export/ yet; run `rlcd evaluate {path}` first")
-    raise RunError(f"{path} is neither a run directory nor an export (no model.json)")
 
 
 def read_export_meta(path: Path) -> dict:

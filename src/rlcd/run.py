@@ -206,6 +206,20 @@ class Run:
         _atomic_write(self.metrics_path, "".join(ln + "\n" for ln in keep))
 
 
+def find_export(path: Path) -> Path:
+    """The export directory for `path` (a run dir or an export dir), else a one-line RunError."""
+    path = Path(path).expanduser()
+    if (Run(path).export_dir / "model.json").is_file():
+        return Run(path).export_dir
+    if (path / "model.json").is_file():
+        return path
+    if not path.exists():
+        raise RunError(f"{path}: no such run or export directory")
+    if (path / Run.CONFIG).is_file():
+        raise RunError(f"{path} has no export/ yet; run `rlcd evaluate {path}` first")
+    raise RunError(f"{path} is neither a run directory nor an export (no model.json)")
+
+
 def write_json(path: Path, obj: Any) -> Path:
     """JSON file written atomically (parents created)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -213,6 +227,6 @@ def write_json(path: Path, obj: Any) -> Path:
     return path
 
 
-__all__ = ["Run", "SPLITS", "write_json"]
+__all__ = ["Run", "SPLITS", "write_json", "find_export"]
 
 

@@ -96,7 +96,7 @@ def serve(
     """Loopback load on the server at several concurrencies, batching on and off: decisions/s, p50/p95/p99, 4xx/5xx."""
     from rlcd.bench.report import invocation, save_result
     from rlcd.bench.serve import run_serve_bench
-    from rlcd.export import find_export
+    from rlcd.run import find_export
 
     path = run_path(run, run_alias)
     find_export(path)

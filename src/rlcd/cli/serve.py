@@ -33,8 +33,8 @@ def predict(
     import json
 
     from rlcd.errors import UserError
-    from rlcd.export import find_export
-    from rlcd.predict import Predictor, validate_request
+    from rlcd.run import find_export
+    from rlcd.serving.request import parse_request
     from rlcd.serving.cli_request import build_cli_request
     from rlcd.serving.limits import Limits
 
@@ -55,7 +55,9 @@ def predict(
         if not image.is_file():
             raise typer.BadParameter(f"{image}: no such file", param_hint="--image")
         img = image
-    validate_request(req, Limits())  # before the model loads
+    parse_request(req, Limits())  # before the model loads (and before torch is imported)
+    from rlcd.predict import Predictor
+
     predictor = Predictor.from_run(path, placement=placement(device, dtype))
     echo_json(predictor.predict(req, img))
 
@@ -90,7 +92,7 @@ def serve(
     dtype: DTypeOpt = DType.auto,
 ) -> None:
     """Serve a run over HTTP: POST /v1/systemone (System One, as transformers serve), GET /health, GET /v1/models."""
-    from rlcd.export import find_export
+    from rlcd.run import find_export
     from rlcd.server import serve as run_server
     from rlcd.serving.batcher import BatchingConfig
 
