@@ -74,6 +74,20 @@ def test_evaluate_writes_the_artefacts_and_an_export_of_the_family(run, evaluate
     assert lora["merged"] is True and "self_attn" in lora["target_modules"] and "lm_head" not in lora["target_modules"]
 
 
+def test_export_refuses_a_text_decoder_of_another_seed(run, evaluated, tmp_path):
+    import shutil
+
+    from rlcd.export import load_export
+
+    copy = tmp_path / "export"
+    shutil.copytree(run / "export", copy)
+    meta = json.loads((copy / "model.json").read_text())
+    meta["model_seed"] += 1
+    (copy / "model.json").write_text(json.dumps(meta))
+    with pytest.raises(RuntimeError, match="fingerprint"):
+        load_export(copy)
+
+
 def test_predict_answers_and_matches_the_stored_test_predictions(run, evaluated, predictor, data_dir):
     from rlcd.data.io import load_split
     from rlcd.predict import probabilities
