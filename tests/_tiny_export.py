@@ -49,7 +49,6 @@ def _calibration_records():
 @torch.no_grad()
 def build_tiny_model(seed: int = SEED):
     """The perturbed tiny-toy DecisionModel (unmerged, eval mode)."""
-    from rlcd.model.collate import Collator
     from rlcd.model.build import build_model
 
     model = build_model({"model": MODEL, "model_seed": seed, "recipe": {}})
@@ -65,7 +64,7 @@ def build_tiny_model(seed: int = SEED):
             t = t * 6.0
         new[name] = t
     model.load_trainable_state_dict(new)
-    collator = Collator(model.tokenizer, model.image_processor)
+    collator = model.collator()
     model.init_centring([collator(_calibration_records())])
     model.eval()
     return model

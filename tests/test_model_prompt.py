@@ -11,7 +11,8 @@ from rlcd.model.backbone import make_image_processor  # noqa: E402
 from rlcd.model.collate import Batch, Collator  # noqa: E402
 from rlcd.model.prompt import PromptEncoder, option_texts, render_text  # noqa: E402
 from rlcd.model.tokenizer import toy_tokenizer  # noqa: E402
-from rlcd.schema import MARKER_TOKEN, TYPE_ID, Question, Record, RecordError  # noqa: E402
+from rlcd.model.tokenizer import QWEN_MARKER as MARKER_TOKEN  # noqa: E402
+from rlcd.schema import TYPE_ID, Question, Record, RecordError  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ import torch
 torch.set_num_threads(1)
 
 from rlcd.model import tokenizer as T  # noqa: E402
-from rlcd.schema import MARKER_TOKEN, RESERVED_TOKENS  # noqa: E402
+from rlcd.model.tokenizer import QWEN_MARKER as MARKER_TOKEN  # noqa: E402
+from rlcd.schema import RESERVED_TOKENS  # noqa: E402
 
 TEXTS = [
     "Hello world!",

@@ -26,3 +26,7 @@ class DeviceError(UserError, ValueError):
 
 class OptionError(UserError, ValueError):
     """An option value that breaks a rule (unknown recipe field, refused flag on resume, ...)."""
+
+
+class BackboneError(UserError, ValueError, RuntimeError):
+    """A backbone that cannot be found or loaded as named (unknown preset, missing dir or package, hub offline)."""

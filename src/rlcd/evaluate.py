@@ -55,9 +55,7 @@ def predict_rows(model, records: list[Record], collator, *, device="cpu", batch_
 
 
 def _collator(model, data_dir: Path):
-    from rlcd.model.collate import Collator
-
-    return Collator(model.tokenizer, model.image_processor, image_root=data_dir)
+    return model.collator(image_root=data_dir)
 
 
 def _records(config: dict, split: str) -> list[Record]:

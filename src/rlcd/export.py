@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)  # what is loaded from where, before the secon
 
 
 def backbone_fingerprint(model, rounding: str | None = FINGERPRINT_DTYPE) -> str:
-    """sha256 over a few tensors neither LoRA nor merging touches (embeddings, vision tower).
+    """sha256 over a few tensors neither LoRA nor merging touches (embeddings, vision tower if any).
 
     Catches a different random init or base model; identical before and after `merge()`. The values
     are rounded to bfloat16 first, so a model evaluated on a GPU in bfloat16 and served on a CPU in
@@ -49,6 +49,8 @@ def backbone_fingerprint(model, rounding: str | None = FINGERPRINT_DTYPE) -> str
     h = hashlib.sha256()
     named = [(n, p) for n, p in model.backbone.named_parameters()
              if "lora_" not in n and ("embed_tokens" in n or "visual" in n)]
+    if not named:  # a decoder that names its embeddings otherwise (wte, word_embeddings, ...)
+        named = [("input_embeddings", model.backbone.get_input_embeddings().weight)]
     for _, p in named[:4]:  # names differ with and without the peft wrapper; bytes do not
         t = p.detach()
         if rounding:

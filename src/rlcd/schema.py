@@ -22,8 +22,10 @@ SPLITS: tuple[str, ...] = ("train", "dev", "calibration", "test")
 MIN_CANDIDATES, MAX_CANDIDATES = 2, 255
 TARGET_SUM_TOL = 1e-4
 
-# Special tokens of the Qwen3.5 vocabulary. The model uses some of them as markers (the candidate
-# marker is <|fim_suffix|>, images use the vision tokens), so user text may contain none of them.
+# Special tokens of the Qwen3.5 vocabulary (the default backbone): the data-level rule every record
+# and request meets, so a prepared data set is valid for the default family. Each backbone's prompt
+# encoder also rejects its own marker and special tokens (rlcd.model.families: SmolLM2's
+# <|im_start|>, <repo_name>, ...), so the rule a model applies is its tokenizer's.
 RESERVED_TOKENS: tuple[str, ...] = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
     "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
@@ -33,7 +35,6 @@ RESERVED_TOKENS: tuple[str, ...] = (
     "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
     "<tts_text_bos_single>", "<|audio_pad|>",
 )
-MARKER_TOKEN = "<|fim_suffix|>"
 
 JSONValue = Union[str, dict, list]
 
@@ -55,10 +56,10 @@ def text_of(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def find_reserved(value: Any) -> str | None:
-    """First reserved special token found anywhere inside `value` (str or JSON object), or None."""
+def find_reserved(value: Any, tokens: tuple[str, ...] = RESERVED_TOKENS) -> str | None:
+    """First of `tokens` (special-token texts) found anywhere inside `value` (str or JSON object), or None."""
     text = text_of(value) if not isinstance(value, str) else value
-    for tok in RESERVED_TOKENS:
+    for tok in tokens:
         if tok in text:
             return tok
     return None

@@ -357,7 +357,6 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
     already read them; `backbone`: a ready backbone for `build_model` (tests, benchmarks)."""
     from rlcd.data.sampling import Sampler
     from rlcd.model.build import build_model
-    from rlcd.model.collate import Collator
 
     recipe = Recipe.from_dict(config["recipe"])
     local_accum(recipe.grad_accum, d.world, recipe.batch_size)
@@ -384,10 +383,28 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         wrapped = DDP(model, device_ids=[device.index or 0] if device.type == "cuda" else None)
-    collator = Collator(model.tokenizer, model.image_processor, image_root=data_dir)
+    check_special_tokens(model.encoder, [by_id[i] for ids in pool.values() for i in ids],
+                         [r for rows in dev.values() for r in rows])
+    collator = model.collator(image_root=data_dir)
     return Session(recipe=recipe, horizon=int(config["decay_horizon"]), model=model, wrapped=wrapped,
                    optimizer=optimizer, collator=collator, records=by_id, dev=dev, sampler=Sampler(pool),
                    dist=d, device=device, objective_fn=objective_fn)
+
+
+def check_special_tokens(encoder, *splits) -> None:
+    """Refuse, before the first update, a row holding special-token text of this backbone.
+
+    Records already meet the data-level rule (the Qwen3.5 specials, `schema.RESERVED_TOKENS`); a
+    backbone with other special tokens (SmolLM2's `<|im_start|>`, `<repo_name>`, ...) would otherwise
+    meet such a row only when the sampler draws it, mid-run. Raises the encoder's `RecordError`.
+    """
+    from rlcd.schema import RESERVED_TOKENS
+
+    if set(encoder.reserved) <= set(RESERVED_TOKENS):
+        return  # nothing beyond what the records were validated against
+    for rows in splits:
+        for rec in rows:
+            encoder.check_inputs(rec.state, rec.question, row=rec.id)
 
 
 def init_centring(s: Session, n_batches: int = 4) -> None:

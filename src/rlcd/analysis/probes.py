@@ -320,7 +320,6 @@ def probe_order_run(run_dir: Path, *, split: str = "test", limit: int | None = N
     ``limit`` keeps the first N choice records of the split (file order); other types are counted.
     """
     from rlcd.data.io import load_split
-    from rlcd.model.collate import Collator
 
     run_dir = Path(run_dir)
     model, temps, config = load_run_model(run_dir, placement=placement)
@@ -343,7 +342,7 @@ def probe_order_run(run_dir: Path, *, split: str = "test", limit: int | None = N
                 n_choice += 1
             kept.append(r)
         records = kept
-    collator = Collator(model.tokenizer, model.image_processor, image_root=data_dir)
+    collator = model.collator(image_root=data_dir)
     out = probe_order(model, records, collator, max_perms=max_perms, device=device, batch_size=batch_size,
                       temperatures=temps if calibrated else None)
     out.update(run=str(run_dir), split=split, data_dir=str(data_dir), limit=limit, calibrated=calibrated,

