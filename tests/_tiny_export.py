@@ -47,11 +47,11 @@ def _calibration_records():
 
 
 @torch.no_grad()
-def build_tiny_model(seed: int = SEED):
+def build_tiny_model(seed: int = SEED, model_spec: str = MODEL):
     """The perturbed tiny-toy DecisionModel (unmerged, eval mode)."""
     from rlcd.model.build import build_model
 
-    model = build_model({"model": MODEL, "model_seed": seed, "recipe": {}})
+    model = build_model({"model": model_spec, "model_seed": seed, "recipe": {}})
     model.eval()
     gen = torch.Generator().manual_seed(1234 + seed)
     sd = model.trainable_state_dict()
@@ -70,7 +70,7 @@ def build_tiny_model(seed: int = SEED):
     return model
 
 
-def make_tiny_export(run_dir: Path, *, seed: int = SEED) -> Path:
+def make_tiny_export(run_dir: Path, *, seed: int = SEED, model_spec: str = MODEL) -> Path:
     """Write a minimal run dir with `checkpoints/best` and `export/`; returns `run_dir`."""
     from rlcd import checkpoint
     from rlcd.export import write_export
@@ -79,8 +79,8 @@ def make_tiny_export(run_dir: Path, *, seed: int = SEED) -> Path:
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    model = build_tiny_model(seed)
-    config = {"model": MODEL, "model_seed": seed, "recipe": Recipe().to_dict()}
+    model = build_tiny_model(seed, model_spec)
+    config = {"model": model_spec, "model_seed": seed, "recipe": Recipe().to_dict()}
     (run_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     state = {"best_step": 0, "best_score": 0.0}
     checkpoint.save(run_dir / "checkpoints" / "best", weights=model.trainable_state_dict(), optimizer=None,

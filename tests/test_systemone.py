@@ -103,14 +103,18 @@ def test_the_examples_are_found():
 
 
 # ------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
+def _exported(base: Path, model_spec: str) -> Path:
     from rlcd.evaluate import write_hf
     from rlcd.run import Run
 
-    run = make_tiny_export(tmp_path_factory.mktemp("sys1") / "run")
+    run = make_tiny_export(base / "run", model_spec=model_spec)
     write_hf(Run(run))
     return run
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    return _exported(tmp_path_factory.mktemp("sys1"), "tiny-toy")
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +173,19 @@ def test_rlcd_serve_answers_like_transformers_pipeline(run, client, tmp_path):
         assert list(body["answers"]) == list(their)
         for qid in their:
             assert_same_answer(body["answers"][qid], their[qid], f"request {i} question {qid}")
+
+
+def test_a_text_decoder_export_answers_like_rlcd_too(tmp_path):
+    """The same conformance on the other family (a Llama-shaped decoder with SmolLM2's chat template)."""
+    run = _exported(tmp_path, "tiny-llama")
+    client = TestClient(create_app(Predictor.from_run(run)))
+    requests = transformers_examples()[:3] + variants()[:2]
+    theirs = pipeline_answers(run / "export" / "hf", requests, tmp_path)
+    for i, (req, their) in enumerate(zip(requests, theirs)):
+        body = client.post("/v1/systemone", json=req).json()
+        for qid in their:
+            assert_same_answer(body["answers"][qid], their[qid], f"tiny-llama request {i} question {qid}")
+    assert json.loads((run / "export" / "hf" / "config.json").read_text())["backbone_class"] == "LlamaForCausalLM"
 
 
 def test_export_hf_layout_and_card(run):

@@ -18,8 +18,9 @@ from rlcd.model.prompt import DEFAULT_NOUL
 MARK, SPLIT = "<|mark|>", "<|split|>"
 
 
-def decision_template(marker: str) -> str:
-    """The Jinja template for a model whose candidate marker token is `marker`."""
+def decision_template(marker: str, head: str = "") -> str:
+    """The Jinja template for a model whose candidate marker token is `marker` and whose rows open with
+    `head` (`PromptSpec.head`: a text decoder's chat-template opening, special tokens parsed)."""
     return (
         "{%- macro text(x) -%}"
         "{%- if x is none -%}"
@@ -31,7 +32,7 @@ def decision_template(marker: str) -> str:
         "{%- else -%}{{ x|tojson }}"
         "{%- endif -%}"
         "{%- endmacro -%}"
-        f"{SPLIT}State: {{{{ text(state) }}}}\n"
+        f"{head}{SPLIT}State: {{{{ text(state) }}}}\n"
         f"{SPLIT}{{{{ question.type }}}} question: {{{{ text(question.instructions) }}}}\nOptions:\n{MARK}"
         "{%- for option in question.options -%}"
         "{%- set d = question.descriptions[loop.index0] -%}"

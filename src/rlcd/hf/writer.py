@@ -30,14 +30,14 @@ AUTO_MAP = {"AutoConfig": "modeling_rlcd.RlcdDecisionConfig", "AutoModelForDecis
 MAX_OPTIONS = 255
 
 
-def decision_config(meta: Mapping[str, Any], marker: str) -> Any:
+def decision_config(meta: Mapping[str, Any], marker: str, head: str = "") -> Any:
     """transformers' DecisionConfig of an rlcd model: its temperatures, rlcd's noul order and prompt."""
     from transformers.decision import DecisionConfig
 
     labels = [str(i) for i in range(MAX_OPTIONS)]  # only bound the option count; rlcd's head reads no labels
     return DecisionConfig(labels={"choice": labels, "score": labels},
                           temperature={t: float(v) for t, v in meta["temperatures"].items()},
-                          chat_template=decision_template(marker), noul_options=["false", "true"])
+                          chat_template=decision_template(marker, head), noul_options=["false", "true"])
 
 
 def _write_tokenizer(tokenizer: Any, out: Path) -> None:
@@ -79,8 +79,7 @@ def write_hf_export(model: Any, meta: Mapping[str, Any], out: Path, *, evaluatio
     hf.w_c.weight.copy_(head.w_c.weight.float().cpu())
     hf.register_buffer("mu_d", head.mu_d.float().cpu().clone())
     hf.register_buffer("mu_c", head.mu_c.float().cpu().clone())
-    marker = model.encoder.tokenizer.convert_ids_to_tokens(model.encoder.marker_id)
-    hf.decision_config = decision_config(meta, marker)
+    hf.decision_config = decision_config(meta, model.encoder.marker, model.encoder.spec.head)
     hf.save_pretrained(str(out))
     shutil.copyfile(HERE / "modeling_rlcd.py", out / "modeling_rlcd.py")
     _write_tokenizer(model.tokenizer, out)
