@@ -251,13 +251,13 @@ def test_model_calls_never_overlap(predictor):
         def __getattr__(self, name):
             return getattr(self._model, name)
 
-        def score_case_with_usage(self, *args, **kw):
+        def score_cases(self, *args, **kw):
             with self._count:
                 self.inside += 1
                 self.most = max(self.most, self.inside)
             time.sleep(0.02)
             try:
-                return self._model.score_case_with_usage(*args, **kw)
+                return self._model.score_cases(*args, **kw)
             finally:
                 with self._count:
                     self.inside -= 1

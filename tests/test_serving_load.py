@@ -124,29 +124,56 @@ def test_graceful_shutdown_answers_what_is_in_flight(predictor):
 
 
 @pytest.mark.slow
-def test_soak_5000_requests_10pct_malformed_64_in_flight(predictor):
-    """0 5xx, 0 crashes, every malformed request a 4xx, RSS growth < 10% from the first to the last thousand."""
+def test_soak_5000_requests_10pct_malformed_64_in_flight(tmp_path_factory):
+    """Against a real `rlcd serve` process on loopback: 0 5xx, 0 crashes, every malformed request a 4xx,
+    and the server's RSS after the last thousand requests within 10% of its RSS after the first thousand."""
+    import os
+    import subprocess
+    import sys
+
+    from _tiny_export import tiny_export
+
     from rlcd.bench.serve import summarise
 
-    plan = plan_requests(5000, malformed=0.10, sizes=(1, 3), seed=7, max_questions=predictor.limits.max_questions)
-    app = create_app(predictor, batching=BatchingConfig(max_queue=256, timeout_s=120))
-    rss = []
-    with BackgroundServer(app) as server:
-        results = []
+    run = tiny_export(tmp_path_factory.getbasetemp())
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "rlcd.cli", "serve", str(run), "--port", str(port), "--device",
+                               "cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, server)
+        plan = plan_requests(5000, malformed=0.10, sizes=(1, 3), seed=7, max_questions=64)
+        results, rss = [], []
         for k in range(5):
-            chunk, _ = asyncio.run(_load(server.url, plan[1000 * k: 1000 * (k + 1)], concurrency=64, timeout=120,
+            chunk, _ = asyncio.run(_load(url, plan[1000 * k: 1000 * (k + 1)], concurrency=64, timeout=120,
                                          total_timeout=600))
             results += chunk
-            rss.append(_rss_mib())
+            rss.append(_rss_mib(server.pid))
+    finally:
+        server.terminate()
+        server.wait(60)
     s = summarise(results, 1.0, (1, 3))
-    assert s["requests"] == 5000 and s["c5xx"] == 0 and s["crashes"] == 0 and s["unexpected"] == 0
+    assert s["requests"] == 5000 and s["c5xx"] == 0 and s["crashes"] == 0 and s["unexpected"] == 0, s["first_errors"]
     bad = [r for r in results if r["kind"] != "ok"]
     assert len(bad) == 500 and all(400 <= r["status"] < 500 for r in bad)
     assert rss[-1] < 1.10 * rss[0], rss
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
+def _wait_healthy(url: str, proc, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.3)
+
+
+def _rss_mib(pid: int | str = "self") -> float:
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024.0
@@ -178,15 +205,7 @@ def test_serve_with_two_uvicorn_workers(tmp_path_factory, predictor):
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.5)
+        _wait_healthy(url, proc)
         want = predictor.predict(REQ)
         got = [httpx.post(url + "/v1/systemone", json=REQ, timeout=60, trust_env=False).json() for _ in range(6)]
         assert all(g["answers"] == want["answers"] for g in got)
@@ -194,3 +213,84 @@ def test_serve_with_two_uvicorn_workers(tmp_path_factory, predictor):
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     assert out.count("Started server process") == 2, out[-2000:]
+
+
+# ------------------------------------------------------------------------------ batched == solo
+def _image(seed: int):
+    from PIL import Image
+
+    return Image.new("RGB", (32 + 8 * seed, 40), (50 * seed % 256, 90, 200))
+
+
+def _questions(k: int, seed: int) -> list:
+    from rlcd.schema import Question
+
+    pool = [Question(type="choice", instructions=f"Which team (#{seed})?", criteria=["billing", "shipping", "returns"]),
+            Question(type="noul", instructions="Is the customer upset about the long delay?"),
+            Question(type="score", instructions="How urgent?", criteria=["low", "mid", "high", "very high"]),
+            Question(type="choice", instructions="Which channel?", criteria={"mail": "an email", "phone": None})]
+    return [pool[(seed + j) % len(pool)] for j in range(k)]
+
+
+@pytest.mark.parametrize("spec", ["tiny-toy", "tiny-llama"])
+def test_score_cases_equals_each_request_alone(spec):
+    """Mixed sizes and states (and images on the vision backbone) in one batched call: every request's
+    probabilities within 1e-4 of its solo call."""
+    from rlcd.model.build import build_model
+
+    model = build_model({"model": spec, "recipe": {}}).eval()
+    with torch.no_grad():  # sharpen the random head so probabilities are far from uniform
+        model.head.w_d.weight.mul_(8)
+        model.head.w_c.weight.mul_(8)
+    states = ["short", STATE * 3, {"ticket": 7, "text": "json state"}, "another one with more words in it", STATE]
+    images = model.supports_images
+    cases = [model.prepare_case(st, _questions(1 + i % 4, i), _image(i) if images and i % 2 == 0 else None)
+             for i, st in enumerate(states)]
+    solo = [model.score_cases([c])[0] for c in cases]
+    batched = model.score_cases(cases)
+    assert len({u["calls"] for _, u in batched}) == 1 and batched[0][1]["batched_requests"] == len(cases)
+    worst = 0.0
+    for (s_logits, s_usage), (b_logits, b_usage) in zip(solo, batched):
+        assert s_usage["input_tokens"] == b_usage["input_tokens"] and s_usage["image_tokens"] == b_usage["image_tokens"]
+        for a, b in zip(s_logits, b_logits):
+            worst = max(worst, float((a.softmax(-1) - b.softmax(-1)).abs().max()))
+    assert worst < 1e-4
+    spread = max(float(x.softmax(-1).max() - x.softmax(-1).min()) for lg, _ in solo for x in lg)
+    assert spread > 0.2, "the check needs answers far from uniform"
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_solo_answer(predictor):
+    import base64
+    import io
+
+    def b64(seed):
+        buf = io.BytesIO()
+        _image(seed).save(buf, format="PNG")
+        return base64.b64encode(buf.getvalue()).decode()
+
+    requests = []
+    for i in range(12):
+        qs = {f"q{j}": q.model_dump(exclude_none=True) for j, q in enumerate(_questions(1 + i % 5, i))}
+        req = {"state": f"{STATE} (case {i})" + " more words" * (i % 3), "questions": qs}
+        if i % 3 == 0:
+            req["image"] = {"base64": b64(i)}
+        requests.append(req)
+    solo = [predictor.predict(r if "image" not in r else {k: v for k, v in r.items() if k != "image"},
+                              _image(i) if "image" in r else None) for i, r in enumerate(requests)]
+    app = create_app(_slow(predictor, 0.05), batching=BatchingConfig(window_ms=20.0))
+
+    async def go(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as c:
+            return await asyncio.gather(*(c.post("/v1/systemone", json=r) for r in requests))
+
+    with BackgroundServer(app) as server:
+        got = asyncio.run(go(server.url))
+        stats = app.state.batcher.stats()
+    assert stats["requests"] == 12 and stats["batches"] < 12, stats  # some requests shared a forward
+    for r, want in zip(got, solo):
+        assert r.status_code == 200, r.text
+        body = r.json()
+        for qid, w in want["answers"].items():
+            g = body["answers"][qid]
+            probs = (lambda a: [a["noul"]] if a["type"] == "noul" else list(a["probabilities"].values()))
+            assert max(abs(x - y) for x, y in zip(probs(g), probs(w))) < 1e-4

@@ -50,15 +50,17 @@ def validate_request(request: Any, limits: Limits, *, model_names: tuple[str, ..
 
 @dataclass
 class Prepared:
-    """A request ready for the model: parsed, its image decoded (or None), the limits it is held to."""
+    """A request ready for the model: parsed, its image decoded (or None), its rows tokenised
+    (`case`, a `DecisionModel.prepare_case` result), the limits it is held to."""
 
     request: ParsedRequest
     image: Any
     limits: Limits
+    case: Any = None
 
     def size(self) -> tuple[int, int]:
-        """(questions, tokens) for the batcher's bounds (tokens: 0 until rows are encoded in prepare)."""
-        return len(self.request.qids), 0
+        """(questions, tokens) for the batcher's bounds."""
+        return len(self.request.qids), int(self.case.n_tokens) if self.case is not None else 0
 
 
 # ----------------------------------------------------------------------------------- predictor
@@ -92,7 +94,10 @@ class Predictor:
         self.name = name or str(meta.get("model") or "rlcd")
         self.limits = limits or Limits()
         self.strict_model = bool(strict_model)
-        self.takes_images = bool(getattr(model, "takes_images", True))
+        self.takes_images = bool(getattr(model, "supports_images", True))
+        encoder = getattr(model, "encoder", None)
+        if encoder is not None:  # the request limits govern rows here (checked in `prepare`)
+            encoder.max_tokens = max(encoder.max_tokens, self.limits.max_tokens)
         self._lock = threading.Lock()
         model.eval()
 
@@ -135,7 +140,8 @@ class Predictor:
     # ------------------------------------------------------------------ answering
     def prepare(self, request: Any, image: Any = None, *, image_root: Path | None = None,
                 limits: Limits | None = None) -> Prepared:
-        """Validate `request` and decode its image (from `image`, the request's `image`, an asset or a part)."""
+        """Validate `request`, decode its image (from `image`, the request's `image`, an asset or a part),
+        tokenise its rows and preprocess the image: everything but the model call, safe to run in threads."""
         lim = limits or self.limits
         parsed = parse_request(request, lim, served=self.served_names, strict_model=self.strict_model,
                                takes_images=self.takes_images)
@@ -145,44 +151,48 @@ class Predictor:
                                                         "beside it; this model reads one image per request")
             if not self.takes_images:
                 raise PredictError("image", "this model's backbone reads no images; send text only")
-            return Prepared(parsed, open_image(image, max_pixels=lim.max_image_pixels), lim)
-        decoded = None
-        if parsed.images:
+            decoded = open_image(image, max_pixels=lim.max_image_pixels)
+        elif parsed.images:
             field, spec = parsed.images[0]
             decoded = load_image_spec(field, spec, image_root, lim)
-        return Prepared(parsed, decoded, lim)
+        else:
+            decoded = None
+        try:
+            case = self.model.prepare_case(parsed.state, parsed.questions, decoded, parsed.qids)
+        except RecordError as e:
+            raise self._from_record_error(e, parsed.qids) from None
+        for qid, row in zip(parsed.qids, case.rows):
+            if len(row) > lim.max_tokens:
+                raise PredictError(f"questions.{qid}", f"row has {len(row)} tokens ({row.n_image_tokens} of them image "
+                                                       f"tokens), more than max_tokens={lim.max_tokens}; shorten the "
+                                                       "state, instructions or criteria (rows are never truncated)",
+                                   question=qid, status=413)
+        return Prepared(parsed, decoded, lim, case)
 
     def score(self, prepared: Prepared) -> tuple[list[Any], dict]:
-        """The model call: logits per question and usage (serialised by a lock)."""
-        r, lim = prepared.request, prepared.limits
-        with self._lock:
-            encoder = getattr(self.model, "encoder", None)
-            old = getattr(encoder, "max_tokens", None)
-            if encoder is not None:
-                encoder.max_tokens = lim.max_tokens
-            try:
-                return self.model.score_case_with_usage(r.state, r.questions, prepared.image, r.qids)
-            except RecordError as e:
-                raise self._from_record_error(e, r.qids) from None
-            finally:
-                if encoder is not None:
-                    encoder.max_tokens = old
+        """The model call for one request: logits per question and usage (serialised by a lock)."""
+        return self.score_many([prepared])[0]
 
     def score_many(self, prepared: list[Prepared]) -> list[Any]:
-        """Score several requests together: [(logits, usage) or the PredictError of that request].
+        """Several requests in one batched model call (`DecisionModel.score_cases`: prefixes batched, suffixes
+        batched; each request's logits equal those it gets alone). Returns [(logits, usage)], in order.
 
-        Uses the model's batched path (`score_cases`: prefixes batched, suffixes batched) when it has
-        one; each request's logits equal those it gets alone.
-        """
-        if len(prepared) == 1 or not hasattr(self.model, "score_cases"):
-            out: list[Any] = []
-            for p in prepared:
-                try:
-                    out.append(self.score(p))
-                except PredictError as e:
-                    out.append(e)
-            return out
-        return self._score_cases(prepared)
+        Should the batched call fail, each request is scored alone, so one bad request cannot fail the
+        others: its own error takes its place in the list."""
+        with self._lock:
+            try:
+                return self.model.score_cases([p.case for p in prepared])
+            except Exception:
+                if len(prepared) == 1:
+                    raise
+        out: list[Any] = []
+        for p in prepared:
+            try:
+                with self._lock:
+                    out.append(self.model.score_cases([p.case])[0])
+            except Exception as e:  # noqa: BLE001 - reported per request by the caller
+                out.append(e)
+        return out
 
     def respond(self, prepared: Prepared, logits: list[Any], usage: Mapping[str, Any]) -> dict[str, Any]:
         """The System One response from the logits."""

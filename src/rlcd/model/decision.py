@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
 import warnings
 from typing import Any, Iterable, Sequence
 
@@ -35,6 +36,7 @@ from .head import CandidateScorer
 from .prompt import DEFAULT_MAX_TOKENS, DEFAULT_NOUL, EncodedRow, PromptEncoder
 
 LORA_DROPOUT = 0.0
+SHAPE_GRANULE = 16  # batched calls round their padded lengths up to this (right pads are never read)
 PROMPT_VERSION = 1
 _LORA_PREFIX = "base_model.model."
 
@@ -64,6 +66,20 @@ def plan_suffix_groups(lengths: Sequence[int], *, max_rows: int = 64, overhead: 
         groups.append(order[cut[j]:j])
         j = cut[j]
     return groups[::-1]
+
+
+@dataclass
+class CaseInputs:
+    """One request ready for the model (`DecisionModel.prepare_case`): its rows and preprocessed image."""
+
+    rows: list[EncodedRow]
+    pixel_values: torch.Tensor | None = None
+    grid: torch.Tensor | None = None
+    n_img: int = 0
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(r) for r in self.rows)
 
 
 def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
@@ -142,11 +158,6 @@ class DecisionModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.head.w_d.weight.device
-
-    @property
-    def takes_images(self) -> bool:
-        """Whether the backbone has a vision tower (a request image is refused otherwise)."""
-        return getattr(self._core(), "visual", None) is not None
 
     @property
     def placement(self) -> dict[str, str]:
@@ -295,6 +306,13 @@ class DecisionModel(nn.Module):
         pv, grid = process_images(self.image_processor, [image])
         return pv, grid, n_image_tokens(grid[0].tolist(), self.merge_size)
 
+    def prepare_case(self, state: Any, questions: Sequence[Question], image: Any = None,
+                     ids: Sequence[str] | None = None, *, case_id: str | None = None) -> CaseInputs:
+        """The CPU part of scoring one request: rows tokenised, the image preprocessed (no model call)."""
+        pv, grid, n_img = self._image_inputs(image)
+        rows = self.encode_case(state, list(questions), n_image_tokens=n_img, ids=ids, case_id=case_id)
+        return CaseInputs(rows, pv, grid, n_img)
+
     def score_case_with_usage(self, state: Any, questions: Sequence[Question], image: Any = None,
                               ids: Sequence[str] | None = None, *, max_rows: int = 64,
                               case_id: str | None = None, exact: bool = False) -> tuple[list[torch.Tensor], dict]:
@@ -310,64 +328,92 @@ class DecisionModel(nn.Module):
         if not questions:
             return [], {"input_tokens": 0, "prefix_tokens": 0, "rows": 0, "full_tokens": 0, "image_tokens": 0,
                         "calls": 0}
-        dev = self.device
+        case = self.prepare_case(state, questions, image, ids, case_id=case_id)
+        logits, usage = self.score_cases([case], max_rows=max_rows, exact=exact)[0]
+        self.last_usage = usage
+        return logits, usage
+
+    def score_cases(self, cases: Sequence[CaseInputs], *, max_rows: int = 64,
+                    exact: bool = False) -> list[tuple[list[torch.Tensor], dict]]:
+        """Several requests in one go: their prefixes in one left-padded forward, all their question rows
+        as suffix calls from that cache (rows of any request in one call, grouped by suffix length).
+
+        Each request's logits equal those it gets alone up to float noise: a prefix's left padding is
+        masked (attention) and zeroed (the linear-attention inputs, so its recurrent and conv states stay
+        at their initial zeros), positions are each request's own, and every suffix row reads its own
+        request's cache row (`Family.select_cache_rows`).
+        """
+        dev, family = self.device, self.family
         with torch.inference_mode():
-            pv, grid, n_img = self._image_inputs(image)
-            rows = self.encode_case(state, questions, n_image_tokens=n_img, ids=ids, case_id=case_id)
-            cut = self._cut(rows, n_img, exact)
-            if n_img and cut < n_img + 2:  # the image is encoded once, so it must lie inside the prefix
-                raise RuntimeError("shared prefix does not cover the image")
-            # positions of a full row: the suffix is plain text, so only the offset after the prefix matters
-            family = self.family
-            prefix_ids = torch.tensor([rows[0].ids[:cut]], dtype=torch.long, device=dev)
-            img_mask = prefix_ids == self.image_token_id if self.image_token_id is not None else None
-            pos_p = family.full_positions(prefix_ids, img_mask, grid, self.merge_size)
-            next_pos = int(pos_p.max()) + 1
-            feats = self.image_features(pv, grid) if pv is not None else None  # once per request
-            out = self._lm(prefix_ids, feats, None, pos_p, use_cache=True)
+            cuts = []
+            for c in cases:
+                cut = self._cut(c.rows, c.n_img, exact)
+                if c.n_img and cut < c.n_img + 2:  # the image is encoded once, so it must lie inside the prefix
+                    raise RuntimeError("shared prefix does not cover the image")
+                cuts.append(cut)
+            width = max(cuts)
+            padded = any(cut != width for cut in cuts)
+            if padded:  # few distinct shapes keep the allocator's and kernels' caches small under serving load
+                width = -(-width // SHAPE_GRANULE) * SHAPE_GRANULE
+            pids = torch.full((len(cases), width), self.encoder.pad_id, dtype=torch.long, device=dev)
+            pmask = torch.zeros((len(cases), width), dtype=torch.long, device=dev)
+            positions, next_pos, feats = [], [], []
+            for i, (c, cut) in enumerate(zip(cases, cuts)):
+                ids = torch.tensor([c.rows[0].ids[:cut]], dtype=torch.long, device=dev)
+                pids[i, width - cut:] = ids[0]
+                pmask[i, width - cut:] = 1
+                img_mask = ids == self.image_token_id if self.image_token_id is not None else None
+                pos = family.full_positions(ids, img_mask, c.grid, self.merge_size)
+                next_pos.append(int(pos.max()) + 1)
+                positions.append(torch.nn.functional.pad(pos, (width - cut, 0)))  # left pads at position 0
+                if c.pixel_values is not None:
+                    feats.append(self.image_features(c.pixel_values, c.grid))  # once per request
+            out = self._lm(pids, torch.cat(feats) if feats else None, pmask if padded else None,
+                           torch.cat(positions, dim=-2), use_cache=True)
             prefix_cache = out_cache(out)
             if prefix_cache is None:
                 raise RuntimeError("the language model returned no cache")
-            logits: list[torch.Tensor | None] = [None] * len(rows)
-            groups = plan_suffix_groups([len(r) - cut for r in rows], max_rows=max_rows)
+            flat = [(ci, ri) for ci, c in enumerate(cases) for ri in range(len(c.rows))]
+            logits: list[list[torch.Tensor | None]] = [[None] * len(c.rows) for c in cases]
+            groups = plan_suffix_groups([len(cases[ci].rows[ri]) - cuts[ci] for ci, ri in flat], max_rows=max_rows)
             for gi, group in enumerate(groups):
-                chunk = [rows[i] for i in group]
+                members = [flat[j] for j in group]
+                chunk = [cases[ci].rows[ri] for ci, ri in members]
+                owner = torch.tensor([ci for ci, _ in members], dtype=torch.long, device=dev)
                 n = len(chunk)
                 # the linear-attention states are advanced in place: every call gets its own copy
                 cache = prefix_cache if gi == len(groups) - 1 else copy.deepcopy(prefix_cache)
-                family.expand_cache(cache, n, dev)
-                suf = [r.ids[cut:] for r in chunk]
-                s_max = max(len(s) for s in suf)
+                family.select_cache_rows(cache, owner, dev)
+                suf = [r.ids[cuts[ci]:] for r, (ci, _) in zip(chunk, members)]
+                s_max = max(len(x) for x in suf)
+                if len(cases) > 1:
+                    s_max = -(-s_max // SHAPE_GRANULE) * SHAPE_GRANULE
                 sids = torch.full((n, s_max), self.encoder.pad_id, dtype=torch.long, device=dev)
-                attn = torch.zeros((n, cut + s_max), dtype=torch.long, device=dev)
-                attn[:, :cut] = 1
-                for i, s in enumerate(suf):
-                    sids[i, : len(s)] = torch.tensor(s, dtype=torch.long, device=dev)
-                    attn[i, cut: cut + len(s)] = 1
-                pos = family.suffix_positions(n, s_max, next_pos, dev)
+                attn = torch.zeros((n, width + s_max), dtype=torch.long, device=dev)
+                attn[:, :width] = pmask[owner]
+                for i, x in enumerate(suf):
+                    sids[i, : len(x)] = torch.tensor(x, dtype=torch.long, device=dev)
+                    attn[i, width: width + len(x)] = 1
+                pos = torch.cat([family.suffix_positions(1, s_max, next_pos[ci], dev) for ci, _ in members], dim=-2)
                 h = self._lm(sids, None, attn, pos, cache=cache, use_cache=True,
                              chunk_size=None if exact else family.suffix_chunk).last_hidden_state
                 kmax = max(r.k for r in chunk)
                 mpos = torch.zeros((n, kmax), dtype=torch.long, device=dev)
                 cmask = torch.zeros((n, kmax), dtype=torch.bool, device=dev)
-                for i, r in enumerate(chunk):
-                    mpos[i, : r.k] = torch.tensor([m - cut for m in r.marker_pos], device=dev)
+                for i, (r, (ci, _)) in enumerate(zip(chunk, members)):
+                    mpos[i, : r.k] = torch.tensor([m - cuts[ci] for m in r.marker_pos], device=dev)
                     cmask[i, : r.k] = True
                 ridx = torch.arange(n, device=dev)
-                dpos = torch.tensor([r.decision_pos - cut for r in chunk], dtype=torch.long, device=dev)
-                lg = self.head(h[ridx, dpos], h[ridx[:, None], mpos], cmask, update=False)
-                for i, (ri, r) in enumerate(zip(group, chunk)):
-                    logits[ri] = lg[i, : r.k].float().cpu()
-        usage = {
-            "input_tokens": cut + sum(len(r) - cut for r in rows),
-            "prefix_tokens": cut,
-            "rows": len(rows),
-            "full_tokens": sum(len(r) for r in rows),
-            "image_tokens": n_img,
-            "calls": 1 + len(groups),
-        }
-        self.last_usage = usage
-        return logits, usage  # type: ignore[return-value]
+                dpos = torch.tensor([r.decision_pos - cuts[ci] for r, (ci, _) in zip(chunk, members)],
+                                    dtype=torch.long, device=dev)
+                lg = self.head(h[ridx, dpos], h[ridx[:, None], mpos], cmask, update=False).float().cpu()
+                for i, (r, (ci, ri)) in enumerate(zip(chunk, members)):
+                    logits[ci][ri] = lg[i, : r.k]
+        calls = 1 + len(groups)
+        return [(logits[i], {"input_tokens": cut + sum(len(r) - cut for r in c.rows), "prefix_tokens": cut,
+                             "rows": len(c.rows), "full_tokens": sum(len(r) for r in c.rows),
+                             "image_tokens": c.n_img, "calls": calls, "batched_requests": len(cases)})
+                for i, (c, cut) in enumerate(zip(cases, cuts))]
 
     def _cut(self, rows: Sequence[EncodedRow], n_img: int, exact: bool) -> int:
         """Shared-prefix length: the common token prefix, never past any row's decision position."""
@@ -415,4 +461,4 @@ def num_params(module: nn.Module, trainable: bool | None = None) -> int:
     return sum(p.numel() for p in module.parameters() if trainable is None or p.requires_grad == trainable)
 
 
-__all__ = ["DecisionModel", "mrope_positions", "common_prefix_len", "plan_suffix_groups", "num_params"]
+__all__ = ["DecisionModel", "CaseInputs", "mrope_positions", "common_prefix_len", "plan_suffix_groups", "num_params"]

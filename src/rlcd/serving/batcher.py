@@ -58,6 +58,22 @@ class BatchingConfig:
         return asdict(self)
 
 
+def _malloc_trim() -> Callable[[], None]:
+    """glibc's malloc_trim(0), or a no-op where there is none."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    return lambda: trim(0) and None
+
+
+release_free_memory = _malloc_trim()
+
+
 class Overloaded(PredictError):
     """503: the queue is full, the request waited too long, or the server is shutting down."""
 
@@ -164,6 +180,8 @@ class Batcher:
                     item.future.set_exception(res)
                 else:
                     item.future.set_result(res)
+            del batch, results
+            release_free_memory()
 
     def close(self, timeout: float | None = None) -> None:
         """Stop accepting, answer everything queued, stop the model thread."""

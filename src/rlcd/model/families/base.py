@@ -143,5 +143,14 @@ class Family:
         """Turn a one-row prefix cache into n identical rows (in place); returns it."""
         raise NotImplementedError
 
+    def select_cache_rows(self, cache: Any, index: torch.Tensor, device: Any) -> Any:
+        """Row i of the result is row `index[i]` of `cache` (rows may repeat), in place; returns it.
+
+        Used by `DecisionModel.score_cases` to give every suffix row its own request's prefix."""
+        if bool((index == 0).all()):
+            return self.expand_cache(cache, len(index), device)
+        cache.reorder_cache(index.to(device))
+        return cache
+
 
 __all__ = ["Family", "PromptSpec", "VISION_WORDS", "cache_kwarg", "out_cache", "layer_linear_regex"]
