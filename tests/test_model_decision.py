@@ -1,6 +1,5 @@
 """DecisionModel: decision position, LoRA step, merge, trainable state, shared prefix vs full forwards."""
 
-import copy
 
 import numpy as np
 import pytest
@@ -231,15 +230,20 @@ def test_shared_prefix_exact_mode_cuts_on_the_chunk_grid():
 
 
 def test_shared_prefix_cache_must_be_copied():
-    """Negative control: without deep copies the linear-attention state leaks between calls."""
+    """Negative control: without a fork per call the linear-attention state leaks between calls."""
     dm = liven(toy())
     full = dm.score_full(STATE, QS)
-    orig = copy.deepcopy
+    orig = D.fork_cache_rows
+
+    def no_fork(cache, index):  # the same cache object, reordered in place: states shared across calls
+        cache.reorder_cache(index)
+        return cache
+
     try:
-        D.copy.deepcopy = lambda x, *a, **k: x
+        D.fork_cache_rows = no_fork
         broken = dm.score_case_with_usage(STATE, QS, max_rows=2)[0]
     finally:
-        D.copy.deepcopy = orig
+        D.fork_cache_rows = orig
     assert max(float((s - f).abs().max()) for s, f in zip(broken, full)) > 1e-3
 
 

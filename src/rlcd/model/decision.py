@@ -13,12 +13,11 @@ token is computed in its own suffix), the prefix cache is deep-copied and expand
 (`Family.expand_cache`: `reorder_cache(zeros(k))` on the hybrid Qwen3.5 cache, `batch_repeat_interleave`
 on a `DynamicCache`), and the suffixes run batched: one call when their lengths are similar, otherwise
 a few calls of similar-length rows (`plan_suffix_groups`: fewest padded tokens plus a per-call
-overhead; at most `max_rows` rows per call), each from its own copy of the cache.
+overhead; at most `max_rows` rows per call), each from its own fork of the cache (`fork_cache_rows`).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 import warnings
@@ -30,7 +29,7 @@ from torch import nn
 from ..schema import Question
 from .backbone import Backbone, freeze_all
 from .collate import Batch, Collator, n_image_tokens, pad_rows, process_images
-from .families.base import out_cache
+from .families.base import fork_cache_rows, out_cache
 from .families.qwen35 import SUFFIX_CHUNK, mrope_positions  # noqa: F401 (mrope_positions: public API)
 from .head import CandidateScorer
 from .prompt import DEFAULT_MAX_TOKENS, DEFAULT_NOUL, EncodedRow, PromptEncoder
@@ -381,9 +380,11 @@ class DecisionModel(nn.Module):
                 chunk = [cases[ci].rows[ri] for ci, ri in members]
                 owner = torch.tensor([ci for ci, _ in members], dtype=torch.long, device=dev)
                 n = len(chunk)
-                # the linear-attention states are advanced in place: every call gets its own copy
-                cache = prefix_cache if gi == len(groups) - 1 else copy.deepcopy(prefix_cache)
-                family.select_cache_rows(cache, owner, dev)
+                # the linear-attention states are advanced in place: every call but the last gets its own rows
+                if gi == len(groups) - 1:
+                    cache = family.select_cache_rows(prefix_cache, owner, dev)
+                else:
+                    cache = fork_cache_rows(prefix_cache, owner)
                 suf = [r.ids[cuts[ci]:] for r, (ci, _) in zip(chunk, members)]
                 s_max = max(len(x) for x in suf)
                 if len(cases) > 1:

@@ -96,6 +96,28 @@ def layer_linear_regex(model: nn.Module) -> str:
     return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
 
 
+def fork_cache_rows(cache: Any, index: torch.Tensor) -> Any:
+    """A new cache whose row i is row `index[i]` of `cache`; `cache` itself is left as it was.
+
+    Cheaper than `copy.deepcopy(cache)` followed by `reorder_cache(index)`: only the selected rows are
+    copied (`reorder_cache` rebinds every state to an `index_select` of it, a fresh tensor), so a
+    forward that advances the fork's recurrent states in place cannot touch the original. The cache
+    and layer objects are copied one level down (their dicts and lists of states too).
+    """
+    import copy
+
+    new = copy.copy(cache)
+    new.layers = []
+    for layer in cache.layers:
+        twin = copy.copy(layer)
+        for name, value in vars(layer).items():
+            if isinstance(value, (dict, list)):
+                setattr(twin, name, copy.copy(value))
+        new.layers.append(twin)
+    new.reorder_cache(index)
+    return new
+
+
 class Family:
     """One kind of decoder. Subclasses: `Qwen35Family`, `CausalLMFamily`."""
 
@@ -153,4 +175,4 @@ class Family:
         return cache
 
 
-__all__ = ["Family", "PromptSpec", "VISION_WORDS", "cache_kwarg", "out_cache", "layer_linear_regex"]
+__all__ = ["Family", "PromptSpec", "VISION_WORDS", "cache_kwarg", "out_cache", "layer_linear_regex", "fork_cache_rows"]
