@@ -33,19 +33,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .device import Placement
-from .schema import QUESTION_TYPES, Question, RecordError
+from .schema import QUESTION_TYPES, RecordError
 from .serving.answer import make_answer, probabilities
 from .serving.errors import PredictError
 from .serving.images import load_image_spec, open_image
 from .serving.limits import Limits
 from .serving.request import ParsedRequest, parse_request
-
-
-def validate_request(request: Any, limits: Limits, *, model_names: tuple[str, ...] = (),
-                     strict_model: bool = False) -> tuple[Any, list[str], list[Question]]:
-    """Check a request against the wire format and the limits -> (state, qids, questions); no model needed."""
-    parsed = parse_request(request, limits, served=model_names, strict_model=strict_model)
-    return parsed.state, parsed.qids, parsed.questions
 
 
 @dataclass
@@ -231,4 +224,4 @@ class Predictor:
 
 
 __all__ = ["Limits", "PredictError", "Predictor", "Prepared", "make_answer", "probabilities", "open_image",
-           "validate_request"]
+           "parse_request"]

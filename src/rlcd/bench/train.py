@@ -27,9 +27,7 @@ machine-readable:
 
 from __future__ import annotations
 
-import shlex
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path

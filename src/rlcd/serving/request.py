@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping
 
 from rlcd.schema import QUESTION_TYPES, Question, RecordError, find_reserved, parse_question
