@@ -167,3 +167,32 @@ def test_a_library_caller_can_turn_progress_off(run, capsys):
     assert "score" not in capsys.readouterr().err
     calibrate_run(run)
     assert re.search(r"^score calibration: (\d+)/\1 rows \(100%\)", capsys.readouterr().err, re.M)
+
+
+def test_evaluate_the_last_checkpoint(run, evaluated, tmp_path):
+    """`rlcd evaluate --checkpoint last`: the last checkpoint's weights, named as such in eval/ and export/."""
+    import shutil
+
+    from rlcd import checkpoint as ckpt
+    from rlcd.evaluate import evaluate_run
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("eval", "export"))
+    # make best and last differ for sure: halve the stored best scorer (last stays what training left)
+    best = ckpt.load(copy / "checkpoints" / "best")
+    ckpt.save(copy / "checkpoints" / "best", weights={k: v * 0.5 if k.startswith("head.w_") else v
+                                                      for k, v in best["weights"].items()},
+              optimizer=None, state={**best["state"], "best_step": 1})
+    last_state = ckpt.load(copy / "checkpoints" / "last")["state"]
+    ev = evaluate_run(copy, which="last")
+    assert ev["meta"]["checkpoint"] == "last" and ev["meta"]["selected_step"] == last_state["step"] == 3
+    assert ev["meta"]["checkpoint_sha256"] == ckpt.weights_sha256(copy / "checkpoints" / "last")
+    model_json = json.loads((copy / "export" / "model.json").read_text())
+    assert model_json["checkpoint"] == "last" and model_json["checkpoint_sha256"] == ev["meta"]["checkpoint_sha256"]
+    temps = json.loads((copy / "eval" / "temperatures.json").read_text())
+    assert temps["checkpoint_sha256"] == ev["meta"]["checkpoint_sha256"]
+    last_logits = [json.loads(x)["logits"] for x in (copy / "eval" / "predictions-test.jsonl").read_text().splitlines()]
+    ev_best = evaluate_run(copy)
+    assert ev_best["meta"]["checkpoint"] == "best" and ev_best["meta"]["selected_step"] == 1
+    best_logits = [json.loads(x)["logits"] for x in (copy / "eval" / "predictions-test.jsonl").read_text().splitlines()]
+    assert best_logits != last_logits

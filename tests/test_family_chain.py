@@ -147,7 +147,9 @@ def test_serve_answers_and_refuses_an_image(predictor):
     buf = io.BytesIO()
     Image.new("RGB", (32, 32)).save(buf, format="PNG")
     r = client.post("/v1/systemone", json={**body, "image": {"base64": base64.b64encode(buf.getvalue()).decode()}})
-    assert r.status_code == 422 and r.json()["error"]["field"] == "image"
+    assert r.status_code == 422, r.text
+    (err,) = r.json()["detail"]
+    assert err["loc"][-1] == "image" and "text-only" in err["msg"]
 
 
 def test_order_probe_runs_on_the_text_decoder(run, evaluated):

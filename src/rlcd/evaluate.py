@@ -20,7 +20,7 @@ import torch
 from rlcd import checkpoint as ckpt
 from rlcd.calibrate import fit_per_type
 from rlcd.device import Placement, resolve_placement
-from rlcd.export import load_checkpoint_model, write_export
+from rlcd.export import checkpoint_identity, load_checkpoint_model, write_export
 from rlcd.progress import Progress
 from rlcd.run import Run, write_json
 from rlcd.schema import Record
@@ -71,16 +71,17 @@ def _score(model, config: dict, split: str, records: list[Record], placement: Pl
                         device=placement.torch_device, progress=progress)
 
 
-def _calibration_key(run: Run, placement: Placement) -> dict[str, Any]:
-    """What the temperatures depend on: the selected checkpoint, the calibration data, the placement."""
+def _calibration_key(run: Run, placement: Placement, which: str = "best") -> dict[str, Any]:
+    """What the temperatures depend on: the evaluated checkpoint, the calibration data, the placement."""
     from rlcd.data.io import sha256_file
 
     cal = run.data_dir / "calibration.jsonl"
-    return {"checkpoint_sha256": ckpt.weights_sha256(run.require_checkpoint("best")),
+    return {"checkpoint_sha256": ckpt.weights_sha256(run.require_checkpoint(which)),
             "calibration_sha256": sha256_file(cal) if cal.is_file() else None, **placement.to_dict()}
 
 
-def fit_temperatures(run: Run, calibration_rows: list[dict], placement: Placement) -> dict[str, Any]:
+def fit_temperatures(run: Run, calibration_rows: list[dict], placement: Placement,
+                     which: str = "best") -> dict[str, Any]:
     """Fit the per-type temperatures on the calibration predictions and store them in eval/temperatures.json.
 
     The one calibration path: `rlcd calibrate RUN` ends here, and `rlcd evaluate RUN` reuses the stored
@@ -89,34 +90,38 @@ def fit_temperatures(run: Run, calibration_rows: list[dict], placement: Placemen
     """
     temps, infos = fit_per_type(calibration_rows)
     out = {"temperatures": temps, "calibration": infos, "n_rows": len(calibration_rows),
-           **_calibration_key(run, placement)}
+           **_calibration_key(run, placement, which)}
     write_json(run.temperatures_path, out)
     return out
 
 
-def stored_temperatures(run: Run, placement: Placement) -> dict[str, Any] | None:
+def stored_temperatures(run: Run, placement: Placement, which: str = "best") -> dict[str, Any] | None:
     """eval/temperatures.json when it matches this checkpoint, calibration data and placement."""
     if not run.temperatures_path.is_file():
         return None
     stored = json.loads(run.temperatures_path.read_text())
-    key = _calibration_key(run, placement)
+    key = _calibration_key(run, placement, which)
     return stored if all(stored.get(k) == v for k, v in key.items()) else None
 
 
-def calibrate_run(run: Run | Path, *, placement: Placement | None = None, progress: bool = True) -> dict[str, Any]:
-    """Fit per-type temperatures on the calibration partition with the merged best model."""
+def calibrate_run(run: Run | Path, *, placement: Placement | None = None, which: str = "best",
+                  progress: bool = True) -> dict[str, Any]:
+    """Fit per-type temperatures on the calibration partition with the merged `which` checkpoint."""
     run = run if isinstance(run, Run) else Run.open(run)
     placement = placement or resolve_placement("cpu")
-    model, config, _ = load_checkpoint_model(run, "best", placement=placement)
+    model, config, _ = load_checkpoint_model(run, which, placement=placement)
     rows = _score(model, config, "calibration", _records(config, "calibration"), placement, progress)
-    return fit_temperatures(run, rows, placement)
+    return fit_temperatures(run, rows, placement, which)
 
 
 def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
-                 print_fn: Callable[[str], None] | None = None, progress: bool = True) -> dict[str, Any]:
+                 print_fn: Callable[[str], None] | None = None, which: str = "best",
+                 progress: bool = True) -> dict[str, Any]:
     """Score every held-out split, calibrate, write eval/ and export/, and render the report.
 
-    `print_fn` receives the status lines (none by default); `progress` shows each split's scoring.
+    `which`: the dev-selected checkpoint ("best", the recipe) or the "last" one (what the final
+    update left, e.g. when no evaluation beat the untrained step 0). `print_fn` receives the status
+    lines (none by default); `progress` shows each split's scoring.
     """
     from rlcd.data.io import write_jsonl
     from rlcd.metrics import majority_baseline
@@ -126,18 +131,18 @@ def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
     run = run if isinstance(run, Run) else Run.open(run)
     placement = placement or resolve_placement("cpu")
     say = print_fn or (lambda _: None)
-    model, config, state = load_checkpoint_model(run, "best", placement=placement)
+    model, config, state = load_checkpoint_model(run, which, placement=placement)
     records = {split: _records(config, split) for split in SPLITS}
     preds = {split: _score(model, config, split, records[split], placement, progress) for split in SPLITS}
     for split, rows in preds.items():
         write_jsonl(run.predictions_path(split), rows)
-    stored = stored_temperatures(run, placement)
+    stored = stored_temperatures(run, placement, which)
     if stored is not None:
         say(f"temperatures: {run.temperatures_path} (fitted by `rlcd calibrate` on this checkpoint)")
     else:
         say(f"temperatures: fitting one per type on {len(preds['calibration'])} calibration rows -> "
             f"{run.temperatures_path}")
-    cal = stored or fit_temperatures(run, preds["calibration"], placement)
+    cal = stored or fit_temperatures(run, preds["calibration"], placement, which)
     temps, infos = cal["temperatures"], cal["calibration"]
     data_dir = Path(config["data_dir"])
     baseline = majority_baseline(_records(config, "train"), records["test"]) if records["test"] else None
@@ -150,9 +155,8 @@ def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
         "seed": config["recipe"]["seed"],
         "steps": config["recipe"]["steps"],
         "recipe_deviations": config.get("recipe_deviations", {}),
-        "selected_step": state.get("best_step"),
-        "selection_score": state.get("best_score"),
-        "checkpoint_sha256": ckpt.weights_sha256(run.require_checkpoint("best")),
+        **checkpoint_identity(state, which),
+        "checkpoint_sha256": ckpt.weights_sha256(run.require_checkpoint(which)),
         "data_hashes": data_hashes(data_dir),
         "calibration": infos,
         "temperatures_source": str(run.temperatures_path.relative_to(run.root)),
@@ -160,7 +164,7 @@ def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
     }
     ev = evaluation_from_predictions(preds, temps, meta, majority_baseline=baseline)
     write_evaluation(run, ev)
-    write_export(run, temperatures=temps, model=model, config=config, state=state)
+    write_export(run, temperatures=temps, model=model, config=config, state=state, which=which)
     cpu_fp32 = placement.to_dict() == {"device": "cpu", "dtype": "float32"}
     say(f"export: {run.export_dir} and {run.hf_export_dir} (transformers)")
     write_hf(run, model=model if cpu_fp32 else None, evaluation=ev)

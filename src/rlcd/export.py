@@ -78,6 +78,14 @@ def load_checkpoint_model(run: Run | Path, which: str = "best", *, merge: bool =
     return model, config, loaded["state"]
 
 
+def checkpoint_identity(state: dict, which: str) -> dict[str, Any]:
+    """Which checkpoint an artefact holds: the dev-selected one ("best": its step and dev score) or the
+    last one ("last": the step it was written at and the latest dev score)."""
+    if which == "best":
+        return {"checkpoint": "best", "selected_step": state.get("best_step"), "selection_score": state.get("best_score")}
+    return {"checkpoint": which, "selected_step": state.get("step"), "selection_score": state.get("score")}
+
+
 def write_export(run: Run, *, temperatures: dict[str, float], model, config: dict, state: dict,
                  which: str = "best") -> Path:
     out = run.export_dir
@@ -94,8 +102,7 @@ def write_export(run: Run, *, temperatures: dict[str, float], model, config: dic
         "recipe": config["recipe"],
         "temperatures": temperatures,
         "label_conventions": LABEL_CONVENTIONS,
-        "selected_step": state.get("best_step"),
-        "selection_score": state.get("best_score"),
+        **checkpoint_identity(state, which),
         "checkpoint_sha256": ckpt.weights_sha256(src),
         "versions": config.get("versions"),
     }

@@ -143,7 +143,7 @@ class Predictor:
                 raise PredictError(parsed.images[0][0], "the request carries an image and another was passed "
                                                         "beside it; this model reads one image per request")
             if not self.takes_images:
-                raise PredictError("image", "this model's backbone reads no images; send text only")
+                raise PredictError("image", "this model's backbone is text-only (it reads no images); send text only")
             decoded = open_image(image, max_pixels=lim.max_image_pixels)
         elif parsed.images:
             field, spec = parsed.images[0]

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+from enum import Enum
+from typing import Annotated
+
 import typer
 
 from rlcd.cli._common import DeviceOpt, DType, DTypeOpt, RunArg, echo_json, placement
 
 
-def calibrate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = DType.auto) -> None:
+class Which(str, Enum):
+    best = "best"
+    last = "last"
+
+
+CheckpointOpt = Annotated[Which, typer.Option("--checkpoint", help="best: the dev-selected checkpoint (the "
+                                              "recipe); last: the one the final update left")]
+
+
+def calibrate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = DType.auto,
+              checkpoint: CheckpointOpt = Which.best) -> None:
     """Fit one temperature per decision type on the calibration split (merged best checkpoint).
 
     Writes eval/temperatures.json; `rlcd evaluate` and the export use these temperatures when they
@@ -18,10 +31,11 @@ def calibrate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = 
     from rlcd.run import Run
 
     r = Run.open(run_path(run, None))
-    echo_json(calibrate_run(r, placement=placement(device, dtype)))
+    echo_json(calibrate_run(r, placement=placement(device, dtype), which=checkpoint.value))
 
 
-def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = DType.auto) -> None:
+def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = DType.auto,
+             checkpoint: CheckpointOpt = Which.best) -> None:
     """Score dev/calibration/test with the merged best checkpoint, calibrate, write eval/ and export/.
 
     Progress (rows done / total per split, rows/s, time left) and model loading go to stderr, the
@@ -33,7 +47,7 @@ def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = D
     from rlcd.run import Run
 
     r = Run.open(run_path(run, None))
-    print_summary(evaluate_run(r, placement=placement(device, dtype), print_fn=echo))
+    print_summary(evaluate_run(r, placement=placement(device, dtype), print_fn=echo, which=checkpoint.value))
 
 
 def report(run: RunArg = None) -> None:

@@ -46,7 +46,8 @@ def plan_suffix_groups(lengths: Sequence[int], *, max_rows: int = 64, overhead: 
 
     Rows are sorted by length; a dynamic programme picks contiguous groups (at most `max_rows` rows)
     minimising sum(rows_in_group * padded_longest_in_group + overhead), where lengths are rounded up
-    to the DeltaNet chunk (`granule`; the CPU reference kernel pads every row to it) and `overhead`
+    to the DeltaNet chunk (`granule`; the CPU reference kernel pads every row to it; 1 for a decoder
+    without chunked recurrent layers) and `overhead`
     is the measured fixed cost of one call in token equivalents (~6 ms = ~50 tokens on 2 CPU cores,
     hidden 256). Similar lengths give one call; mixed lengths (e.g. 27..82 tokens) a few.
     """
@@ -374,7 +375,8 @@ class DecisionModel(nn.Module):
                 raise RuntimeError("the language model returned no cache")
             flat = [(ci, ri) for ci, c in enumerate(cases) for ri in range(len(c.rows))]
             logits: list[list[torch.Tensor | None]] = [[None] * len(c.rows) for c in cases]
-            groups = plan_suffix_groups([len(cases[ci].rows[ri]) - cuts[ci] for ci, ri in flat], max_rows=max_rows)
+            groups = plan_suffix_groups([len(cases[ci].rows[ri]) - cuts[ci] for ci, ri in flat], max_rows=max_rows,
+                                        granule=family.suffix_chunk or 1)
             for gi, group in enumerate(groups):
                 members = [flat[j] for j in group]
                 chunk = [cases[ci].rows[ri] for ci, ri in members]

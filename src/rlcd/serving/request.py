@@ -215,7 +215,7 @@ def parse_request(request: Any, limits: Limits, *, served: tuple[str, ...] = (),
     if request.get("image") is not None:
         images.append(("image", request["image"]))
     if images and not takes_images:
-        raise PredictError(images[0][0], "this model's backbone reads no images; send text only")
+        raise PredictError(images[0][0], "this model's backbone is text-only (it reads no images); send text only")
     if len(images) > 1:
         raise PredictError(images[1][0], f"this model reads one image per request, got {len(images)} "
                                          f"({', '.join(f for f, _ in images)})")
