@@ -2,7 +2,8 @@
 
 Writes `eval/predictions-{dev,calibration,test}.jsonl` (raw logits, enough to regenerate every
 number), fits one temperature per type on the calibration split only, writes
-`eval/evaluation.json` (raw and calibrated side by side), `export/` and `eval/report.md`.
+`eval/evaluation.json` (raw and calibrated side by side, with bootstrap intervals), `export/`,
+`eval/report.md` and `eval/report.html`.
 """
 
 from __future__ import annotations
@@ -18,15 +19,25 @@ from rlcd.calibrate import fit_per_type
 from rlcd.device import Placement, resolve_placement
 from rlcd.export import load_checkpoint_model, write_export
 from rlcd.run import Run, write_json
-from rlcd.schema import Record
+from rlcd.schema import Record, text_of
 
 SPLITS = ("dev", "calibration", "test")
+STATE_EXCERPT = 240  # characters of the state kept in a prediction row (the report's error analysis)
+
+
+def state_excerpt(rec: Record) -> str:
+    """The first STATE_EXCERPT characters of the state's prompt text (+ its image file, if any)."""
+    text = " ".join(text_of(rec.state).split())
+    text = text if len(text) <= STATE_EXCERPT else text[: STATE_EXCERPT - 1] + "…"
+    return f"{text} [image {rec.image}]" if rec.image else text
 
 
 @torch.no_grad()
 def predict_rows(model, records: list[Record], collator, *, device="cpu", batch_size: int = 32,
                  split: str | None = None) -> list[dict[str, Any]]:
-    """One prediction row per record: id, group, type, labels, target, posterior, raw logits."""
+    """One prediction row per record: id, group, type, labels, target, posterior, raw logits, and for
+    reading the errors the question's ``instructions`` and a ``state_excerpt`` (older prediction files
+    lack these two; every reader treats them as optional)."""
     rows = []
     for i in range(0, len(records), batch_size):
         chunk = records[i:i + batch_size]
@@ -34,7 +45,8 @@ def predict_rows(model, records: list[Record], collator, *, device="cpu", batch_
         for j, rec in enumerate(chunk):
             k = rec.question.k
             row = {"id": rec.id, "group": rec.group, "type": rec.question.type, "labels": rec.question.labels,
-                   "target": rec.target, "posterior": rec.posterior, "logits": logits[j, :k].tolist()}
+                   "target": rec.target, "posterior": rec.posterior, "logits": logits[j, :k].tolist(),
+                   "instructions": rec.question.instructions, "state_excerpt": state_excerpt(rec)}
             if split is not None:
                 row["split"] = split
             if rec.case_id is not None:
@@ -146,7 +158,7 @@ def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
     ev = evaluation_from_predictions(preds, temps, meta, majority_baseline=baseline)
     write_evaluation(run, ev)
     write_export(run, temperatures=temps, model=model, config=config, state=state)
-    write_report(run)
+    write_report(run, ev=ev)
     return ev
 
 
