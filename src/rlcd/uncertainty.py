@@ -95,7 +95,8 @@ class _Block:
     def __init__(self, cols: _Columns, sel: np.ndarray, sgroups: np.ndarray | None):
         self.names: list[str] = ["n"]
         parts = [sel.astype(np.float64)]
-        for name, x in cols.mean_columns().items():
+        means = cols.mean_columns()
+        for name, x in means.items():
             self.names.append(name)
             parts.append(np.where(sel, x, 0.0))
         self.score = bool(np.any(sel & np.isfinite(cols.score["rps"])))
@@ -120,7 +121,7 @@ class _Block:
                 parts.append(gsel.astype(np.float64))
                 for k in MACRO_MEANS:
                     self.names.append(f"macro:{g}:{k}")
-                    parts.append(np.where(gsel, cols.mean_columns()[k], 0.0))
+                    parts.append(np.where(gsel, means[k], 0.0))
         self.values = np.stack(parts, axis=1)  # [rows, columns]
         self.index = {name: j for j, name in enumerate(self.names)}
         self.sel = sel
@@ -188,8 +189,11 @@ def _blocks(cols: _Columns, types: np.ndarray, sgroups: np.ndarray) -> dict[tupl
     return out
 
 
+Samples = dict[tuple[str, tuple[str, str | None]], dict[str, np.ndarray]]
+
+
 def resampled_metrics(rows: Sequence[Mapping[str, Any]], temperatures: Mapping[str, float] | None, *,
-                      resamples: int = RESAMPLES, seed: int = SEED):
+                      resamples: int = RESAMPLES, seed: int = SEED) -> tuple[Samples, Samples, int]:
     """Every metric of every block on every resample, raw and calibrated.
 
     Returns ``(samples, points, n_cases)``: ``samples[(side, (kind, type))][metric]`` is an array of
@@ -209,7 +213,7 @@ def resampled_metrics(rows: Sequence[Mapping[str, Any]], temperatures: Mapping[s
     layout = [(side, key) for side in sides for key in keys]
     sums = _case_sums(np.concatenate([sides[s][k].values for s, k in layout], axis=1), codes, n_cases)
     widths = np.cumsum([0] + [sides[s][k].values.shape[1] for s, k in layout])
-    samples: dict[tuple[str, tuple], dict[str, list[np.ndarray]]] = {sk: {} for sk in layout}
+    samples: dict[tuple, dict[str, list[np.ndarray]]] = {sk: {} for sk in layout}
     for counts in _resample_counts(n_cases, resamples, seed):
         totals = counts @ sums
         row_weights = counts[:, codes]
