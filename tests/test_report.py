@@ -206,3 +206,13 @@ def test_report_flags_a_calibration_that_hurts_beyond_noise(tmp_path):
     write_evaluation(run, evaluation_from_predictions(preds, {t: 1.0 for t in harmful}, meta, majority_baseline=mb))
     text = write_report(run).read_text()
     assert "⚠" not in text and "No type's calibrated NLL or ECE on test is worse than raw" in text
+
+
+def test_training_curves_ema_is_debiased():
+    from rlcd.report.training_log import ema
+
+    assert np.allclose(ema([3.0] * 50), 3.0)  # no pull towards the zero start
+    x = [0.0] * 10 + [1.0] * 10
+    got = ema(x, span=3)  # alpha = 0.5
+    assert np.allclose(got[:10], 0.0) and got[10] == 0.5 / (1 - 0.5 ** 11) and np.isclose(got[11], 0.75 / (1 - 0.5 ** 12))
+    assert np.allclose(ema(x, span=1), x) and len(ema([])) == 0

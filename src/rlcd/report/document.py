@@ -132,7 +132,7 @@ nav { columns: 3; font-size: 13px; background: #f0f2f6; padding: 10px 16px; bord
 nav a { color: #27509b; text-decoration: none; display: block; } nav a:hover { text-decoration: underline; }
 table { border-collapse: collapse; margin: 6px 0 14px; font-size: 12.5px; font-variant-numeric: tabular-nums; }
 th, td { border: 1px solid #dde1e8; padding: 3px 8px; text-align: right; vertical-align: top; }
-th { background: #eef1f6; text-align: center; } td:first-child { text-align: left; }
+th { background: #eef1f6; text-align: center; } td:first-child, td.t { text-align: left; }
 caption { caption-side: top; text-align: left; font-style: italic; color: #555; padding-bottom: 3px; }
 code { background: #f0f2f6; padding: 0 3px; border-radius: 3px; font-size: 12.5px; }
 figure { margin: 8px 0 18px; } figure img { max-width: 100%; border: 1px solid #e3e6ec; }
@@ -141,6 +141,9 @@ figcaption { color: #555; font-size: 12.5px; }
 .ok { background: #eaf6ec; border-left: 4px solid #3c9a4b; padding: 6px 10px; }
 .scroll { overflow-x: auto; }
 """
+
+
+NUMERIC = re.compile(r"^[\s\d.,+\-−\[\]%()—e]*$")  # cells right-aligned in HTML; text cells go left
 
 
 def inline(text: str) -> str:
@@ -174,7 +177,9 @@ def _html_block(b: Any) -> str:
             cells = []
             for j, c in enumerate(r):
                 shade = b.shade[i][j] if b.shade and i < len(b.shade) and j < len(b.shade[i]) else None
-                cells.append(f"<td{_shade(shade)}>{inline(c if isinstance(c, str) else fmt(c))}</td>")
+                text = c if isinstance(c, str) else fmt(c)
+                left = ' class="t"' if j and not NUMERIC.match(text) else ""
+                cells.append(f"<td{left}{_shade(shade)}>{inline(text)}</td>")
             body.append("<tr>" + "".join(cells) + "</tr>")
         cap = f"<caption>{inline(b.caption)}</caption>" if b.caption else ""
         return f'<div class="scroll"><table>{cap}<thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'

@@ -71,7 +71,7 @@ def training(ctx: Context) -> Section:
     chosen = selected_step(evals, ctx.meta)
     if train or evals:
         s.add(ctx.figures.add("training_curves", plots.training(train, evals, chosen), "training curves",
-                              "Raw values faint, their exponential moving average solid (span: a twentieth of the "
+                              "Raw values faint, their exponential moving average solid (span: a tenth of the "
                               "points); the dotted line marks the selected step."))
     if evals:
         best = max(evals, key=lambda e: (e.get("dev_macro_accuracy") or -1.0, -e["step"]))

@@ -64,12 +64,12 @@ def ema(values: list[float], span: float | None = None) -> np.ndarray:
 
     ``alpha = 2 / (span + 1)``; ``s_t = (1 - alpha) s_{t-1} + alpha x_t`` from ``s_0 = 0``, divided by
     ``1 - (1 - alpha)^(t+1)`` so the first points are not pulled towards 0. The default span is a
-    twentieth of the points (at least 1: no smoothing for short logs).
+    tenth of the points (at least 1: no smoothing for very short logs).
     """
     x = np.asarray(values, dtype=np.float64)
     if x.size == 0:
         return x
-    span = max(1.0, x.size / 20) if span is None else max(1.0, float(span))
+    span = max(1.0, x.size / 10) if span is None else max(1.0, float(span))
     alpha = 2.0 / (span + 1.0)
     out = np.empty_like(x)
     s = 0.0
