@@ -216,3 +216,14 @@ def test_training_curves_ema_is_debiased():
     got = ema(x, span=3)  # alpha = 0.5
     assert np.allclose(got[:10], 0.0) and got[10] == 0.5 / (1 - 0.5 ** 11) and np.isclose(got[11], 0.75 / (1 - 0.5 ** 12))
     assert np.allclose(ema(x, span=1), x) and len(ema([])) == 0
+
+
+def test_wilson_interval_holds_the_proportion_and_known_values():
+    from rlcd.report.plots import wilson
+
+    assert wilson(0.5, 10) == pytest.approx((0.236593, 0.763407), abs=1e-6)  # textbook value
+    assert wilson(0.2, 50) == pytest.approx((0.112437, 0.330371), abs=2e-6)  # the formula by hand, z = 1.95996
+    for n in range(1, 300):
+        for p in (0.0, 1.0, 1 / 3):
+            lo, hi = wilson(p, n)
+            assert 0.0 <= lo <= p <= hi <= 1.0, (p, n)  # at 0 and 1 rounding put p outside before

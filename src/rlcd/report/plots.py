@@ -34,13 +34,14 @@ def png(fig: Figure, **margins: float) -> bytes:
 
 
 def wilson(p: float, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval of a proportion ``p`` observed on ``n`` rows."""
+    """Wilson score interval of a proportion ``p`` observed on ``n`` rows (always holding ``p``: at
+    p = 0 or 1 the formula's end equals p only up to rounding)."""
     if n <= 0:
         return (float("nan"), float("nan"))
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(max(0.0, p * (1 - p) / n + z * z / (4 * n * n))) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))
 
 
 def reliability(raw_block: Mapping, cal_block: Mapping, title: str) -> bytes:
