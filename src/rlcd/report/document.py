@@ -131,7 +131,8 @@ border-top: 2px solid #e3e6ec; } h3 { font-size: 16px; margin: 22px 0 8px; } h4 
 nav { columns: 3; font-size: 13px; background: #f0f2f6; padding: 10px 16px; border-radius: 6px; }
 nav a { color: #27509b; text-decoration: none; display: block; } nav a:hover { text-decoration: underline; }
 table { border-collapse: collapse; margin: 6px 0 14px; font-size: 12.5px; font-variant-numeric: tabular-nums; }
-th, td { border: 1px solid #dde1e8; padding: 3px 8px; text-align: right; vertical-align: top; }
+th, td { border: 1px solid #dde1e8; padding: 3px 8px; text-align: right; vertical-align: top; white-space: nowrap; }
+td.t { white-space: normal; overflow-wrap: break-word; max-width: 330px; }
 th { background: #eef1f6; text-align: center; } td:first-child, td.t { text-align: left; }
 caption { caption-side: top; text-align: left; font-style: italic; color: #555; padding-bottom: 3px; }
 code { background: #f0f2f6; padding: 0 3px; border-radius: 3px; font-size: 12.5px; }
@@ -178,7 +179,7 @@ def _html_block(b: Any) -> str:
             for j, c in enumerate(r):
                 shade = b.shade[i][j] if b.shade and i < len(b.shade) and j < len(b.shade[i]) else None
                 text = c if isinstance(c, str) else fmt(c)
-                left = ' class="t"' if j and not NUMERIC.match(text) else ""
+                left = ' class="t"' if not NUMERIC.match(text) else ""
                 cells.append(f"<td{left}{_shade(shade)}>{inline(text)}</td>")
             body.append("<tr>" + "".join(cells) + "</tr>")
         cap = f"<caption>{inline(b.caption)}</caption>" if b.caption else ""

@@ -29,8 +29,10 @@ TOP_P = 3
 LABEL_CHARS = 24
 
 
-def short(text: Any, n: int) -> str:
-    s = " ".join(str(text).split())
+def short(text: Any, n: int, *, word: int = 32) -> str:
+    """``text`` on one line, at most ``n`` characters; words longer than ``word`` (hashes, paths) elided."""
+    words = [w if len(w) <= word else w[: word - 10] + "…" + w[-9:] for w in str(text).split()]
+    s = " ".join(words)
     return s if len(s) <= n else s[: n - 1] + "…"
 
 
