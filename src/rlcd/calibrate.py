@@ -73,11 +73,14 @@ def padded(logits: Any, targets: Any) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def soft_ce(z: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, temperature: torch.Tensor | float, *,
             per_row: bool = False) -> torch.Tensor:
-    """Mean over rows of -sum_k t_k log softmax(z / T)_k (padding excluded); ``per_row`` keeps the [N] row values."""
+    """Mean over rows of -sum_k t_k log softmax(z / T)_k (padding excluded); ``per_row`` keeps the [N] row values.
+
+    ``temperature`` may be a ``[J, 1, 1]`` tensor: the result then has a leading J axis (one per T).
+    """
     scaled = (z.masked_fill(~mask, 0.0) / temperature).masked_fill(~mask, float("-inf"))  # no inf * 0 in backward
-    logp = torch.log_softmax(scaled, dim=1).masked_fill(~mask, 0.0)
-    rows = -(t * logp).sum(dim=1)
-    return rows if per_row else rows.mean()
+    logp = torch.log_softmax(scaled, dim=-1).masked_fill(~mask, 0.0)
+    rows = -(t * logp).sum(dim=-1)
+    return rows if per_row else rows.mean(dim=-1)
 
 
 def fit_temperature(logits: Sequence[np.ndarray] | np.ndarray, targets: Sequence[np.ndarray] | np.ndarray, *,

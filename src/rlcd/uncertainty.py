@@ -42,6 +42,7 @@ RESAMPLES = 1000
 SEED = 0
 CONFIDENCE = 0.95
 GRID = 241
+_GRID_CELLS = 4_000_000  # float64 cells per batched loss evaluation of the temperature grid
 MEANS = ("accuracy", "soft_accuracy", "nll", "brier", "mean_confidence", "sharpness_gap")
 SCORE_MEANS = ("rps", "level_mae", "within_one")
 MACRO_MEANS = ("accuracy", "nll", "brier")
@@ -314,8 +315,12 @@ def resampled_temperatures(rows: Sequence[Mapping[str, Any]], *, resamples: int 
 
 def _row_losses(rows: Sequence[Mapping[str, Any]], temps: np.ndarray) -> np.ndarray:
     """[rows, len(temps)]: each row's soft cross-entropy at each temperature (``rlcd.calibrate.soft_ce``)."""
+    import torch
+
     z, t, mask = padded([r["logits"] for r in rows], [r["target"] for r in rows])
-    return np.stack([soft_ce(z, t, mask, float(temp), per_row=True).numpy() for temp in temps], axis=1)
+    step = max(1, _GRID_CELLS // max(1, z.numel()))  # temperatures per call: [step, rows, K] stays bounded
+    grid = torch.as_tensor(temps, dtype=torch.float64).reshape(-1, 1, 1)
+    return torch.cat([soft_ce(z, t, mask, grid[j:j + step], per_row=True) for j in range(0, len(temps), step)]).T.numpy()
 
 
 def _grid_minimum(u: np.ndarray, curve: np.ndarray) -> np.ndarray:
