@@ -59,6 +59,9 @@ def test_evaluation_artefacts(run, evaluated):
     for split in ("dev", "calibration", "test"):
         rows = [json.loads(x) for x in (run / "eval" / f"predictions-{split}.jsonl").read_text().splitlines()]
         assert rows and all(len(r["logits"]) == len(r["labels"]) == len(r["target"]) for r in rows)
+        assert all(r["instructions"] and 0 < len(r["state_excerpt"]) <= 240 for r in rows)  # the error analysis
+    assert ev["temperatures_ci95"].keys() == ev["temperatures"].keys()
+    assert "ci95" in ev["calibrated"]["overall"] and ev["bootstrap"]["resamples"] == 1000
     model_json = json.loads((run / "export" / "model.json").read_text())
     assert model_json["temperatures"] == ev["temperatures"]
     assert (run / "export" / "trainable.safetensors").stat().st_size > 0
@@ -67,6 +70,9 @@ def test_evaluation_artefacts(run, evaluated):
     assert len(plots) >= 4 and all(p.stat().st_size > 1000 for p in plots)
     missing = [p.name for p in plots if p.name not in report]
     assert not missing, f"plots not embedded in report.md: {missing}"
+    html = (run / "eval" / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == len(plots)
+    assert "worst rows by calibrated NLL" in report and "Rows without question or state text" not in report
 
 
 def test_predictions_regenerate_evaluation_exactly(run, evaluated):

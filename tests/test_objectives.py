@@ -29,12 +29,18 @@ def _softmax(x):
     return w / w.sum()
 
 
-def reference(logits, mask, target, ordinal, noise, sigma, ce_weight):
-    """Everything of issue 4 in float64: loss, stats, reward parts and d loss / d logits."""
+def reference(logits, mask, target, ordinal, noise, sigma, ce_weight, *, w_sph=0.75, w_rps=1.0,
+              norm_groups=None):
+    """Everything of issue 4 in float64: loss, stats, reward parts and d loss / d logits.
+
+    G is the number of noise draws given; ``norm_groups`` (one id per row) switches the advantage
+    std from one over all G*B entries to one per group of rows.
+    """
     logits = np.asarray(logits, np.float64)
     mask = np.asarray(mask, bool)
     target = np.asarray(target, np.float64)
     noise = np.asarray(noise, np.float64)
+    NG = noise.shape[0]
     B, K = logits.shape
     eps = np.zeros((NG, B, K))
     ls = np.zeros((NG, B))
@@ -61,15 +67,26 @@ def reference(logits, mask, target, ordinal, noise, sigma, ce_weight):
                 ct += t[i]
                 acc += (cq - ct) ** 2
             rps[g, b] = acc / (max(k, 2) - 1)
-            r[g, b] = ls[g, b] + 0.75 * sph[g, b] - (rps[g, b] if ordinal[b] else 0.0)
+            r[g, b] = ls[g, b] + w_sph * sph[g, b] - (w_rps * rps[g, b] if ordinal[b] else 0.0)
     adv = np.zeros((NG, B))
     for b in range(B):
         m = sum(r[g, b] for g in range(NG)) / NG
         for g in range(NG):
             adv[g, b] = r[g, b] - m
-    flat = adv.ravel()
-    std = math.sqrt(sum((x - flat.mean()) ** 2 for x in flat) / (flat.size - 1))
-    a_hat = adv / (std + 1e-6)
+    def sample_std(values):
+        mean = sum(values) / len(values)
+        return math.sqrt(sum((x - mean) ** 2 for x in values) / (len(values) - 1))
+
+    std = sample_std(list(adv.ravel()))
+    a_hat = np.zeros((NG, B))
+    for b in range(B):
+        if norm_groups is None:
+            scale = std
+        else:
+            scale = sample_std([adv[g, c] for c in range(B) if norm_groups[c] == norm_groups[b]
+                                for g in range(NG)])
+        for g in range(NG):
+            a_hat[g, b] = adv[g, b] / (scale + 1e-6)
     logp = np.array([[-sum(eps[g, b, j] ** 2 for j in range(K)) / (2 * sigma**2)
                       for b in range(B)] for g in range(NG)])
     policy = -np.mean(a_hat * logp)
@@ -198,6 +215,63 @@ def test_reward_parts_and_advantages_match_reference(sigma):
                       ("reward", "reward")):
         rel_close(getattr(terms, name).numpy(), ref[key], rtol=1e-5)
     rel_close(terms.a_hat.numpy(), ref["a_hat"], rtol=1e-4)
+
+
+ARMS = [  # (n_perturbations, w_spherical, w_rps, per-type std): the arms Sev and the cookbook compare
+    (8, 0.75, 1.0, False),
+    (3, 0.0, 2.5, False),  # G not a power of two: the baseline takes the other path
+    (4, 0.75, 1.0, True),
+    (8, 0.5, 0.0, True),
+]
+
+
+@pytest.mark.parametrize("G, w_sph, w_rps, per_type", ARMS)
+@pytest.mark.parametrize("ce_weight", [0.0, 1.0])
+def test_arms_match_float64_reference(G, w_sph, w_rps, per_type, ce_weight):
+    logits, mask, target, ordinal, _ = random_batch(20 + G)
+    noise = torch.from_numpy(np.random.default_rng(G).normal(size=(G, *logits.shape)).astype(np.float32))
+    groups = torch.tensor([0, 2, 1, 0, 1, 2, 2, 0, 1]) if per_type else None
+    kw = dict(n_perturbations=G, w_spherical=w_sph, w_rps=w_rps, norm_groups=groups)
+    x = logits.clone().requires_grad_(True)
+    loss, stats = rlcd_loss(x, mask, target, ordinal, sigma=0.3, ce_weight=ce_weight, noise=noise, **kw)
+    loss.backward()
+    ref = reference(logits.numpy(), mask.numpy(), target.numpy(), ordinal.numpy(), noise.numpy(), 0.3,
+                    ce_weight, w_sph=w_sph, w_rps=w_rps,
+                    norm_groups=None if groups is None else groups.numpy())
+    rel_close(x.grad.numpy(), ref["grad"])
+    rel_close(stats["loss"], ref["loss"], scale=ref["policy_scale"] + ref["ce"])
+    for key in ("reward_mean", "reward_std", "log_score_mean", "spherical_mean", "rps_mean"):
+        rel_close(stats[key], ref[key], rtol=1e-5)
+    rel_close(stats["advantage_std"], ref["adv_std"], rtol=1e-5)
+    parts = obj.reward_samples(logits, mask, target, ordinal, sigma=0.3, noise=noise, **kw)
+    for name, key in (("log", "log_score"), ("spherical", "spherical"), ("rps", "rps"), ("reward", "reward"),
+                      ("advantage", "adv")):
+        assert parts[name].shape == (G, len(logits))
+        rel_close(parts[name].numpy(), ref[key], rtol=1e-5)
+    rel_close(parts["a_hat"].numpy(), ref["a_hat"], rtol=1e-4)
+    d = gradient_diagnostics(logits, mask, target, ordinal, sigma=0.3, noise=noise, **kw)
+    rel_close(d["pg_grad"].numpy(), ref["grad_pg"])
+
+
+def test_per_type_std_differs_from_the_batch_std():
+    """The per-group normaliser is not the batch one in disguise: each group's A_hat has unit std by itself."""
+    logits, mask, target, ordinal, noise = random_batch(30)
+    groups = torch.tensor([0, 1, 1, 1, 1, 1, 1, 1, 1])
+    batch = obj.reward_samples(logits, mask, target, ordinal, sigma=0.3, noise=noise)
+    typed = obj.reward_samples(logits, mask, target, ordinal, sigma=0.3, noise=noise, norm_groups=groups)
+    torch.testing.assert_close(typed["advantage"], batch["advantage"])
+    assert not torch.allclose(typed["a_hat"][:, 1:], batch["a_hat"][:, 1:])
+    per_group = typed["a_hat"][:, 1:].double().std(correction=1)
+    assert per_group.item() == pytest.approx(1.0, rel=1e-4)  # group 1 is normalised by its own std
+
+
+@pytest.mark.parametrize("G", [3, 5, 8])
+def test_identical_rewards_give_exactly_zero_advantage_for_any_G(G):
+    logits, mask, target, ordinal, _ = random_batch(31)
+    logits = logits.masked_fill(mask, 0.1)
+    loss, stats = rlcd_loss(logits, mask, target, ordinal, sigma=0.3, ce_weight=0.0,
+                            noise=torch.zeros(G, *logits.shape), n_perturbations=G)
+    assert stats["advantage_std"] == 0.0 and stats["policy_loss"] == 0.0
 
 
 def test_sampled_logits_and_advantages_carry_no_gradient():
@@ -447,6 +521,12 @@ def test_bad_input_raises_clear_error(changes, pattern):
 
 
 @pytest.mark.parametrize("kw, pattern", [
+    (dict(n_perturbations=1), r"n_perturbations must be an integer >= 2"),
+    (dict(n_perturbations=8), r"noise shape .* \(G = n_perturbations = 8\)"),
+    (dict(w_spherical=-0.1), r"w_spherical must be finite and >= 0"),
+    (dict(w_rps=float("inf")), r"w_rps must be finite"),
+    (dict(norm_groups=torch.zeros(3, dtype=torch.long)), r"norm_groups shape"),
+    (dict(norm_groups=torch.zeros(9)), r"norm_groups must be an integer"),
     (dict(sigma=0.0), r"sigma must be finite and > 0"),
     (dict(sigma=-0.3), r"sigma must be finite and > 0"),
     (dict(sigma=float("nan")), r"sigma"),

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rlcd.recipe import KNOBS, Recipe, lr_factor, warmup_steps
+from rlcd.recipe import KNOBS, Recipe, lr_factor, parse_overrides, warmup_steps
 
 
 def expected(step, horizon, floor=0.1):
@@ -53,7 +53,13 @@ def test_extension_keeps_horizon():
 
 
 @pytest.mark.parametrize("kw,msg", [({"objective": "ppo"}, "objective"), ({"sigma": 0.0}, "sigma"),
-                                    ({"ce_weight": -1.0}, "ce_weight"), ({"steps": 0}, "steps")])
+                                    ({"ce_weight": -1.0}, "ce_weight"), ({"steps": 0}, "steps"),
+                                    ({"sigma_end": 0.0}, "sigma_end must be none"),
+                                    ({"sigma_end": "0.1"}, "sigma_end must be none"),
+                                    ({"n_perturbations": 1}, "n_perturbations must be an integer >= 2"),
+                                    ({"w_spherical": -0.5}, "w_spherical must be a finite number >= 0"),
+                                    ({"w_rps": float("nan")}, "w_rps"),
+                                    ({"advantage_norm": "group"}, "advantage_norm must be 'batch' or 'type'")])
 def test_bad_knobs_rejected(kw, msg):
     with pytest.raises(ValueError, match=msg):
         Recipe(**kw)
@@ -64,3 +70,31 @@ def test_round_trip_and_unknown_field():
     assert Recipe.from_dict(r.to_dict()) == r
     with pytest.raises(ValueError, match="unknown recipe fields"):
         Recipe.from_dict({**r.to_dict(), "lr": 1.0})
+
+
+def test_arm_defaults_are_the_pinned_recipe():
+    r = Recipe()
+    assert (r.sigma_end, r.n_perturbations, r.w_spherical, r.w_rps, r.advantage_norm) == (None, 4, 0.75, 1.0, "batch")
+    assert r.deviations() == {}
+    assert [r.sigma_at(s, 2400) for s in (0, 1200, 5000)] == [0.3, 0.3, 0.3]
+
+
+def test_sigma_anneals_linearly_over_the_decay_horizon():
+    r = Recipe(sigma=0.4, sigma_end=0.1)
+    assert r.sigma_at(0, 2400) == 0.4
+    assert r.sigma_at(1200, 2400) == pytest.approx(0.25, abs=1e-15)
+    assert r.sigma_at(600, 2400) == pytest.approx(0.4 - 0.3 * 0.25, abs=1e-15)
+    assert r.sigma_at(2400, 2400) == pytest.approx(0.1, abs=1e-15)
+    assert r.sigma_at(3599, 2400) == pytest.approx(0.1, abs=1e-15)  # extension keeps sigma_end
+    assert r.deviations()["sigma_end"] == {"value": 0.1, "pinned": None}
+
+
+def test_arm_overrides_parse_to_their_types():
+    got = parse_overrides(["sigma_end=0.1", "n_perturbations=8", "w_spherical=0", "w_rps=2",
+                           "advantage_norm=type"])
+    assert got == {"sigma_end": 0.1, "n_perturbations": 8, "w_spherical": 0.0, "w_rps": 2.0, "advantage_norm": "type"}
+    assert isinstance(got["w_spherical"], float) and isinstance(got["n_perturbations"], int)
+    assert parse_overrides(["sigma_end=none"]) == {"sigma_end": None}
+    Recipe(**got)  # a valid arm
+    with pytest.raises(ValueError, match="sigma_end=fast: not a valid float \\(or none\\)"):
+        parse_overrides(["sigma_end=fast"])

@@ -94,6 +94,19 @@ def test_evaluation_structure_and_determinism(tmp_path):
     assert ev["calibrated"]["overall"]["nll"] < ev["raw"]["overall"]["nll"]
     assert set(ev["other_splits"]) == {"dev", "calibration"}
     assert ev["majority_baseline"] == json.loads(json.dumps(mb)) and ev["meta"]["selected_step"] == 40
+    # intervals beside every headline metric block, for every split, and for each fitted temperature
+    for summ in [ev["raw"], ev["calibrated"]] + [b[k] for b in ev["other_splits"].values() for k in ("raw", "calibrated")]:
+        for block in [summ["overall"], *summ["per_type"].values()]:
+            for key in ("accuracy", "nll", "brier", "ece", "ece_target", "sharpness_gap", "aurc"):
+                lo, hi = block["ci95"][key]
+                assert lo <= hi, key
+        assert set(summ["group_macro"]["ci95"]) == {"accuracy", "nll", "brier"}
+    assert "rps" in ev["raw"]["per_type"]["score"]["ci95"] and "rps" not in ev["raw"]["per_type"]["noul"]["ci95"]
+    for t, (lo, hi) in ev["temperatures_ci95"].items():
+        assert lo < ev["temperatures"][t] < hi, t
+    assert set(ev["calibration_effect"]["per_type"]) == {"choice", "noul", "score"}
+    assert ev["bootstrap"]["resamples"] == 1000 and ev["bootstrap"]["n_cases"] == {"dev": 30, "calibration": 60,
+                                                                                   "test": 60}
 
     text = evaluation_json(ev)
     shuffled = {s: random.Random(len(s)).sample(rows, len(rows)) for s, rows in reversed(list(preds.items()))}
@@ -122,7 +135,7 @@ def test_report_and_plots_exist_for_a_tiny_run(tmp_path):
     assert report == run / "eval" / "report.md"
     text = report.read_text()
     plots = ["reliability_overall", "reliability_choice", "reliability_noul", "reliability_score", "coverage_risk",
-             "group_accuracy", "training_curves", "rlcd_diagnostics"]
+             "group_accuracy", "training_curves", "rlcd_diagnostics", "accuracy_by_k"]
     for name in plots:
         png = run / "eval" / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == PNG and png.stat().st_size > 5000, name
@@ -131,6 +144,11 @@ def test_report_and_plots_exist_for_a_tiny_run(tmp_path):
                     "## Known posterior", "## Per group", "## Other splits", "## Training"):
         assert heading in text, heading
     assert "matches the prediction files exactly" in text
+    assert "| accuracy | 0." in text and "raw [95% CI]" in text and "95% CI (refit per resample)" in text
+    for heading in ("## Error analysis (test)", "### Confusion matrices", "### Accuracy by number of candidates K",
+                    "### The 20 worst rows by calibrated NLL", "### RLCD diagnostics", "### Recipe"):
+        assert heading in text, heading
+    assert (run / "eval" / "report.html").stat().st_size > 100_000
     assert "1 unreadable line(s) skipped" in text
     assert "not available" not in text.lower() and "missing" not in text.lower()
 
@@ -174,3 +192,38 @@ def test_report_with_an_empty_split(tmp_path):
     write_evaluation(run, evaluation_from_predictions(preds, temps, meta, majority_baseline=mb))
     text = write_report(run).read_text()
     assert "| dev | 0 |" in text
+
+
+def test_report_flags_a_calibration_that_hurts_beyond_noise(tmp_path):
+    run, preds, temps, meta, mb = make_run(tmp_path, with_log=False)
+    harmful = {"choice": 0.25, "noul": 0.25, "score": 0.25}  # 8x too sharp on top of 2x: NLL must get worse
+    write_evaluation(run, evaluation_from_predictions(preds, harmful, meta, majority_baseline=mb))
+    text = write_report(run).read_text()
+    for t in ("all types", "choice", "noul", "score"):
+        assert f"⚠ Calibration made **{t}** NLL worse on test" in text, t
+    html = (run / "eval" / "report.html").read_text()
+    assert html.count('<p class="warn">') >= 4
+    write_evaluation(run, evaluation_from_predictions(preds, {t: 1.0 for t in harmful}, meta, majority_baseline=mb))
+    text = write_report(run).read_text()
+    assert "⚠" not in text and "No type's calibrated NLL or ECE on test is worse than raw" in text
+
+
+def test_training_curves_ema_is_debiased():
+    from rlcd.report.training_log import ema
+
+    assert np.allclose(ema([3.0] * 50), 3.0)  # no pull towards the zero start
+    x = [0.0] * 10 + [1.0] * 10
+    got = ema(x, span=3)  # alpha = 0.5
+    assert np.allclose(got[:10], 0.0) and got[10] == 0.5 / (1 - 0.5 ** 11) and np.isclose(got[11], 0.75 / (1 - 0.5 ** 12))
+    assert np.allclose(ema(x, span=1), x) and len(ema([])) == 0
+
+
+def test_wilson_interval_holds_the_proportion_and_known_values():
+    from rlcd.report.plots import wilson
+
+    assert wilson(0.5, 10) == pytest.approx((0.236593, 0.763407), abs=1e-6)  # textbook value
+    assert wilson(0.2, 50) == pytest.approx((0.112437, 0.330371), abs=2e-6)  # the formula by hand, z = 1.95996
+    for n in range(1, 300):
+        for p in (0.0, 1.0, 1 / 3):
+            lo, hi = wilson(p, n)
+            assert 0.0 <= lo <= p <= hi <= 1.0, (p, n)  # at 0 and 1 rounding put p outside before

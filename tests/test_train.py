@@ -4,6 +4,7 @@ atomic checkpoints, refused resumes, and DDP under torchrun (gloo, 2 ranks)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -64,6 +65,33 @@ def test_run_directory_layout(tmp_path, data_dir):
     assert _evals(run)[0][0] == 0 and _evals(run)[-1][0] == 2  # step 0 and the last update
     train_rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
     assert {"lr_lora", "lr_head", "grad_norm", "tokens_per_s", "advantage_std", "per_type"} <= set(train_rows[-1])
+    _check_diagnostics(run)
+
+
+DIAG_KEYS = {"grad_cosine", "grad_norm_ratio", "adv_std", "adv_extreme_share"}
+
+
+def _check_diagnostics(run):
+    """Training rows at the diagnostics cadence and every eval row carry the issue-16 diagnostics."""
+    rows = [json.loads(x) for x in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["event"] == "train"]
+    diag = [r for r in train_rows if "adv_std" in r]
+    assert diag and all(r["step"] % 2 == 0 for r in diag)  # diagnostics_every = 2
+    assert all(not (DIAG_KEYS & set(r)) for r in train_rows if r["step"] % 2)
+    types = set(diag[-1]["per_type"])
+    for r in diag:
+        assert DIAG_KEYS <= set(r)
+        assert 0.0 <= r["adv_extreme_share"] <= 1.0 and r["adv_std"] >= 0.0
+        for t in types:
+            for comp in ("log", "spherical") + (("rps",) if t == "score" else ()):
+                assert r[f"reward/{t}/{comp}/std"] >= 0.0
+                assert math.isfinite(r[f"reward/{t}/{comp}/mean"])
+        assert "reward/choice/rps/mean" not in r  # RPS is in the reward of score rows only
+    for ev in [r for r in rows if r["event"] == "eval"]:
+        assert {"dev_nll", "dev_brier", "dev_ece"} <= set(ev)
+        assert ev["dev_nll"] > 0 and 0 <= ev["dev_ece"] <= 1 and 0 <= ev["dev_brier"] <= 2
+        assert any(k.startswith("dev_nll/") for k in ev)
+    return diag
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path, data_dir):
@@ -201,6 +229,11 @@ def test_ddp_keeps_the_recipe_batch_and_matches_one_process(tmp_path, data_dir):
     assert res.returncode == 0, res.stderr[-3000:]
     one = [json.loads(x) for x in (single / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
     assert [r["examples"] for r in one] == [32, 32, 32]
+    # the reward diagnostics are pooled over ranks: the 2-rank update reports what one process sees
+    pooled = [k for k in one[1] if k.startswith(("reward/", "adv_std", "adv_extreme"))]
+    assert pooled and set(pooled) == {k for k in rows[1] if k.startswith(("reward/", "adv_std", "adv_extreme"))}
+    for k in pooled:
+        assert rows[1][k] == pytest.approx(one[1][k], rel=1e-4, abs=1e-6), k
     w2 = ckpt.load(run / "checkpoints" / "last")["weights"]
     w1 = ckpt.load(single / "checkpoints" / "last")["weights"]
     assert w1.keys() == w2.keys() and len(w1) > 10
@@ -240,3 +273,51 @@ def test_recipe_override_reaches_the_model_and_is_recorded(tmp_path, data_dir):
 
     model = build_model(config)
     assert model.lora_config["r"] == 4 and model.lora_config["alpha"] == 8
+
+
+def test_arms_reach_the_objective(tmp_path, data_dir, monkeypatch):
+    """sigma_end anneals the sigma each update passes, n_perturbations sets G of the drawn noise, the reward
+    weights and the per-type advantage std reach rlcd_loss and the diagnostics alike."""
+    import rlcd.train as T
+
+    calls = {"loss": [], "samples": [], "grad": []}
+
+    def spy(name, real):
+        def wrapper(*args, **kw):
+            calls[name].append((kw["sigma"], kw["noise"].shape[0], kw["w_spherical"], kw["w_rps"],
+                                kw["norm_groups"] is not None))
+            return real(*args, **kw)
+        return wrapper
+
+    monkeypatch.setattr(T, "rlcd_loss", spy("loss", T.rlcd_loss))
+    monkeypatch.setattr(T, "reward_samples", spy("samples", T.reward_samples))
+    monkeypatch.setattr(T, "gradient_diagnostics", spy("grad", T.gradient_diagnostics))
+    arm = {"sigma": 0.4, "sigma_end": 0.1, "n_perturbations": 8, "w_spherical": 0.5, "w_rps": 2.0,
+           "advantage_norm": "type", "grad_accum": 2}
+    _train(tmp_path / "run", data_dir, steps=4, recipe=arm)
+    r = Recipe(**arm, steps=4)
+    expected = [r.sigma_at(step, 4) for step in range(4) for _ in range(2)]  # 2 micro-batches per update
+    assert [c[0] for c in calls["loss"]] == pytest.approx(expected, abs=1e-15)
+    assert expected[0] == 0.4 and expected[-1] == pytest.approx(0.175)
+    assert {c[1:] for c in calls["loss"] + calls["samples"] + calls["grad"]} == {(8, 0.5, 2.0, True)}
+    assert [c[0] for c in calls["samples"]] == pytest.approx([r.sigma_at(s, 4) for s in (1, 3) for _ in range(2)])
+    assert len(calls["grad"]) == 2  # one micro-batch per diagnostics update
+
+
+def test_arm_flags_train_and_are_recorded(tmp_path, data_dir):
+    """`rlcd train --recipe sigma_end=0.1 --recipe n_perturbations=8` trains, records the arm and logs the diagnostics."""
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    run = tmp_path / "run"
+    res = CliRunner().invoke(app, ["train", str(run), "--data", str(data_dir), "--model", "tiny-toy", "--steps", "2",
+                                   "--recipe", "sigma_end=0.1", "--recipe", "n_perturbations=8",
+                                   "--recipe", "diagnostics_every=2", "--recipe", "eval_every=2",
+                                   "--recipe", "log_every=1", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert "sigma_end=0.1 (pinned None)" in res.stdout and "n_perturbations=8 (pinned 4)" in res.stdout
+    config = json.loads((run / "config.json").read_text())
+    assert config["recipe"]["sigma_end"] == 0.1 and config["recipe"]["n_perturbations"] == 8
+    assert config["recipe_deviations"]["n_perturbations"] == {"value": 8, "pinned": 4}
+    _check_diagnostics(run)

@@ -37,7 +37,7 @@ MIN_ROWS = 10
 STEP_TOL = 1e-3  # converged when the remaining Newton step in log T is below 0.1 % of T
 
 
-def _padded(logits: Any, targets: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def padded(logits: Any, targets: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits [N,K], targets [N,K], mask [N,K]) float64; accepts ragged lists or padded arrays.
 
     Padded arrays mark padding with a non-finite logit (-inf or nan); targets must be 0 there.
@@ -71,11 +71,16 @@ def _padded(logits: Any, targets: Any) -> tuple[torch.Tensor, torch.Tensor, torc
     return z, t, mask
 
 
-def soft_ce(z: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, temperature: torch.Tensor | float) -> torch.Tensor:
-    """Mean over rows of -sum_k t_k log softmax(z / T)_k (padding excluded)."""
+def soft_ce(z: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, temperature: torch.Tensor | float, *,
+            per_row: bool = False) -> torch.Tensor:
+    """Mean over rows of -sum_k t_k log softmax(z / T)_k (padding excluded); ``per_row`` keeps the [N] row values.
+
+    ``temperature`` may be a ``[J, 1, 1]`` tensor: the result then has a leading J axis (one per T).
+    """
     scaled = (z.masked_fill(~mask, 0.0) / temperature).masked_fill(~mask, float("-inf"))  # no inf * 0 in backward
-    logp = torch.log_softmax(scaled, dim=1).masked_fill(~mask, 0.0)
-    return -(t * logp).sum(dim=1).mean()
+    logp = torch.log_softmax(scaled, dim=-1).masked_fill(~mask, 0.0)
+    rows = -(t * logp).sum(dim=-1)
+    return rows if per_row else rows.mean(dim=-1)
 
 
 def fit_temperature(logits: Sequence[np.ndarray] | np.ndarray, targets: Sequence[np.ndarray] | np.ndarray, *,
@@ -93,7 +98,7 @@ def fit_temperature(logits: Sequence[np.ndarray] | np.ndarray, targets: Sequence
     """
     if not 0 < t_min < t_max:
         raise ValueError("need 0 < t_min < t_max")
-    z, t, mask = _padded(logits, targets)
+    z, t, mask = padded(logits, targets)
     n = int(z.shape[0])
     if n == 0:
         raise ValueError("fit_temperature needs at least one row")
@@ -178,7 +183,7 @@ def fit_per_type(rows: Iterable[Mapping[str, Any]], *, min_rows: int = MIN_ROWS,
                 "reason": f"{n} calibration rows < {min_rows}: T = 1",
             }
             if n:
-                z, t, mask = _padded([r["logits"] for r in group], [r["target"] for r in group])
+                z, t, mask = padded([r["logits"] for r in group], [r["target"] for r in group])
                 with torch.no_grad():
                     info["loss_before"] = info["loss_after"] = float(soft_ce(z, t, mask, 1.0))
             else:

@@ -2,7 +2,8 @@
 
 Writes `eval/predictions-{dev,calibration,test}.jsonl` (raw logits, enough to regenerate every
 number), fits one temperature per type on the calibration split only, writes
-`eval/evaluation.json` (raw and calibrated side by side), `export/` and `eval/report.md`.
+`eval/evaluation.json` (raw and calibrated side by side, with bootstrap intervals), `export/`,
+`eval/report.md` and `eval/report.html`.
 
 Scoring a split is the long part (thousands of rows through the backbone): with `progress` on (the
 default) each split shows rows done / total, rows per second and the time left on stderr
@@ -23,15 +24,25 @@ from rlcd.device import Placement, resolve_placement
 from rlcd.export import checkpoint_identity, load_checkpoint_model, write_export
 from rlcd.progress import Progress
 from rlcd.run import Run, write_json
-from rlcd.schema import Record
+from rlcd.schema import Record, text_of
 
 SPLITS = ("dev", "calibration", "test")
+STATE_EXCERPT = 240  # characters of the state kept in a prediction row (the report's error analysis)
+
+
+def state_excerpt(rec: Record) -> str:
+    """The first STATE_EXCERPT characters of the state's prompt text (+ its image file, if any)."""
+    text = " ".join(text_of(rec.state).split())
+    text = text if len(text) <= STATE_EXCERPT else text[: STATE_EXCERPT - 1] + "…"
+    return f"{text} [image {rec.image}]" if rec.image else text
 
 
 @torch.no_grad()
 def predict_rows(model, records: list[Record], collator, *, device="cpu", batch_size: int = 32,
                  split: str | None = None, progress: bool = False) -> list[dict[str, Any]]:
-    """One prediction row per record: id, group, type, labels, target, posterior, raw logits.
+    """One prediction row per record: id, group, type, labels, target, posterior, raw logits, and for
+    reading the errors the question's ``instructions`` and a ``state_excerpt`` (older prediction files
+    lack these two; every reader treats them as optional).
 
     `progress`: show rows done / total ("score <split>") on stderr while scoring.
     """
@@ -43,7 +54,8 @@ def predict_rows(model, records: list[Record], collator, *, device="cpu", batch_
             for j, rec in enumerate(chunk):
                 k = rec.question.k
                 row = {"id": rec.id, "group": rec.group, "type": rec.question.type, "labels": rec.question.labels,
-                       "target": rec.target, "posterior": rec.posterior, "logits": logits[j, :k].tolist()}
+                       "target": rec.target, "posterior": rec.posterior, "logits": logits[j, :k].tolist(),
+                       "instructions": rec.question.instructions, "state_excerpt": state_excerpt(rec)}
                 if split is not None:
                     row["split"] = split
                 if rec.case_id is not None:
@@ -168,8 +180,8 @@ def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
     cpu_fp32 = placement.to_dict() == {"device": "cpu", "dtype": "float32"}
     say(f"export: {run.export_dir} and {run.hf_export_dir} (transformers)")
     write_hf(run, model=model if cpu_fp32 else None, evaluation=ev)
-    say(f"report: {run.report_md} and its plots")
-    write_report(run)
+    say(f"report: {run.report_md}, {run.report_md.with_suffix('.html')} and their plots")
+    write_report(run, ev=ev)
     return ev
 
 

@@ -236,7 +236,7 @@ def coverage_risk(rows: Iterable[Mapping[str, Any]], temperatures: Mapping[str, 
                   ) -> tuple[np.ndarray, np.ndarray]:
     """(coverage, risk) of prediction rows when thresholding max p (see ``risk_curve``)."""
     conf, corr = [], []
-    for row in _sorted_rows(rows):
+    for row in sorted_rows(rows):
         p = row_probabilities(row, temperatures)
         conf.append(float(np.max(p)))
         corr.append(accuracy(p, row["target"]))
@@ -247,7 +247,7 @@ def coverage_risk(rows: Iterable[Mapping[str, Any]], temperatures: Mapping[str, 
 # aggregation
 
 
-def _sorted_rows(rows: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+def sorted_rows(rows: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """Rows in a canonical order (by id, then group, then the row's JSON) so results are order-free."""
     rows = list(rows)
     return sorted(rows, key=lambda r: (str(r.get("id")), str(r.get("group")),
@@ -365,7 +365,7 @@ def summarize(rows: Iterable[Mapping[str, Any]], temperatures: Mapping[str, floa
     rows, and a ``posterior`` sub-block when rows carry a posterior. Deterministic and independent of
     row order (rows are canonically sorted by id first).
     """
-    rows = _sorted_rows(rows)
+    rows = sorted_rows(rows)
     temps = {t: float(temperatures.get(t, 1.0)) for t in QUESTION_TYPES} if temperatures else None
     scored = [_score_row(r, temps) for r in rows]
     by_type: dict[str, list] = defaultdict(list)

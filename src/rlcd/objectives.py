@@ -12,7 +12,8 @@ All three work on one micro-batch of candidate logits:
 - ``ordinal [B]`` bool: score questions (levels in ascending order along K); they get the RPS
   penalty.
 
-The RLCD formula (issue 4, the contract), per micro-batch, with G = 4 samples per question:
+The RLCD formula (issue 4, the contract), per micro-batch, with G samples per question
+(``n_perturbations``, 4 in the pinned recipe):
 
 1. ``k_b`` = valid candidates of row b; ``e = sigma * noise * mask``;
    ``eps = (e - sum_j e_j / k_b) * mask`` (centred over the valid candidates, zero on padding).
@@ -20,13 +21,18 @@ The RLCD formula (issue 4, the contract), per micro-batch, with G = 4 samples pe
 3. Reward (no gradient): ``LS = sum_j t_j max(log max(q_j, 1e-12), -9.21)``;
    ``SPH = (sum_j t_j q_j) / max(||q||_2, 1e-9)``; ordinal rows
    ``RPS = sum_{j valid} (Q_j - T_j)^2 / (max(k_b, 2) - 1)`` with Q, T the cumulative sums of q
-   and t in level order; ``r = LS + 0.75 SPH - RPS * ordinal``.
+   and t in level order; ``r = LS + w_sph SPH - w_rps RPS * ordinal`` (w_sph 0.75, w_rps 1.0).
 4. ``A = r - mean_g r`` (per question); ``A_hat = A / (std(A) + 1e-6)`` with ONE sample std
-   (ddof 1) over all G*B entries; ``A_hat`` is detached.
+   (ddof 1) over all G*B entries; ``A_hat`` is detached. With ``norm_groups`` (e.g. the question
+   type of each row) the std is taken per group instead: over the G * n_c entries of the rows of
+   group c, and each row is divided by its own group's std (+1e-6).
 5. ``logp = -sum_{j valid} (z_j - logits_j)^2 / (2 sigma^2)``; ``L_pg = -mean_{g,b} A_hat logp``.
 6. ``CE = -mean_b sum_{j valid} t_j log softmax(logits_b)_j``.
 7. ``loss = L_pg + ce_weight * CE``; on valid candidates
    ``d loss / d logits = -(1/(G B)) sum_g A_hat eps / sigma^2 + ce_weight (softmax - t) / B``.
+
+The defaults (G = 4, w_sph 0.75, w_rps 1.0, one batch std) are the pinned recipe and compute
+exactly the same numbers as before these settings existed.
 
 Validation is deferred to a single device->host transfer per call (the failure flags travel with
 the logged stats), so the objective costs one synchronisation per micro-batch.
@@ -50,6 +56,7 @@ __all__ = [
     "rlcd_loss",
     "ce_loss",
     "gradient_diagnostics",
+    "reward_samples",
 ]
 
 G = 4  # Gaussian perturbations (samples) per question
@@ -70,7 +77,8 @@ _CHECKS = ("rows", "logits", "target_finite", "target_negative", "target_padding
 # validation
 
 
-def _check_shapes(fn: str, logits, mask, target, ordinal=None, noise=None) -> None:
+def _check_shapes(fn: str, logits, mask, target, ordinal=None, noise=None, g: int = G,
+                  norm_groups=None) -> None:
     """Cheap (no device sync) structural checks; raise ValueError naming the argument."""
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         raise ValueError(f"{fn}: logits must be a floating-point torch.Tensor [B, K]")
@@ -96,9 +104,14 @@ def _check_shapes(fn: str, logits, mask, target, ordinal=None, noise=None) -> No
     if noise is not None:
         if not isinstance(noise, Tensor) or not noise.is_floating_point():
             raise ValueError(f"{fn}: noise must be a floating-point torch.Tensor [G, B, K]")
-        if tuple(noise.shape) != (G, *shape):
+        if tuple(noise.shape) != (g, *shape):
             raise ValueError(f"{fn}: noise shape {tuple(noise.shape)} must be [G, B, K] = "
-                             f"{(G, *shape)} (G = {G})")
+                             f"{(g, *shape)} (G = n_perturbations = {g})")
+    if norm_groups is not None:
+        if not isinstance(norm_groups, Tensor) or norm_groups.is_floating_point() or norm_groups.is_complex():
+            raise ValueError(f"{fn}: norm_groups must be an integer torch.Tensor [B] (one group id per row)")
+        if tuple(norm_groups.shape) != shape[:1]:
+            raise ValueError(f"{fn}: norm_groups shape {tuple(norm_groups.shape)} must be [B] = {shape[:1]}")
 
 
 def _check_scalar(fn: str, name: str, value, *, positive: bool) -> float:
@@ -110,6 +123,14 @@ def _check_scalar(fn: str, name: str, value, *, positive: bool) -> float:
         rule = "> 0" if positive else ">= 0"
         raise ValueError(f"{fn}: {name} must be finite and {rule}, got {value!r}")
     return v
+
+
+def _check_settings(fn: str, n_perturbations, w_spherical, w_rps) -> tuple[int, float, float]:
+    """The reward/sample settings of the RLCD arms, validated (G >= 2: a baseline needs two samples)."""
+    if isinstance(n_perturbations, bool) or not isinstance(n_perturbations, int) or n_perturbations < 2:
+        raise ValueError(f"{fn}: n_perturbations must be an integer >= 2, got {n_perturbations!r}")
+    return (n_perturbations, _check_scalar(fn, "w_spherical", w_spherical, positive=False),
+            _check_scalar(fn, "w_rps", w_rps, positive=False))
 
 
 def _validation_flags(lf: Tensor, m: Tensor, target: Tensor, noise: Tensor | None) -> Tensor:
@@ -203,7 +224,7 @@ class _Terms:
     reward: Tensor  # [G, B]
     advantage: Tensor  # [G, B] A (before normalisation)
     a_hat: Tensor  # [G, B] normalised advantage (detached, float32)
-    advantage_std: Tensor  # scalar
+    advantage_std: Tensor  # scalar: std of A over all G*B entries (the normaliser unless per group)
     policy_loss: Tensor  # scalar, carries the gradient
     ce: Tensor  # scalar, carries the gradient
     flags: Tensor  # [len(_CHECKS)] deferred validation flags
@@ -214,16 +235,49 @@ class _Terms:
     noise: Tensor  # float32 [G, B, K]
 
 
+def _group_mean(reward: Tensor) -> Tensor:
+    """mean_g reward [G, B] -> [B], exactly r when all G rewards of a question equal r.
+
+    For G a power of two a pairwise tree of adjacent sums times 1/G (G = 4 is
+    ``((r0 + r1) + (r2 + r3)) * 0.25``, the pinned recipe's expression); otherwise
+    ``r_0 + sum_g (r_g - r_0) / G``.
+    """
+    g = reward.shape[0]
+    if g & (g - 1) == 0:
+        r = reward
+        while r.shape[0] > 1:
+            r = r[0::2] + r[1::2]
+        return r[0] * (1.0 / g)
+    return reward[0] + (reward - reward[0]).sum(0) / g
+
+
+def _group_std(advantage: Tensor, norm_groups: Tensor) -> Tensor:
+    """[B] sample std (ddof 1) of A over the G * n_c entries of each row's group c (no host sync).
+
+    Groups are compared pairwise ([B, B], B is a micro-batch), so any integer ids work.
+    """
+    g = advantage.shape[0]
+    ids = norm_groups.to(advantage.device)
+    same = (ids[:, None] == ids[None, :]).to(advantage.dtype)  # [B, B]
+    n = same.sum(-1) * g  # entries in each row's group
+    mean = (same @ advantage.sum(0)) / n
+    sq = (same @ (advantage - mean).square().sum(0))
+    return (sq / (n - 1.0)).sqrt()
+
+
 def _rlcd_terms(fn: str, logits: Tensor, mask: Tensor, target: Tensor, ordinal: Tensor, *,
-                sigma: float, noise: Tensor | None, generator: torch.Generator | None) -> _Terms:
-    _check_shapes(fn, logits, mask, target, ordinal, noise)
+                sigma: float, noise: Tensor | None, generator: torch.Generator | None,
+                n_perturbations: int = G, w_spherical: float = SPHERICAL_WEIGHT,
+                w_rps: float = RPS_WEIGHT, norm_groups: Tensor | None = None) -> _Terms:
+    g_samples, w_spherical, w_rps = _check_settings(fn, n_perturbations, w_spherical, w_rps)
+    _check_shapes(fn, logits, mask, target, ordinal, noise, g=g_samples, norm_groups=norm_groups)
     sigma = _check_scalar(fn, "sigma", sigma, positive=True)
     lf, lf_safe, m, t = _prepare(logits, mask, target)
     dev = lf.device
     pad = ~m
     ordf = ordinal.to(device=dev, dtype=torch.float32)
     if noise is None:
-        noise_f = torch.randn((G, *lf.shape), generator=generator, device=dev, dtype=torch.float32)
+        noise_f = torch.randn((g_samples, *lf.shape), generator=generator, device=dev, dtype=torch.float32)
         flags = _validation_flags(lf, m, t, None)
     else:
         noise_f = noise.to(device=dev, dtype=torch.float32)
@@ -249,12 +303,12 @@ def _rlcd_terms(fn: str, logits: Tensor, mask: Tensor, target: Tensor, ordinal: 
         cdiff = q.cumsum(-1) - tr.cumsum(-1)
         rps = (cdiff.square().masked_fill(pad, 0.0).sum(-1)
                / (k.squeeze(-1).clamp_min(2.0) - 1.0))
-        reward = log_score + SPHERICAL_WEIGHT * spherical - RPS_WEIGHT * rps * ordf.to(rdt)
-        # 4. group-mean baseline; pairwise sum so G identical rewards give exactly A = 0.
-        mean = ((reward[0] + reward[1]) + (reward[2] + reward[3])) * 0.25
-        advantage = reward - mean
+        reward = log_score + w_spherical * spherical - w_rps * rps * ordf.to(rdt)
+        # 4. group-mean baseline, exact for G identical rewards (A = 0); one std, or one per group.
+        advantage = reward - _group_mean(reward)
         adv_std = advantage.std(correction=1)
-        a_hat = (advantage / (adv_std + ADVANTAGE_EPS)).to(torch.float32)
+        scale = adv_std if norm_groups is None else _group_std(advantage, norm_groups)
+        a_hat = (advantage / (scale + ADVANTAGE_EPS)).to(torch.float32)
         eps = eps_r.to(torch.float32)
 
     # 5. REINFORCE on the Gaussian log-density. z - logits is written as eps - (lf - lf.detach()):
@@ -280,7 +334,9 @@ _STAT_KEYS = ("loss", "policy_loss", "ce_loss", "reward_mean", "reward_std", "lo
 
 def rlcd_loss(logits: Tensor, mask: Tensor, target: Tensor, ordinal: Tensor, *,
               sigma: float = 0.3, ce_weight: float = 1.0, noise: Tensor | None = None,
-              generator: torch.Generator | None = None) -> tuple[Tensor, dict[str, float]]:
+              generator: torch.Generator | None = None, n_perturbations: int = G,
+              w_spherical: float = SPHERICAL_WEIGHT, w_rps: float = RPS_WEIGHT,
+              norm_groups: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """RLCD loss of one micro-batch: REINFORCE on Gaussian logit perturbations + ``ce_weight`` x CE.
 
     Args:
@@ -291,10 +347,15 @@ def rlcd_loss(logits: Tensor, mask: Tensor, target: Tensor, ordinal: Tensor, *,
         ordinal: ``[B]`` bool, True for score questions (RPS penalty in level order).
         sigma: std of the Gaussian perturbation (> 0).
         ce_weight: weight of the soft cross-entropy (>= 0); 0 gives the RL-only arm.
-        noise: optional ``[G, B, K]`` standard-normal draws (G = 4); values on padding are
-            ignored. When None they are drawn with ``torch.randn((G, B, K), generator=generator)``
-            on the logits' device (the generator, if given, must live on that device).
+        noise: optional ``[G, B, K]`` standard-normal draws (G = ``n_perturbations``); values on
+            padding are ignored. When None they are drawn with
+            ``torch.randn((G, B, K), generator=generator)`` on the logits' device (the generator,
+            if given, must live on that device).
         generator: optional ``torch.Generator`` for the draw.
+        n_perturbations: G, samples per question (>= 2; 4 in the pinned recipe).
+        w_spherical, w_rps: reward weights of the spherical score and the RPS penalty (>= 0).
+        norm_groups: optional ``[B]`` integer group id per row; the advantage std is then taken
+            per group (step 4) instead of once over the micro-batch.
 
     Returns:
         ``(loss, stats)``: ``loss`` a float32 scalar tensor to backpropagate; ``stats`` a dict of
@@ -316,13 +377,14 @@ def rlcd_loss(logits: Tensor, mask: Tensor, target: Tensor, ordinal: Tensor, *,
     fn = "rlcd_loss"
     ce_weight = _check_scalar(fn, "ce_weight", ce_weight, positive=False)
     terms = _rlcd_terms(fn, logits, mask, target, ordinal, sigma=sigma, noise=noise,
-                        generator=generator)
+                        generator=generator, n_perturbations=n_perturbations,
+                        w_spherical=w_spherical, w_rps=w_rps, norm_groups=norm_groups)
     if ce_weight == 0.0:
         loss = terms.policy_loss
     else:
         loss = terms.policy_loss + ce_weight * terms.ce
     with torch.no_grad():
-        n_ord = terms.ordinal.sum() * G
+        n_ord = terms.ordinal.sum() * terms.reward.shape[0]
         rdt = terms.reward.dtype
         stats_t = torch.cat([torch.stack([
             loss.detach().to(rdt),
@@ -358,11 +420,14 @@ def ce_loss(logits: Tensor, mask: Tensor, target: Tensor) -> tuple[Tensor, dict[
 
 
 def gradient_diagnostics(logits: Tensor, mask: Tensor, target: Tensor, ordinal: Tensor, *,
-                         sigma: float, noise: Tensor | None) -> dict:
+                         sigma: float, noise: Tensor | None, n_perturbations: int = G,
+                         w_spherical: float = SPHERICAL_WEIGHT, w_rps: float = RPS_WEIGHT,
+                         norm_groups: Tensor | None = None) -> dict:
     """Gradients of the policy term and of CE with respect to the logits, and how they compare.
 
-    Uses the same formula (and the same ``noise``, ``[G, B, K]``; None draws from torch's global
-    RNG) as :func:`rlcd_loss`. Works on a detached copy of ``logits``: the caller's graph and
+    Uses the same formula, settings (``n_perturbations``, ``w_spherical``, ``w_rps``,
+    ``norm_groups``) and ``noise`` (``[G, B, K]``; None draws from torch's global RNG) as
+    :func:`rlcd_loss`. Works on a detached copy of ``logits``: the caller's graph and
     ``.grad`` fields are untouched.
 
     Returns a dict with Python floats ``pg_grad_norm`` (||g_pg||), ``ce_grad_norm`` (||g_ce||),
@@ -372,9 +437,11 @@ def gradient_diagnostics(logits: Tensor, mask: Tensor, target: Tensor, ordinal: 
     ce_weight).
     """
     fn = "gradient_diagnostics"
-    _check_shapes(fn, logits, mask, target, ordinal, noise)  # before the float() copy below
+    _check_shapes(fn, logits, mask, target, ordinal)  # before the float() copy below
     x = logits.detach().float().clone().requires_grad_(True)
-    terms = _rlcd_terms(fn, x, mask, target, ordinal, sigma=sigma, noise=noise, generator=None)
+    terms = _rlcd_terms(fn, x, mask, target, ordinal, sigma=sigma, noise=noise, generator=None,
+                        n_perturbations=n_perturbations, w_spherical=w_spherical, w_rps=w_rps,
+                        norm_groups=norm_groups)
     (g_pg,) = torch.autograd.grad(terms.policy_loss, x, retain_graph=True)
     (g_ce,) = torch.autograd.grad(terms.ce, x)
     stats_t = torch.cat([torch.stack([g_pg.norm(), g_ce.norm(), (g_pg * g_ce).sum()]),
@@ -396,3 +463,22 @@ def gradient_diagnostics(logits: Tensor, mask: Tensor, target: Tensor, ordinal: 
         "pg_grad": g_pg.detach(),
         "ce_grad": g_ce.detach(),
     }
+
+
+def reward_samples(logits: Tensor, mask: Tensor, target: Tensor, ordinal: Tensor, *, sigma: float,
+                   noise: Tensor, n_perturbations: int = G, w_spherical: float = SPHERICAL_WEIGHT,
+                   w_rps: float = RPS_WEIGHT, norm_groups: Tensor | None = None) -> dict[str, Tensor]:
+    """Per-sample reward parts and advantages of one micro-batch, left on the device.
+
+    The same formula, settings and ``noise`` as :func:`rlcd_loss` (pass the noise that call used to
+    see what its update saw). Nothing is read back to the host, so a caller can sum these over an
+    update and read the sums once; the values are not re-validated (``rlcd_loss`` did that).
+    Returns ``[G, B]`` tensors: ``log`` (LS), ``spherical`` (SPH), ``rps`` (RPS of every row; only
+    ordinal rows enter the reward), ``reward``, ``advantage`` (A) and ``a_hat`` (A normalised).
+    """
+    with torch.no_grad():
+        terms = _rlcd_terms("reward_samples", logits.detach(), mask, target, ordinal, sigma=sigma,
+                            noise=noise, generator=None, n_perturbations=n_perturbations,
+                            w_spherical=w_spherical, w_rps=w_rps, norm_groups=norm_groups)
+    return {"log": terms.log_score, "spherical": terms.spherical, "rps": terms.rps,
+            "reward": terms.reward, "advantage": terms.advantage, "a_hat": terms.a_hat}

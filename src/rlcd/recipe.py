@@ -27,6 +27,12 @@ class Recipe:
     objective: str = "rlcd"      # "rlcd" | "ce"  (RL-only = rlcd with ce_weight 0)
     sigma: float = 0.3           # std of the Gaussian logit perturbations
     ce_weight: float = 1.0       # weight of the soft cross-entropy term
+    # --- RLCD arms (the pinned values compute exactly the pinned recipe's numbers) -----------
+    sigma_end: float | None = None  # None: constant sigma; else linear sigma -> sigma_end over the decay horizon
+    n_perturbations: int = 4     # Gaussian logit samples per question (G)
+    w_spherical: float = 0.75    # reward weight of the spherical score
+    w_rps: float = 1.0           # reward weight of the RPS penalty (score questions)
+    advantage_norm: str = "batch"  # advantage std: "batch" (one per micro-batch) or "type" (one per question type)
     # --- sampling ----------------------------------------------------------------------------
     batch_size: int = 8          # examples per micro-batch
     grad_accum: int = 4          # micro-batches per update, split over DDP ranks (global batch 32)
@@ -58,6 +64,16 @@ class Recipe:
             raise OptionError(f"sigma must be > 0, got {self.sigma}")
         if not self.ce_weight >= 0:
             raise OptionError(f"ce_weight must be >= 0, got {self.ce_weight}")
+        if self.sigma_end is not None and not (_real(self.sigma_end) and self.sigma_end > 0):
+            raise OptionError(f"sigma_end must be none (constant sigma) or a number > 0, got {self.sigma_end!r}")
+        if not (isinstance(self.n_perturbations, int) and self.n_perturbations >= 2):
+            raise OptionError(f"n_perturbations must be an integer >= 2 (the baseline needs two samples), "
+                              f"got {self.n_perturbations!r}")
+        for name in ("w_spherical", "w_rps"):
+            if not (_real(getattr(self, name)) and getattr(self, name) >= 0):
+                raise OptionError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")
+        if self.advantage_norm not in ("batch", "type"):
+            raise OptionError(f"advantage_norm must be 'batch' or 'type', got {self.advantage_norm!r}")
         for name in ("steps", "batch_size", "grad_accum", "pool_cap", "dev_cap", "eval_every", "checkpoint_every",
                      "log_every", "horizon_cap", "lora_rank", "proj_dim"):
             if getattr(self, name) < 1:
@@ -74,6 +90,17 @@ class Recipe:
 
     def decay_horizon(self) -> int:
         return min(self.steps, self.horizon_cap)
+
+    def sigma_at(self, step: int, horizon: int) -> float:
+        """sigma of update `step` (0-based) for decay horizon D.
+
+        ``sigma`` itself when ``sigma_end`` is None; else ``sigma + (sigma_end - sigma) * min(1, step / D)``:
+        linear from ``sigma`` at the first update to ``sigma_end`` at update D, then constant (also after
+        a budget extension, which keeps D), like the LR schedule.
+        """
+        if self.sigma_end is None:
+            return self.sigma
+        return self.sigma + (self.sigma_end - self.sigma) * min(1.0, step / max(1, horizon))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,6 +121,10 @@ class Recipe:
         pinned = Recipe()
         return {f.name: {"value": getattr(self, f.name), "pinned": getattr(pinned, f.name)}
                 for f in fields(self) if f.name not in KNOBS and getattr(self, f.name) != getattr(pinned, f.name)}
+
+
+def _real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def field_types() -> dict[str, Any]:

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from rlcd import checkpoint as ckpt
 from rlcd.device import Placement, describe, resolve_placement
 from rlcd.errors import OptionError, UserError
-from rlcd.objectives import ce_loss, gradient_diagnostics, rlcd_loss
+from rlcd.diagnostics import RewardDiagnostics, TypeDiagnostics, dev_scores
+from rlcd.objectives import ce_loss, gradient_diagnostics, reward_samples, rlcd_loss
 from rlcd.progress import Progress, echo
 from rlcd.recipe import Recipe, lr_factor
 from rlcd.run import Run
@@ -162,9 +163,20 @@ class Session:
         r = self.recipe
         if r.objective == "ce":
             return ce_loss(logits, batch.cand_mask, batch.target)
-        noise = torch.randn((4, *logits.shape), generator=noise_generator(r.seed, index))
-        return rlcd_loss(logits, batch.cand_mask, batch.target, batch.ordinal, sigma=r.sigma,
-                         ce_weight=r.ce_weight, noise=noise.to(logits.device))
+        return rlcd_loss(logits, batch.cand_mask, batch.target, batch.ordinal, ce_weight=r.ce_weight,
+                         noise=self.noise(index, logits), **self.rlcd_settings(index, batch))
+
+    def noise(self, index: int, logits: torch.Tensor) -> torch.Tensor:
+        """The logit noise of micro-batch `index`: [G, B, K] standard normal drawn from (seed, index)."""
+        shape = (self.recipe.n_perturbations, *logits.shape)
+        return torch.randn(shape, generator=noise_generator(self.recipe.seed, index)).to(logits.device)
+
+    def rlcd_settings(self, index: int, batch) -> dict[str, Any]:
+        """The RLCD arm of micro-batch `index`: its update's sigma, G, reward weights, advantage groups."""
+        r = self.recipe
+        return {"sigma": r.sigma_at(index // r.grad_accum, self.horizon), "n_perturbations": r.n_perturbations,
+                "w_spherical": r.w_spherical, "w_rps": r.w_rps,
+                "norm_groups": batch.type_id if r.advantage_norm == "type" else None}
 
     def set_lr(self, step: int) -> dict[str, float]:
         f = lr_factor(step, self.horizon, warmup_frac=self.recipe.warmup_frac, floor=self.recipe.lr_floor)
@@ -203,6 +215,7 @@ class Session:
         n_local = len(indices)
         stats_sum: dict[str, float] = defaultdict(float)
         per_type = TypeDiagnostics()
+        rewards = RewardDiagnostics() if diagnostics and r.objective == "rlcd" else None
         tokens = examples = 0
         finite = True
         diag = None
@@ -225,14 +238,18 @@ class Session:
             per_type.add(logits.detach(), batch)
             tokens += int(batch.n_tokens)
             examples += len(batch.ids)
-            if diagnostics and diag is None and r.objective == "rlcd":
-                noise = torch.randn((4, *logits.shape), generator=noise_generator(r.seed, index))
-                d = gradient_diagnostics(logits.detach(), batch.cand_mask, batch.target, batch.ordinal,
-                                         sigma=r.sigma, noise=noise.to(logits.device))
-                diag = {"grad_cosine": float(d["grad_cosine"]), "grad_norm_ratio": float(d["grad_norm_ratio"])}
+            if rewards is not None:
+                args = (logits.detach(), batch.cand_mask, batch.target, batch.ordinal)
+                kw = {"noise": self.noise(index, logits), **self.rlcd_settings(index, batch)}
+                rewards.add(reward_samples(*args, **kw), batch.type_id, batch.ordinal)
+                if diag is None:
+                    d = gradient_diagnostics(*args, **kw)
+                    diag = {"grad_cosine": float(d["grad_cosine"]), "grad_norm_ratio": float(d["grad_norm_ratio"])}
             mark("other")
         out = dict(stats_sum)
         out.update(per_type.summary())
+        if rewards is not None:
+            out.update(rewards.summary(reduce=dist.all_reduce if self.dist.active else None))
         if diag:
             out.update(diag)
         out["_finite"] = finite
@@ -272,33 +289,6 @@ class Session:
         return stats
 
 
-class TypeDiagnostics:
-    """Per decision type: mean entropy, mean max probability, effective candidate count (exp H).
-
-    Sums stay on the device and are read once, in `summary()`: no host sync per row.
-    """
-
-    def __init__(self) -> None:
-        self.sums: torch.Tensor | None = None  # [types, 4]: entropy, max p, exp H, count
-
-    def add(self, logits: torch.Tensor, batch) -> None:
-        mask = batch.cand_mask
-        z = logits.detach().float().masked_fill(~mask, float("-inf"))
-        p = torch.softmax(z, dim=-1)
-        ent = -(p * torch.log_softmax(z, dim=-1).masked_fill(~mask, 0.0)).sum(-1)
-        per_row = torch.stack([ent, p.max(-1).values, torch.exp(ent), torch.ones_like(ent)], dim=-1)
-        type_id = batch.type_id.to(per_row.device)
-        sums = torch.zeros(len(QUESTION_TYPES), 4, device=per_row.device).index_add_(0, type_id, per_row)
-        self.sums = sums if self.sums is None else self.sums + sums
-
-    def summary(self) -> dict[str, Any]:
-        out = {}
-        for t, (h, m, e, n) in zip(QUESTION_TYPES, self.sums.tolist() if self.sums is not None else []):
-            if n:
-                out[t] = {"entropy": h / n, "max_prob": m / n, "effective_candidates": e / n, "n": int(n)}
-        return {"per_type": out}
-
-
 def reduce_stats(stats: dict[str, Any], d: Dist) -> dict[str, Any]:
     """Average float stats over ranks (rank 0 logs the mean)."""
     if not d.active:
@@ -320,23 +310,30 @@ def reduce_stats(stats: dict[str, Any], d: Dist) -> dict[str, Any]:
 
 @torch.no_grad()
 def dev_accuracy(model, dev: dict[str, list[Record]], collator, device, batch_size: int = 16) -> dict[str, Any]:
-    """Top-1 accuracy per sampling group and the unweighted group macro (the selection score)."""
+    """Top-1 accuracy per sampling group and the unweighted group macro (the selection score), plus the
+    dev scoring rules of `rlcd.diagnostics.dev_scores` (NLL, Brier, ECE overall and per type) from the same
+    forward."""
     was_training = model.training
     model.eval()
     per_group = {}
+    scored = []
     for group in sorted(dev):
         rows = dev[group]
         correct = 0
         for i in range(0, len(rows), batch_size):
-            batch = collator(rows[i:i + batch_size]).to(device)
+            chunk = rows[i:i + batch_size]
+            batch = collator(chunk).to(device)
             logits = model(batch)
             pred = logits.argmax(-1)
             tgt = batch.target.masked_fill(~batch.cand_mask, -1.0).argmax(-1)
             correct += int((pred == tgt).sum())
+            host = logits.float().cpu()
+            scored += [{"id": rec.id, "group": group, "type": rec.question.type, "target": rec.target,
+                        "logits": host[j, :rec.question.k].tolist()} for j, rec in enumerate(chunk)]
         per_group[group] = correct / max(1, len(rows))
     model.train(was_training)
     macro = sum(per_group.values()) / max(1, len(per_group))
-    return {"dev_accuracy": per_group, "dev_macro_accuracy": macro}
+    return {"dev_accuracy": per_group, "dev_macro_accuracy": macro, **dev_scores(scored)}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -51,11 +51,13 @@ def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = D
 
 
 def report(run: RunArg = None) -> None:
-    """Regenerate eval/plots and eval/report.md from the prediction files alone (no model)."""
+    """Regenerate eval/report.md, eval/report.html and eval/plots from the prediction files alone (no model)."""
     from rlcd.cli._common import run_path
     from rlcd.report import write_report
 
-    typer.echo(str(write_report(run_path(run, None))))
+    md = write_report(run_path(run, None))
+    typer.echo(str(md))
+    typer.echo(str(md.with_suffix(".html")))
 
 
 def export(run: RunArg = None) -> None:

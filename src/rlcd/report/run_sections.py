@@ -1,0 +1,105 @@
+"""Report sections on the run itself: its data and recipe, and its training log (curves and the
+RLCD diagnostics)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from rlcd.bootstrap import group_key
+from rlcd.report import plots
+from rlcd.report.context import Context
+from rlcd.report.document import Bullets, Section, Table, Text, fmt
+from rlcd.report.evaluation import evaluation_json
+from rlcd.report.training_log import has_diagnostics, last_value, reward_keys, selected_step
+
+ARM_FIELDS = ("objective", "sigma", "sigma_end", "ce_weight", "n_perturbations", "w_spherical", "w_rps",
+              "advantage_norm", "steps", "seed")
+
+
+def data_and_recipe(ctx: Context) -> Section:
+    s = Section("Data and recipe")
+    s.add(Table(["split", "rows", "cases", "choice", "noul", "score", "groups", "headline"],
+                [[split, len(rows), len({group_key(r) for r in rows}),
+                  *(Counter(r["type"] for r in rows).get(t, 0) for t in ("choice", "noul", "score")),
+                  len({r.get("group") for r in rows}), "yes" if split == ctx.head else ""]
+                 for split, rows in ctx.preds.items()]))
+    notes = list(ctx.notes)
+    if ctx.stored is not None:
+        same = evaluation_json(ctx.stored) == evaluation_json(ctx.ev)
+        notes.append("`eval/evaluation.json` " + ("matches the prediction files exactly." if same else
+                     "**differs** from what the prediction files give now (stale, edited, or written by an older "
+                     "rlcd); the tables below are recomputed from the prediction files."))
+    if notes:
+        s.add(Bullets(notes))
+    s.add(_recipe(ctx))
+    scalars = [(k, v) for k, v in sorted(ctx.meta.items()) if not isinstance(v, (dict, list))]
+    if scalars:
+        s.add(Text("Metadata:"), Table(["key", "value"], [[k, str(v)] for k, v in scalars]))
+    hashes = ctx.meta.get("data_hashes")
+    if isinstance(hashes, dict) and hashes:
+        s.add(Text("Data hashes:"), Table(["file", "sha256"], [[k, f"`{v}`"] for k, v in sorted(hashes.items())]))
+    return s
+
+
+def _recipe(ctx: Context) -> Any:
+    """The RLCD arm and every deviation from the pinned recipe (config.json; the metadata when it is gone)."""
+    config = ctx.config or {}
+    recipe = config.get("recipe") or {}
+    deviations = config.get("recipe_deviations", ctx.meta.get("recipe_deviations")) or {}
+    source = "`config.json`" if recipe else "the evaluation metadata (no `config.json` next to the predictions)"
+    values = recipe or ctx.meta
+    rows = [[k, str(values[k]), "pinned" if k not in deviations else f"deviates (pinned {deviations[k]['pinned']})"]
+            for k in ARM_FIELDS if k in values]
+    rows += [[k, str(d["value"]), f"deviates (pinned {d['pinned']})"] for k, d in sorted(deviations.items())
+             if k not in ARM_FIELDS and isinstance(d, dict)]
+    if config.get("model"):
+        rows.insert(0, ["model", str(config["model"]), ""])
+    if not rows:
+        return Section("Recipe", level=3).add(Text("No recipe was recorded (no `config.json` next to the predictions "
+                                                   "and no recipe fields in the evaluation metadata)."))
+    return Section("Recipe", level=3).add(Text(f"From {source}:"), Table(["field", "value", ""], rows))
+
+
+def training(ctx: Context) -> Section:
+    s = Section("Training")
+    if ctx.training is None:
+        return s.add(Text("`metrics.jsonl` is missing: no training curves."))
+    train, evals, bad = ctx.training
+    s.add(Text(f"`metrics.jsonl`: {len(train)} training lines, {len(evals)} dev evaluations"
+               + (f", {bad} unreadable line(s) skipped" if bad else "") + "."))
+    chosen = selected_step(evals, ctx.meta)
+    if train or evals:
+        s.add(ctx.figures.add("training_curves", plots.training(train, evals, chosen), "training curves",
+                              "Raw values faint, their exponential moving average solid (span: a tenth of the "
+                              "points); the dotted line marks the selected step."))
+    if evals:
+        best = max(evals, key=lambda e: (e.get("dev_macro_accuracy") or -1.0, -e["step"]))
+        s.add(Text(f"Best dev macro accuracy {fmt(best.get('dev_macro_accuracy'))} at step {best['step']}"
+                   + (f"; selected step {ctx.meta['selected_step']}" if "selected_step" in ctx.meta else "") + "."))
+        at = next((e for e in evals if e["step"] == chosen), None)
+        if at is not None and "dev_nll" in at:
+            types = sorted({k.split("/", 1)[1] for k in at if k.startswith("dev_nll/")})
+            s.add(Table(["dev subset at the selected step", "NLL", "Brier", "ECE"],
+                        [["all types", at.get("dev_nll"), at.get("dev_brier"), at.get("dev_ece")]]
+                        + [[t, at.get(f"dev_nll/{t}"), at.get(f"dev_brier/{t}"), at.get(f"dev_ece/{t}")] for t in types]))
+    return s.add(_diagnostics(ctx, train, chosen))
+
+
+def _diagnostics(ctx: Context, train: list[dict], chosen: int | None) -> Section:
+    s = Section("RLCD diagnostics", level=3)
+    if not has_diagnostics(train):
+        return s.add(Text("No reward parts, advantage std or gradient diagnostics were logged (e.g. a CE-only run)."))
+    s.add(ctx.figures.add("rlcd_diagnostics", plots.diagnostics(train, chosen), "RLCD diagnostics",
+                          "Reward components per question type (line: mean over the update's samples, band: ± one "
+                          "std), the advantage spread before normalisation, the share of normalised advantages "
+                          "beyond ±3, and how the policy gradient relates to the CE gradient."))
+    per_type = reward_keys(train)
+    if per_type:
+        rows = [[t, comp, last_value(train, f"reward/{t}/{comp}/mean"), last_value(train, f"reward/{t}/{comp}/std")]
+                for t, comps in per_type.items() for comp in comps]
+        s.add(Table(["type", "reward component", "mean (last logged)", "std (last logged)"], rows))
+        s.add(Bullets([f"advantage std (last logged update): {fmt(last_value(train, 'adv_std'))}",
+                       f"share of |normalised advantage| > 3: {fmt(last_value(train, 'adv_extreme_share'))}",
+                       f"cos(RL grad, CE grad): {fmt(last_value(train, 'grad_cosine'))}"]))
+    return s

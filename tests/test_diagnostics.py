@@ -1,0 +1,117 @@
+"""rlcd.diagnostics against independent numpy computations: per-type reward parts, advantage spread,
+extreme advantages pooled over an update's micro-batches, and the dev scoring rules."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from rlcd.diagnostics import RewardDiagnostics, dev_scores
+from rlcd.objectives import reward_samples
+from rlcd.schema import QUESTION_TYPES
+
+torch.set_num_threads(1)
+
+
+def micro_batch(seed, B=6, K=5, G=4):
+    rng = np.random.default_rng(seed)
+    type_id = torch.from_numpy(rng.integers(0, 3, size=B))
+    type_id[:3] = torch.tensor([0, 1, 2])
+    mask = torch.ones(B, K, dtype=torch.bool)
+    mask[type_id == 1, 2:] = False  # noul rows: 2 candidates
+    target = torch.from_numpy(rng.dirichlet(np.ones(K), size=B).astype(np.float32)) * mask
+    target = target / target.sum(-1, keepdim=True)
+    logits = torch.from_numpy(rng.normal(size=(B, K)).astype(np.float32) * 3)
+    noise = torch.from_numpy(rng.normal(size=(G, B, K)).astype(np.float32))
+    ordinal = type_id == 2
+    return logits, mask, target, ordinal, noise, type_id
+
+
+def test_reward_diagnostics_pool_micro_batches_per_type():
+    diag = RewardDiagnostics()
+    pooled = {t: {k: [] for k in ("log", "spherical", "rps", "advantage", "a_hat")} for t in range(3)}
+    for seed in (0, 1):
+        logits, mask, target, ordinal, noise, type_id = micro_batch(seed)
+        parts = reward_samples(logits, mask, target, ordinal, sigma=2.0, noise=noise)
+        diag.add(parts, type_id, ordinal)
+        for b, t in enumerate(type_id.tolist()):
+            for k in pooled[t]:
+                pooled[t][k] += parts[k][:, b].tolist()
+    got = diag.summary()
+    for t, name in enumerate(QUESTION_TYPES):
+        for comp in ("log", "spherical") + (("rps",) if name == "score" else ()):
+            vals = np.array(pooled[t][comp])
+            assert got[f"reward/{name}/{comp}/mean"] == pytest.approx(vals.mean(), rel=1e-12)
+            assert got[f"reward/{name}/{comp}/std"] == pytest.approx(vals.std(ddof=1), rel=1e-9)
+        assert f"reward/{name}/rps/mean" in got if name == "score" else f"reward/{name}/rps/mean" not in got
+        assert got[f"adv_std/{name}"] == pytest.approx(np.std(pooled[t]["advantage"], ddof=1), rel=1e-9)
+        assert got[f"adv_extreme_share/{name}"] == np.mean(np.abs(pooled[t]["a_hat"]) > 3)
+    adv = np.concatenate([pooled[t]["advantage"] for t in range(3)])
+    a_hat = np.concatenate([pooled[t]["a_hat"] for t in range(3)])
+    assert got["adv_std"] == pytest.approx(adv.std(ddof=1), rel=1e-9)
+    assert got["adv_extreme_share"] == np.mean(np.abs(a_hat) > 3)
+
+
+def test_extreme_share_counts_large_normalised_advantages():
+    """One outlier question among many quiet ones: its samples are the extreme ones."""
+    B, K, G = 40, 3, 4
+    logits = torch.zeros(B, K)
+    mask = torch.ones(B, K, dtype=torch.bool)
+    target = torch.full((B, K), 1 / 3)
+    noise = torch.zeros(G, B, K)
+    noise[:, 0] = torch.tensor([[3.0, -3, 0], [-3, 3, 0], [3, 0, -3], [-3, 0, 3]])  # only row 0 moves
+    noise[:, 1:] = 1e-3 * torch.randn(G, B - 1, K, generator=torch.Generator().manual_seed(0))
+    ordinal = torch.zeros(B, dtype=torch.bool)
+    target[0] = torch.tensor([1.0, 0, 0])
+    diag = RewardDiagnostics()
+    parts = reward_samples(logits, mask, target, ordinal, sigma=1.0, noise=noise)
+    diag.add(parts, torch.zeros(B, dtype=torch.long), ordinal)
+    got = diag.summary()
+    expected = float((parts["a_hat"].abs() > 3).double().mean())
+    assert got["adv_extreme_share"] == expected
+    assert 0 < expected <= G / (G * B)  # the outlier's samples, nothing else
+
+
+def test_summary_reduce_sees_the_sums_before_reading():
+    logits, mask, target, ordinal, noise, type_id = micro_batch(2)
+    one, two = RewardDiagnostics(), RewardDiagnostics()
+    parts = reward_samples(logits, mask, target, ordinal, sigma=0.3, noise=noise)
+    one.add(parts, type_id, ordinal)
+    two.add(parts, type_id, ordinal)
+    two.add(parts, type_id, ordinal)
+    doubled = one.summary(reduce=lambda t: t.mul_(2))  # what an all_reduce over two equal ranks does
+    plain = two.summary()
+    assert doubled.keys() == plain.keys()
+    for k in plain:
+        assert doubled[k] == pytest.approx(plain[k], rel=1e-12), k
+
+
+def test_dev_scores_by_hand():
+    rows = [
+        {"id": "a", "group": "g", "type": "noul", "target": [0.0, 1.0], "logits": [0.0, 0.0]},
+        {"id": "b", "group": "g", "type": "noul", "target": [1.0, 0.0], "logits": [0.0, np.log(3.0)]},
+        {"id": "c", "group": "h", "type": "choice", "target": [0.0, 0.0, 1.0], "logits": [0.0, 0.0, 0.0]},
+    ]
+    got = dev_scores(rows)
+    nll = {"a": np.log(2), "b": np.log(4), "c": np.log(3)}
+    brier = {"a": 0.5, "b": 2 * 0.75 ** 2, "c": 2 / 9 + (2 / 3) ** 2}
+    assert got["dev_nll"] == pytest.approx(np.mean(list(nll.values())))
+    assert got["dev_brier"] == pytest.approx(np.mean(list(brier.values())))
+    assert got["dev_nll/noul"] == pytest.approx((nll["a"] + nll["b"]) / 2)
+    assert got["dev_nll/choice"] == pytest.approx(nll["c"])
+    # ECE, one row per bin, all wrong (argmax ties go to index 0): a conf 1/2, b conf 3/4, c conf 1/3
+    assert got["dev_ece/noul"] == pytest.approx((0.5 + 0.75) / 2)
+    assert got["dev_ece"] == pytest.approx((0.5 + 0.75 + 1 / 3) / 3)
+    assert "dev_nll/score" not in got and dev_scores([]) == {}
+
+
+def test_type_diagnostics_still_summarise(monkeypatch):
+    from rlcd.diagnostics import TypeDiagnostics
+
+    logits, mask, _, _, _, type_id = micro_batch(3)
+    d = TypeDiagnostics()
+    d.add(logits, SimpleNamespace(cand_mask=mask, type_id=type_id))
+    out = d.summary()["per_type"]
+    assert sum(v["n"] for v in out.values()) == len(type_id)
+    assert out["noul"]["effective_candidates"] <= 2 + 1e-6
