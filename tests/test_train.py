@@ -316,7 +316,7 @@ def test_arm_flags_train_and_are_recorded(tmp_path, data_dir):
                                    "--recipe", "diagnostics_every=2", "--recipe", "eval_every=2",
                                    "--recipe", "log_every=1", "--device", "cpu"])
     assert res.exit_code == 0, res.output
-    assert "sigma_end=0.1 (pinned None)" in res.stdout and "n_perturbations=8 (pinned 4)" in res.stdout
+    assert "sigma_end=0.1 (pinned None)" in res.stderr and "n_perturbations=8 (pinned 4)" in res.stderr
     config = json.loads((run / "config.json").read_text())
     assert config["recipe"]["sigma_end"] == 0.1 and config["recipe"]["n_perturbations"] == 8
     assert config["recipe_deviations"]["n_perturbations"] == {"value": 8, "pinned": 4}
