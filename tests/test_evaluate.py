@@ -202,3 +202,32 @@ def test_evaluate_the_last_checkpoint(run, evaluated, tmp_path):
     assert ev_best["meta"]["checkpoint"] == "best" and ev_best["meta"]["selected_step"] == 1
     best_logits = [json.loads(x)["logits"] for x in (copy / "eval" / "predictions-test.jsonl").read_text().splitlines()]
     assert best_logits != last_logits
+
+
+def test_export_pairs_the_temperatures_with_the_checkpoint_they_were_fitted_on(run, tmp_path):
+    """`rlcd calibrate --checkpoint last` then `rlcd export`: the export holds the last weights (what the
+    temperatures calibrate), and temperatures of weights the run no longer holds are refused."""
+    import shutil
+
+    from rlcd import checkpoint as ckpt
+    from rlcd.errors import RunError
+    from rlcd.evaluate import calibrate_run, export_run
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("eval", "export"))
+    best = ckpt.load(copy / "checkpoints" / "best")  # make best and last differ
+    ckpt.save(copy / "checkpoints" / "best", weights={k: v * 0.5 if k.startswith("head.w_") else v
+                                                      for k, v in best["weights"].items()},
+              optimizer=None, state={**best["state"], "best_step": 1})
+    stored = calibrate_run(copy, which="last", progress=False)
+    export_run(copy)
+    model_json = json.loads((copy / "export" / "model.json").read_text())
+    assert model_json["checkpoint"] == "last" and model_json["temperatures"] == stored["temperatures"]
+    assert model_json["checkpoint_sha256"] == ckpt.weights_sha256(copy / "checkpoints" / "last")
+
+    shutil.rmtree(copy / "export")
+    path = copy / "eval" / "temperatures.json"
+    path.write_text(json.dumps({**stored, "checkpoint_sha256": "0" * 64}))
+    with pytest.raises(RunError, match="rlcd calibrate"):
+        export_run(copy)
+    assert not (copy / "export").exists()

@@ -200,19 +200,26 @@ def write_hf(run: Run, *, model=None, evaluation: dict | None = None) -> Path:
 
 
 def export_run(run: Run | Path, *, placement: Placement | None = None) -> Path:
-    """`rlcd export RUN`: export/ from the best checkpoint and the stored temperatures, then export/hf/."""
+    """`rlcd export RUN`: export/ from the checkpoint the stored temperatures were fitted on (best, or
+    last after `--checkpoint last`), then export/hf/. Temperatures fitted for weights the run no longer
+    holds are refused: they would calibrate a different model."""
+    from rlcd.errors import RunError
+
     run = run if isinstance(run, Run) else Run.open(run)
     placement = placement or resolve_placement("cpu")
     if not (run.export_dir / "model.json").is_file():
-        stored = stored_temperatures(run, placement) or (
-            json.loads(run.temperatures_path.read_text()) if run.temperatures_path.is_file() else None)
-        if stored is None:
-            from rlcd.errors import RunError
-
+        if not run.temperatures_path.is_file():
             raise RunError(f"{run.root} has no temperatures yet; run `rlcd calibrate {run.root}` (or `rlcd evaluate "
                            f"{run.root}`) first")
-        model, config, state = load_checkpoint_model(run, "best", placement=placement)
-        write_export(run, temperatures=stored["temperatures"], model=model, config=config, state=state)
+        stored = json.loads(run.temperatures_path.read_text())
+        found = {w: ckpt.resolve(run.checkpoint(w)) for w in ("best", "last")}
+        which = next((w for w, path in found.items() if path is not None
+                      and stored.get("checkpoint_sha256") == ckpt.weights_sha256(path)), None)
+        if which is None:
+            raise RunError(f"{run.temperatures_path} was fitted on weights neither checkpoints/best nor "
+                           f"checkpoints/last holds; run `rlcd calibrate {run.root}` again")
+        model, config, state = load_checkpoint_model(run, which, placement=placement)
+        write_export(run, temperatures=stored["temperatures"], model=model, config=config, state=state, which=which)
     return write_hf(run)
 
 

@@ -8,8 +8,9 @@ temperature T (probabilities are `softmax(logits / T)`). The response is
 `{"model": <the request's model, else the served name>, "answers": {qid: answer},
 "usage": {"input_tokens", "output_tokens": 0, "images"}}` (+ `"warnings"` when an asset was unused).
 
-All questions of a request are scored in one `DecisionModel.score_case` call: the shared prefix
-(image + state) runs once, the image is encoded once, the question suffixes run batched.
+All questions of a request are scored together (`DecisionModel.prepare_case` then `score_cases`, which
+also batches several requests): the shared prefix (image + state) runs once, the image is encoded
+once, the question suffixes run batched.
 `usage.input_tokens` counts the tokens processed that way (shared prefix once, plus every
 question's suffix; image tokens included); `usage.images` is 0 or 1.
 

@@ -20,8 +20,9 @@ is at fault): 400 undecodable input (JSON, base64, image bytes), 403 an image pa
 pixels), 422 rule violations. Unknown routes and methods keep FastAPI's `{"detail": "Not Found"}`.
 An unexpected failure is a 500 with the same JSON shape, and the server keeps serving.
 
-Concurrency: body parsing, validation and image decoding run in worker threads; the model call is
-serialised by the Predictor's lock, also in a worker thread, so the event loop never blocks on it.
+Concurrency: body parsing, validation and image decoding run in a bounded pool of worker threads;
+the model runs in the batcher's one model thread (`rlcd.serving.batcher`: concurrent requests share
+forwards, a bounded queue answers 503 + Retry-After when full), so the event loop never blocks on it.
 """
 
 import json

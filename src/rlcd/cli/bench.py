@@ -1,4 +1,4 @@
-"""`rlcd bench prefix|train|serve|report`: ratios measured in one run, saved as result JSON."""
+"""`rlcd bench data|prefix|train|serve|report`: ratios measured in one run, saved as result JSON."""
 
 from __future__ import annotations
 

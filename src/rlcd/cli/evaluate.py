@@ -21,7 +21,7 @@ CheckpointOpt = Annotated[Which, typer.Option("--checkpoint", help="best: the de
 
 def calibrate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = DType.auto,
               checkpoint: CheckpointOpt = Which.best) -> None:
-    """Fit one temperature per decision type on the calibration split (merged best checkpoint).
+    """Fit one temperature per decision type on the calibration split (merged best or last checkpoint).
 
     Writes eval/temperatures.json; `rlcd evaluate` and the export use these temperatures when they
     were fitted on the same checkpoint, calibration data and placement (else evaluate fits them).
@@ -36,7 +36,7 @@ def calibrate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = 
 
 def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = DType.auto,
              checkpoint: CheckpointOpt = Which.best) -> None:
-    """Score dev/calibration/test with the merged best checkpoint, calibrate, write eval/ and export/.
+    """Score dev/calibration/test with the merged best (or last) checkpoint, calibrate, write eval/ and export/.
 
     Progress (rows done / total per split, rows/s, time left) and model loading go to stderr, the
     summary to stdout.

@@ -1,4 +1,5 @@
-"""The decision model: Qwen3.5 backbone presets, prompt rendering, collation, candidate scorer.
+"""The decision model: backbone presets and families (Qwen3.5, text decoders), prompt rendering, collation,
+candidate scorer.
 
 Public API (see docs/ARCHITECTURE.md for the contracts):
 

@@ -7,13 +7,16 @@ calls: Qwen3.5 gets token embeddings with image features scattered into the `<|i
 M-RoPE position ids (the vision tower runs once per image occurrence, without gradients); a text
 decoder gets `input_ids` and `position_ids`.
 
-`score_case(state, questions, image)` is the inference path for one request: the common token
-prefix of its rows is run once (capped at the smallest decision position, so every row's decision
-token is computed in its own suffix), the prefix cache is deep-copied and expanded to the rows
-(`Family.expand_cache`: `reorder_cache(zeros(k))` on the hybrid Qwen3.5 cache, `batch_repeat_interleave`
-on a `DynamicCache`), and the suffixes run batched: one call when their lengths are similar, otherwise
-a few calls of similar-length rows (`plan_suffix_groups`: fewest padded tokens plus a per-call
-overhead; at most `max_rows` rows per call), each from its own fork of the cache (`fork_cache_rows`).
+`score_case(state, questions, image)` is the inference path for one request, `score_cases(cases)` for
+several (the server's batches; `prepare_case` does the tokenising and image preprocessing first, off
+the model thread): the common token prefix of each case's rows is run once (capped at the smallest
+decision position, so every row's decision token is computed in its own suffix; several cases'
+prefixes left-padded into one forward), and the suffixes run batched: one call when their lengths
+are similar, otherwise a few calls of similar-length rows (`plan_suffix_groups`: fewest padded tokens
+plus a per-call overhead; at most `max_rows` rows per call, on the family's chunk grid). Each call
+gets the cache rows it needs from its own fork (`fork_cache_rows`: the selected rows copied, so the
+in-place recurrent-state updates of one call cannot reach the next); the last call takes them from
+the prefix cache itself (`Family.select_cache_rows`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ A family answers, for a loaded model and its tokenizer:
   around the user content, and the image tokens (None for a text-only backbone);
 * the language-model forward: `run(lm, ids, image_features, mask, positions, cache=...)` ->
   last hidden states (+ cache), with explicit positions (`full_positions`, `suffix_positions`);
-* the prefix-cache rule: `expand_cache(cache, n)` turns a one-row prefix cache into n rows.
+* the prefix-cache rule: `select_cache_rows(cache, index)` (and `expand_cache(cache, n)` for a one-row
+  cache) gives each suffix row its case's prefix state.
 
 Families are stateless singletons; every method takes the (peft-unwrapped) causal LM it drives, so
 one family serves a model before and after LoRA is merged.

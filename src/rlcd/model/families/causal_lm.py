@@ -10,8 +10,8 @@
   PAD or UNK and that a rendered conversation does not contain (SmolLM2: `<repo_name>`); every
   special token of the tokenizer is rejected in inputs.
 * Forward: `input_ids` + explicit `position_ids` [B, T] to the inner decoder (`get_decoder()`), last
-  hidden states only. Prefix cache: a `DynamicCache`, deep-copied per suffix call and expanded with
-  `batch_repeat_interleave(n)`. Images are not supported (text-only backbones).
+  hidden states only. Prefix cache: a `DynamicCache`, its rows selected per suffix call
+  (`fork_cache_rows` / `select_cache_rows`; `expand_cache` repeats a one-row cache n times). Images are not supported (text-only backbones).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the `<|image_pad|>` slots and explicit M-RoPE position ids go straight to the la
 state is carried between calls (`rope_deltas` is reset, never consulted) and the vision tower runs
 once per image occurrence, without gradients. The prompt is the project's own (no chat template),
 the candidate marker is `<|fim_suffix|>`. The hybrid cache (Gated DeltaNet + full attention) is
-expanded with `reorder_cache(zeros(n))` on a deep copy (`batch_repeat_interleave` fails on it).
+expanded by row selection (`reorder_cache(index)` on a fork; `batch_repeat_interleave` fails on it).
 """
 
 from __future__ import annotations
