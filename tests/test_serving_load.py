@@ -62,7 +62,8 @@ def test_batcher_gathers_what_queued_while_the_model_ran():
         return [(x, {}) for x in items]
 
     b = Batcher(score_many, BatchingConfig(window_ms=1.0, max_batch_questions=3), size_of=lambda p: (1, 0))
-    futures = [b.submit(i) for i in range(7)]
+    with b.arriving():  # as the server does: requests on their way make the model thread wait its window
+        futures = [b.submit(i) for i in range(7)]
     assert [f.result(10)[0] for f in futures] == list(range(7))  # every request gets its own result, in order
     assert seen[0] == [0, 1, 2] and all(len(x) <= 3 for x in seen) and sum(map(len, seen)) == 7
     b.close()
@@ -71,6 +72,27 @@ def test_batcher_gathers_what_queued_while_the_model_ran():
     assert [f.result(10)[0] for f in [off.submit(i) for i in range(3)]] == [0, 1, 2]
     assert [len(x) for x in seen] == [1, 1, 1]  # window 0: no batching
     off.close()
+
+
+def test_a_lone_request_does_not_wait_for_the_window():
+    """The window is for requests on their way: with none arriving, a request is scored at once."""
+    seen = []
+
+    def score_many(items):
+        seen.append((time.perf_counter(), list(items)))
+        return [(x, {}) for x in items]
+
+    b = Batcher(score_many, BatchingConfig(window_ms=2000.0), size_of=lambda p: (1, 0))
+    t0 = time.perf_counter()
+    assert b.submit("a").result(10)[0] == "a"
+    assert seen[0][0] - t0 < 1.0, "a lone request waited for the 2 s window"
+    with b.arriving():  # another request on its way: the window is waited, and both share a batch
+        first = b.submit("b")
+        time.sleep(0.3)
+        second = b.submit("c")
+    assert first.result(10)[0] == "b" and second.result(10)[0] == "c"
+    assert seen[1][1] == ["b", "c"]
+    b.close()
 
 
 def test_a_full_queue_is_a_503_with_retry_after(predictor):

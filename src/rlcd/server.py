@@ -156,8 +156,9 @@ def create_app(predictor: Predictor, *, image_root: Path | str | None = None, li
         return {"object": "list", "data": [info]}
 
     async def answer(obj: Any) -> dict:
-        prepared = await run_in_threadpool(predictor.prepare, obj, image_root=root, limits=limits)
-        future = batcher.submit(prepared)
+        with batcher.arriving():  # the batcher waits its window only while requests are on their way
+            prepared = await run_in_threadpool(predictor.prepare, obj, image_root=root, limits=limits)
+            future = batcher.submit(prepared)
         try:
             logits, usage = await asyncio.wait_for(asyncio.wrap_future(future), batching.timeout_s)
         except asyncio.TimeoutError:

@@ -127,7 +127,9 @@ class BackgroundServer:
 
         if host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError("the benchmark server binds to loopback only")
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY only on sockets that say they are
+        # TCP, and without it every response waited ~40 ms for the client's delayed ACK (Nagle)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", port))
         self.port = self.sock.getsockname()[1]
@@ -304,6 +306,27 @@ def run_load(predictor: Any, limits: Any, plan: list[dict], *, concurrency: int,
     return results, wall, stats
 
 
+def model_batching_profile(predictor: Any, limits: Any, sizes: tuple[int, ...], *, seed: int = 0,
+                           n: int = 16) -> dict[str, Any]:
+    """What batching can gain in the model alone, per request size: model ms per request scored one at a
+    time vs `n` at once (`Predictor.score_many`, no HTTP). When the server's model thread is busy in both
+    modes, this ratio bounds the server's batching speedup."""
+    out: dict[str, Any] = {}
+    for size in sizes:
+        plan = plan_requests(n, malformed=0.0, sizes=(size,), seed=seed, max_questions=limits.max_questions)
+        prepared = [predictor.prepare(json.loads(p["body"]), limits=limits) for p in plan]
+        predictor.score_many(prepared[:2])  # warm-up
+        t0 = time.perf_counter()
+        for p in prepared:
+            predictor.score_many([p])
+        solo = (time.perf_counter() - t0) / n
+        t0 = time.perf_counter()
+        predictor.score_many(prepared)
+        together = (time.perf_counter() - t0) / n
+        out[str(size)] = {"solo_ms": 1000 * solo, "batched_ms": 1000 * together, "gain": solo / together}
+    return out
+
+
 def run_serve_bench(run: Any, requests: int = 96, levels: tuple[int, ...] = (1, 4, 16, 64), malformed: float = 0.10,
                     sizes: tuple[int, ...] = (1, 5, 50), seed: int = 0, port: int = 0, *, window_ms: float | None = None,
                     timeout: float = 120.0, total_timeout: float = 900.0, verbose: bool = True,
@@ -340,14 +363,16 @@ def run_serve_bench(run: Any, requests: int = 96, levels: tuple[int, ...] = (1, 
         results, wall, stats = run_load(predictor, limits, plan, concurrency=c, batching=cfg, timeout=timeout,
                                         total_timeout=total_timeout, port=port)
         summary = summarise(results, wall, sizes)
-        summary.update({"concurrency": c, "mean_batch": stats["mean_batch"], "batches": stats["batches"]})
+        summary.update({"concurrency": c, "mean_batch": stats["mean_batch"], "batches": stats["batches"],
+                        "model_busy": stats["busy_s"] / wall if wall else None})
         out["modes"][mode][str(c)] = summary
         if verbose:
             print(f"  {mode:>9} c={c:<3} decisions/s={summary['decisions_per_s']:8.1f}  "
                   + "  ".join(f"p50/p95/p99 {z}q={summary[f'p50_ms_{z}']:.0f}/{summary[f'p95_ms_{z}']:.0f}/"
                               f"{summary[f'p99_ms_{z}']:.0f} ms" for z in sizes)
                   + f"  2xx={summary['ok']} 4xx={summary['c4xx']} 5xx={summary['c5xx']} "
-                  f"crashes={summary['crashes']} mean batch={stats['mean_batch'] or 0:.1f}", flush=True)
+                  f"crashes={summary['crashes']} mean batch={stats['mean_batch'] or 0:.1f} "
+                  f"model busy={summary['model_busy'] or 0:.0%}", flush=True)
     b, u = out["modes"]["batched"], out["modes"]["unbatched"]
     ref = "16" if "16" in b else str(max(levels))
     low = str(min(levels))
@@ -358,8 +383,13 @@ def run_serve_bench(run: Any, requests: int = 96, levels: tuple[int, ...] = (1, 
     out["c5xx"] = sum(m[c]["c5xx"] for m in out["modes"].values() for c in m)
     out["crashes"] = sum(m[c]["crashes"] for m in out["modes"].values() for c in m)
     out["unexpected"] = sum(m[c]["unexpected"] for m in out["modes"].values() for c in m)
+    out["model_batching"] = model_batching_profile(predictor, limits, sizes, seed=seed,
+                                                   n=min(16, max(levels)))
     out["peak_rss_mib"] = _peak_rss_mib()
     if verbose:
+        print("model alone (no HTTP), ms per request one at a time -> in one batch: " + ", ".join(
+            f"{z}q {v['solo_ms']:.1f} -> {v['batched_ms']:.1f} ({v['gain']:.2f}x)"
+            for z, v in out["model_batching"].items()), flush=True)
         print(f"peak RSS {out['peak_rss_mib']:.0f} MiB; model {predictor.name}; window {window:g} ms", flush=True)
         print(format_matrix_line(out), flush=True)
     return out

@@ -5,7 +5,8 @@ One batcher per server, with one model thread. `submit(prepared)` queues a valid
 server awaits it with `asyncio.wrap_future`, so the event loop never runs or waits on the model. The
 model thread takes the first queued request, then gathers every request that queued while the
 previous batch ran, and those arriving within `window_ms`, up to `max_batch_questions` questions and
-`max_batch_tokens` tokens, and scores them with one `score_many` call (the predictor's batched path:
+`max_batch_tokens` tokens (the window is waited only while other requests are being prepared, inside
+`arriving()`: a lone request does not pay for it), and scores them with one `score_many` call (the predictor's batched path:
 each request's answers equal those it gets alone).
 
 `window_ms=0` turns batching off: one request per forward, in arrival order.
@@ -19,16 +20,18 @@ with a `Retry-After` hint) instead of waiting without bound; a request not answe
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import math
 import queue
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from rlcd.serving.errors import PredictError
 
 DEFAULT_WINDOW_MS = 4.0
+POLL_S = 0.00025  # how often the window re-checks for requests on their way
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,10 @@ class Batcher:
         self.batches = 0
         self.batched_requests = 0
         self.last_batch_s = 0.1  # for the Retry-After hint
+        self.busy_s = 0.0  # time the model thread spent in score_many (utilisation = busy_s / wall)
         self._held: _Item | None = None
+        self._arriving = 0  # requests being prepared (inside `arriving()`), not yet submitted
+        self._arriving_lock = threading.Lock()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="rlcd-model", daemon=True)
         self.thread.start()
@@ -112,6 +118,18 @@ class Batcher:
     def retry_after(self) -> float:
         per_batch = max(1, self.config.max_batch_questions) if self.config.enabled else 1
         return self.last_batch_s * (1 + self.queue.qsize() / per_batch)
+
+    @contextlib.contextmanager
+    def arriving(self) -> Iterator[None]:
+        """Wrap a request's preparation and `submit`: while any request is inside, the model thread waits
+        the window for it; when none is, a batch starts at once."""
+        with self._arriving_lock:
+            self._arriving += 1
+        try:
+            yield
+        finally:
+            with self._arriving_lock:
+                self._arriving -= 1
 
     def submit(self, prepared: Any) -> concurrent.futures.Future:
         """Queue `prepared`; raises Overloaded (503) when the queue is full or the server is closing."""
@@ -149,9 +167,16 @@ class Batcher:
         questions, tokens = first.questions, first.tokens
         deadline = time.perf_counter() + c.window_ms / 1000.0
         while True:
-            item = self._next(max(0.0, deadline - time.perf_counter()))
+            if self._arriving == 0 and self._held is None and self.queue.empty():
+                return batch  # nobody else is on the way: waiting would only add latency
+            left = deadline - time.perf_counter()
+            # short polls, so a request that leaves `arriving()` right after its submit is noticed at once;
+            # past the window, only what is already queued joins
+            item = self._next(min(left, POLL_S) if left > 0 else 0)
             if item is None:
-                return batch
+                if left <= 0:
+                    return batch
+                continue
             if questions + item.questions > c.max_batch_questions or tokens + item.tokens > c.max_batch_tokens:
                 self._held = item  # the first of the next batch
                 return batch
@@ -173,6 +198,7 @@ class Batcher:
             except Exception as e:  # a bug in scoring: every request of the batch gets it
                 results = [e] * len(batch)
             self.last_batch_s = time.perf_counter() - t0
+            self.busy_s += self.last_batch_s
             self.batches += 1
             self.batched_requests += len(batch)
             for item, res in zip(batch, results):
@@ -192,6 +218,7 @@ class Batcher:
     def stats(self) -> dict[str, Any]:
         return {"batches": self.batches, "requests": self.batched_requests,
                 "mean_batch": self.batched_requests / self.batches if self.batches else None,
+                "busy_s": self.busy_s,
                 "queued": self.queue.qsize(), **self.config.to_dict()}
 
 
