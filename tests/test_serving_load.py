@@ -316,3 +316,41 @@ def test_concurrent_requests_are_batched_and_each_gets_its_solo_answer(predictor
             g = body["answers"][qid]
             probs = (lambda a: [a["noul"]] if a["type"] == "noul" else list(a["probabilities"].values()))
             assert max(abs(x - y) for x, y in zip(probs(g), probs(w))) < 1e-4
+
+
+def test_every_served_connection_turns_nagle_off(monkeypatch):
+    """uvicorn's --workers mode binds with protocol 0, so asyncio leaves Nagle on and each response
+    waited ~40 ms for a delayed ACK: rlcd's protocol sets TCP_NODELAY on every accepted connection,
+    and `serve` uses it with and without workers."""
+    import socket as S
+
+    import uvicorn
+
+    from rlcd import server as srv
+    from rlcd.serving.transport import NoDelayH11Protocol, set_nodelay
+
+    lsock = S.socket(S.AF_INET, S.SOCK_STREAM)  # protocol 0, as uvicorn binds for workers
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(1)
+    client = S.create_connection(lsock.getsockname())
+    conn, _ = lsock.accept()
+
+    class Transport:
+        def get_extra_info(self, name):
+            return conn if name == "socket" else None
+
+    try:
+        assert conn.getsockopt(S.IPPROTO_TCP, S.TCP_NODELAY) == 0  # what asyncio would have left
+        assert set_nodelay(Transport()) and conn.getsockopt(S.IPPROTO_TCP, S.TCP_NODELAY) == 1
+    finally:
+        for s in (client, conn, lsock):
+            s.close()
+
+    calls = []
+    monkeypatch.setenv(srv.SERVE_ENV, "")  # serve(workers=2) sets it; monkeypatch puts it back
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: calls.append(k))
+    monkeypatch.setattr(srv.Predictor, "from_run", classmethod(lambda cls, *a, **k: object()))
+    monkeypatch.setattr(srv, "create_app", lambda *a, **k: object())
+    srv.serve("some/run", workers=2)
+    srv.serve("some/run", workers=1)
+    assert [k["http"] for k in calls] == [NoDelayH11Protocol, NoDelayH11Protocol]

@@ -244,6 +244,8 @@ def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root
 
     import uvicorn
 
+    from .serving.transport import NoDelayH11Protocol
+
     lim = Limits().with_(**limits)
     batching = batching or BatchingConfig()
     if workers > 1:
@@ -252,13 +254,14 @@ def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root
             "limits": lim.to_dict(), "batching": batching.to_dict(), "name": served_model_name,
             "strict_model": strict_model, "image_root": str(image_root) if image_root is not None else None})
         uvicorn.run("rlcd.server:app_from_env", factory=True, host=host, port=port, log_level=log_level,
-                    workers=workers, timeout_graceful_shutdown=int(batching.timeout_s), timeout_keep_alive=KEEP_ALIVE_S)
+                    workers=workers, timeout_graceful_shutdown=int(batching.timeout_s), timeout_keep_alive=KEEP_ALIVE_S,
+                    http=NoDelayH11Protocol)
         return
     predictor = Predictor.from_run(Path(run), limits=lim, placement=placement, name=served_model_name,
                                    strict_model=strict_model)
     app = create_app(predictor, image_root=image_root, limits=lim, batching=batching)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(batching.timeout_s),
-                timeout_keep_alive=KEEP_ALIVE_S)
+                timeout_keep_alive=KEEP_ALIVE_S, http=NoDelayH11Protocol)
 
 
 __all__ = ["create_app", "serve", "parse_body", "decode_base64_image", "resolve_image_path", "load_request_image"]

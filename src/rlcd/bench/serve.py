@@ -134,9 +134,11 @@ class BackgroundServer:
         self.sock.bind(("127.0.0.1", port))
         self.port = self.sock.getsockname()[1]
         from ..server import KEEP_ALIVE_S
+        from ..serving.transport import NoDelayH11Protocol
 
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level=log_level,
-                                                    lifespan="on", access_log=False, timeout_keep_alive=KEEP_ALIVE_S))
+                                                    lifespan="on", access_log=False, timeout_keep_alive=KEEP_ALIVE_S,
+                                                    http=NoDelayH11Protocol))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="rlcd-bench-server")
 
