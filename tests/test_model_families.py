@@ -238,7 +238,7 @@ def test_dynamic_cache_expansion_equals_independent_rows():
     with torch.no_grad():
         cache = D.out_cache(CAUSAL_LM.run(lm, ids[:, :20], None, None, pos[:, :20], use_cache=True))
         one = copy.deepcopy(cache)
-        CAUSAL_LM.expand_cache(cache, 3, "cpu")
+        CAUSAL_LM.select_cache_rows(cache, torch.zeros(3, dtype=torch.long), "cpu")
         layer, ref = cache.layers[0], one.layers[0]
         assert layer.keys.shape[0] == 3 and all(torch.equal(layer.keys[i], ref.keys[0]) for i in range(3))
         suf = ids[:, 20:].expand(3, -1)

@@ -76,7 +76,7 @@ def test_a_training_update_and_a_prediction_on_the_real_weights(backbone):
     with torch.no_grad():
         ids = torch.tensor([rows[0].ids[:cut]])
         cache = out_cache(fam.run(lm, ids, None, None, fam.full_positions(ids, None, None, 1), use_cache=True))
-        fam.expand_cache(cache, 3, "cpu")
+        fam.select_cache_rows(cache, torch.zeros(3, dtype=torch.long), "cpu")
         s_max = max(len(r) - cut for r in rows)
         sids = torch.full((3, s_max), dm.encoder.pad_id)
         mask = torch.zeros((3, cut + s_max), dtype=torch.long)

@@ -354,3 +354,24 @@ def test_every_served_connection_turns_nagle_off(monkeypatch):
     srv.serve("some/run", workers=2)
     srv.serve("some/run", workers=1)
     assert [k["http"] for k in calls] == [NoDelayH11Protocol, NoDelayH11Protocol]
+
+
+@pytest.mark.parametrize("spec", ["tiny-toy", "tiny-llama"])
+def test_a_batch_whose_longest_rows_all_belong_to_the_first_request(spec):
+    """The last suffix call reads the prefix cache itself; when all its rows are request 0's, each must
+    still get request 0's row of a cache as wide as the batch (a one-row repeat of every row broke this:
+    a shape error on the text decoder)."""
+    from rlcd.model.build import build_model
+    from rlcd.schema import Question
+
+    model = build_model({"model": spec, "recipe": {}}).eval()
+    crit = {f"option{i}": "a long description of this option with many many words in it" for i in range(8)}
+    long_q = Question(type="choice", instructions="Which option fits the ticket best of all?", criteria=crit)
+    short_q = Question(type="noul", instructions="Late?")
+    cases = [model.prepare_case("first state", [long_q, long_q]), model.prepare_case("second state", [short_q] * 2)]
+    batched = model.score_cases(cases)
+    assert batched[0][1]["calls"] >= 2, "the rows must split into calls by length for this check"
+    for case, (b_logits, _) in zip(cases, batched):
+        (s_logits, _), = model.score_cases([case])
+        for a, b in zip(s_logits, b_logits):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -9,8 +9,7 @@ A family answers, for a loaded model and its tokenizer:
   around the user content, and the image tokens (None for a text-only backbone);
 * the language-model forward: `run(lm, ids, image_features, mask, positions, cache=...)` ->
   last hidden states (+ cache), with explicit positions (`full_positions`, `suffix_positions`);
-* the prefix-cache rule: `select_cache_rows(cache, index)` (and `expand_cache(cache, n)` for a one-row
-  cache) gives each suffix row its case's prefix state.
+* the prefix-cache rule: `select_cache_rows(cache, index)` gives each suffix row its case's prefix state.
 
 Families are stateless singletons; every method takes the (peft-unwrapped) causal LM it drives, so
 one family serves a model before and after LoRA is merged.
@@ -162,16 +161,12 @@ class Family:
         """The decoder forward -> an output with `last_hidden_state` (and the cache when `use_cache`)."""
         raise NotImplementedError
 
-    def expand_cache(self, cache: Any, n: int, device: Any) -> Any:
-        """Turn a one-row prefix cache into n identical rows (in place); returns it."""
-        raise NotImplementedError
-
     def select_cache_rows(self, cache: Any, index: torch.Tensor, device: Any) -> Any:
         """Row i of the result is row `index[i]` of `cache` (rows may repeat), in place; returns it.
 
-        Used by `DecisionModel.score_cases` to give every suffix row its own request's prefix."""
-        if bool((index == 0).all()):
-            return self.expand_cache(cache, len(index), device)
+        Used by `DecisionModel.score_cases` to give every suffix row its own request's prefix. One rule for
+        every family and every cache width: `reorder_cache` (an `index_select` of each state), which also
+        repeats a one-row cache (`batch_repeat_interleave` would repeat every row of a wider one)."""
         cache.reorder_cache(index.to(device))
         return cache
 

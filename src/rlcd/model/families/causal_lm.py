@@ -11,7 +11,7 @@
   special token of the tokenizer is rejected in inputs.
 * Forward: `input_ids` + explicit `position_ids` [B, T] to the inner decoder (`get_decoder()`), last
   hidden states only. Prefix cache: a `DynamicCache`, its rows selected per suffix call
-  (`fork_cache_rows` / `select_cache_rows`; `expand_cache` repeats a one-row cache n times). Images are not supported (text-only backbones).
+  (`fork_cache_rows` / `select_cache_rows`). Images are not supported (text-only backbones).
 """
 
 from __future__ import annotations
@@ -200,10 +200,6 @@ class CausalLMFamily(Family):
         kw: dict[str, Any] = {cache_kwarg(dec): cache} if cache is not None else {}
         return dec(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=use_cache,
                    **kw)
-
-    def expand_cache(self, cache: Any, n: int, device: Any) -> Any:
-        cache.batch_repeat_interleave(n)
-        return cache
 
 
 def _drop_gguf_quantization(model: nn.Module) -> None:

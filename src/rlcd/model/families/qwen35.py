@@ -305,10 +305,6 @@ class Qwen35Family(Family):
         return core.language_model(inputs_embeds=emb, attention_mask=attention_mask, position_ids=positions,
                                    use_cache=use_cache, **kw)
 
-    def expand_cache(self, cache: Any, n: int, device: Any) -> Any:
-        cache.reorder_cache(torch.zeros(n, dtype=torch.long, device=device))
-        return cache
-
 
 QWEN35 = Qwen35Family()
 
