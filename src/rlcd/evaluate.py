@@ -191,9 +191,7 @@ def write_hf(run: Run, *, model=None, evaluation: dict | None = None) -> Path:
     from rlcd.hf.writer import write_hf_export
 
     run.require_export()
-    meta = read_export_meta(run.export_dir)
-    if model is None:
-        model, meta = load_export(run.export_dir)
+    model, meta = load_export(run.export_dir) if model is None else (model, read_export_meta(run.export_dir))
     if evaluation is None and run.evaluation_path.is_file():
         evaluation = json.loads(run.evaluation_path.read_text())
     return write_hf_export(model, meta, run.hf_export_dir, evaluation=evaluation, run_name=run.name)

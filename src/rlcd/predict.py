@@ -45,11 +45,10 @@ from .serving.request import ParsedRequest, parse_request
 @dataclass
 class Prepared:
     """A request ready for the model: parsed, its image decoded (or None), its rows tokenised
-    (`case`, a `DecisionModel.prepare_case` result), the limits it is held to."""
+    (`case`, a `DecisionModel.prepare_case` result)."""
 
     request: ParsedRequest
     image: Any
-    limits: Limits
     case: Any = None
 
     def size(self) -> tuple[int, int]:
@@ -89,9 +88,6 @@ class Predictor:
         self.limits = limits or Limits()
         self.strict_model = bool(strict_model)
         self.takes_images = bool(getattr(model, "supports_images", True))
-        encoder = getattr(model, "encoder", None)
-        if encoder is not None:  # the request limits govern rows here (checked in `prepare`)
-            encoder.max_tokens = max(encoder.max_tokens, self.limits.max_tokens)
         self._lock = threading.Lock()
         model.eval()
 
@@ -152,16 +148,11 @@ class Predictor:
         else:
             decoded = None
         try:
-            case = self.model.prepare_case(parsed.state, parsed.questions, decoded, parsed.qids)
+            case = self.model.prepare_case(parsed.state, parsed.questions, decoded, parsed.qids,
+                                           max_tokens=lim.max_tokens)  # rows over the limit: a 413 naming the question
         except RecordError as e:
             raise self._from_record_error(e, parsed.qids) from None
-        for qid, row in zip(parsed.qids, case.rows):
-            if len(row) > lim.max_tokens:
-                raise PredictError(f"questions.{qid}", f"row has {len(row)} tokens ({row.n_image_tokens} of them image "
-                                                       f"tokens), more than max_tokens={lim.max_tokens}; shorten the "
-                                                       "state, instructions or criteria (rows are never truncated)",
-                                   question=qid, status=413)
-        return Prepared(parsed, decoded, lim, case)
+        return Prepared(parsed, decoded, case)
 
     def score(self, prepared: Prepared) -> tuple[list[Any], dict]:
         """The model call for one request: logits per question and usage (serialised by a lock)."""

@@ -106,9 +106,6 @@ class Progress:
             self.next_line = self._next_mark(self.done)
             self.t_line = now
 
-    def advance(self, n: int = 1, info: str = "") -> None:
-        self.update(self.done + n, info)
-
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()

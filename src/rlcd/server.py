@@ -217,8 +217,6 @@ PREPARE_THREADS = max(4, 2 * (os.cpu_count() or 1))
 
 def app_from_env():
     """The app a uvicorn worker builds (`rlcd serve --workers N`): its config comes in `RLCD_SERVE_CONFIG`."""
-    import os
-
     from .device import Placement
 
     cfg = json.loads(os.environ[SERVE_ENV])
@@ -240,28 +238,25 @@ def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root
     own copy of the model: memory grows by one model per worker; throughput by up to one model's per
     worker on as many cores / devices.
     """
-    import os
-
     import uvicorn
 
     from .serving.transport import NoDelayH11Protocol
 
     lim = Limits().with_(**limits)
     batching = batching or BatchingConfig()
+    server_kw = dict(host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(batching.timeout_s),
+                     timeout_keep_alive=KEEP_ALIVE_S, http=NoDelayH11Protocol)
     if workers > 1:
         os.environ[SERVE_ENV] = json.dumps({
             "run": str(Path(run).resolve()), "placement": placement.to_dict() if placement is not None else None,
             "limits": lim.to_dict(), "batching": batching.to_dict(), "name": served_model_name,
             "strict_model": strict_model, "image_root": str(image_root) if image_root is not None else None})
-        uvicorn.run("rlcd.server:app_from_env", factory=True, host=host, port=port, log_level=log_level,
-                    workers=workers, timeout_graceful_shutdown=int(batching.timeout_s), timeout_keep_alive=KEEP_ALIVE_S,
-                    http=NoDelayH11Protocol)
+        uvicorn.run("rlcd.server:app_from_env", factory=True, workers=workers, **server_kw)
         return
     predictor = Predictor.from_run(Path(run), limits=lim, placement=placement, name=served_model_name,
                                    strict_model=strict_model)
     app = create_app(predictor, image_root=image_root, limits=lim, batching=batching)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(batching.timeout_s),
-                timeout_keep_alive=KEEP_ALIVE_S, http=NoDelayH11Protocol)
+    uvicorn.run(app, **server_kw)
 
 
 __all__ = ["create_app", "serve", "parse_body", "decode_base64_image", "resolve_image_path", "load_request_image"]

@@ -35,7 +35,7 @@ from rlcd.objectives import ce_loss, gradient_diagnostics, reward_samples, rlcd_
 from rlcd.progress import Progress, echo
 from rlcd.recipe import Recipe, lr_factor
 from rlcd.run import Run
-from rlcd.schema import QUESTION_TYPES, Record
+from rlcd.schema import Record
 from rlcd.tracking import check_tracker, open_tracker
 
 DATA_FILES = ("train.jsonl", "dev.jsonl", "calibration.jsonl", "test.jsonl")

@@ -10,10 +10,9 @@ fourth well-formed request carries a small base64 PNG. Everything is a pure func
 Reported: p50/p95 latency (ms) of the well-formed requests per size, decisions/s (answered
 questions over the wall time of the load), counts of 2xx/4xx/5xx, crashes (exceptions on the
 client side: connection errors, timeouts), `unexpected` (a well-formed request that did not get a
-2xx with one answer per question, or a malformed one that did not get a 4xx JSON error). The last
-printed line is machine-readable:
-
-    serve: requests=... ok=... c4xx=... c5xx=... crashes=... unexpected=... decisions_per_s=... p50_ms_1=... p95_ms_1=... ...
+2xx with one answer per question, or a malformed one that did not get a 4xx JSON error).
+`run_serve_bench` runs every concurrency level with batching on and off and prints, last, the
+machine-readable line `serve: batching_speedup_c16=X p50_ratio_c1=Y c5xx=N crashes=N`.
 """
 
 from __future__ import annotations
@@ -127,9 +126,7 @@ class BackgroundServer:
 
         if host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError("the benchmark server binds to loopback only")
-        # proto IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY only on sockets that say they are
-        # TCP, and without it every response waited ~40 ms for the client's delayed ACK (Nagle)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # TCP_NODELAY: NoDelayH11Protocol
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", port))
         self.port = self.sock.getsockname()[1]
@@ -268,15 +265,6 @@ def summarise(results: list[dict], wall: float, sizes: tuple[int, ...]) -> dict[
     return out
 
 
-def format_line(s: dict, sizes: tuple[int, ...]) -> str:
-    parts = [f"requests={s['requests']}", f"ok={s['ok']}", f"c4xx={s['c4xx']}", f"c5xx={s['c5xx']}",
-             f"crashes={s['crashes']}", f"unexpected={s['unexpected']}", f"decisions_per_s={s['decisions_per_s']:.1f}"]
-    for size in sizes:
-        parts += [f"p50_ms_{size}={s[f'p50_ms_{size}']:.1f}", f"p95_ms_{size}={s[f'p95_ms_{size}']:.1f}"]
-    parts.append(f"wall_s={s['wall_s']:.1f}")
-    return "serve: " + " ".join(parts)
-
-
 def _peak_rss_mib() -> float:
     import resource
 
@@ -404,4 +392,4 @@ def format_matrix_line(s: dict) -> str:
 
 
 __all__ = ["run_serve_bench", "run_load", "serve_predictor", "format_matrix_line", "BackgroundServer", "plan_requests", "MALFORMED_KINDS",
-           "summarise", "format_line"]
+           "summarise"]

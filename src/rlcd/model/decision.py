@@ -289,14 +289,15 @@ class DecisionModel(nn.Module):
 
     # ------------------------------------------------------------------ inference on one request
     def encode_case(self, state: Any, questions: Sequence[Question], *, n_image_tokens: int = 0,
-                    ids: Sequence[str] | None = None, case_id: str | None = None) -> list[EncodedRow]:
+                    ids: Sequence[str] | None = None, case_id: str | None = None,
+                    max_tokens: int | None = None) -> list[EncodedRow]:
         qids = list(ids) if ids is not None else [f"q{i}" for i in range(len(questions))]
         if len(qids) != len(questions):
             raise ValueError(f"{len(qids)} ids for {len(questions)} questions")
         prefix = self.encoder.prefix_ids(state, n_image_tokens=n_image_tokens,
                                          row=case_id if case_id is not None else (qids[0] if len(qids) == 1 else "request"))
-        return [self.encoder.encode(state, q, n_image_tokens=n_image_tokens, row=qid, prefix=prefix)
-                for q, qid in zip(questions, qids)]
+        return [self.encoder.encode(state, q, n_image_tokens=n_image_tokens, row=qid, prefix=prefix,
+                                    max_tokens=max_tokens) for q, qid in zip(questions, qids)]
 
     def _image_inputs(self, image: Any) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
         if image is None:
@@ -310,10 +311,13 @@ class DecisionModel(nn.Module):
         return pv, grid, n_image_tokens(grid[0].tolist(), self.merge_size)
 
     def prepare_case(self, state: Any, questions: Sequence[Question], image: Any = None,
-                     ids: Sequence[str] | None = None, *, case_id: str | None = None) -> CaseInputs:
-        """The CPU part of scoring one request: rows tokenised, the image preprocessed (no model call)."""
+                     ids: Sequence[str] | None = None, *, case_id: str | None = None,
+                     max_tokens: int | None = None) -> CaseInputs:
+        """The CPU part of scoring one request: rows tokenised, the image preprocessed (no model call).
+        `max_tokens` overrides the encoder's row limit (a server's request limits)."""
         pv, grid, n_img = self._image_inputs(image)
-        rows = self.encode_case(state, list(questions), n_image_tokens=n_img, ids=ids, case_id=case_id)
+        rows = self.encode_case(state, list(questions), n_image_tokens=n_img, ids=ids, case_id=case_id,
+                                max_tokens=max_tokens)
         return CaseInputs(rows, pv, grid, n_img)
 
     def score_case_with_usage(self, state: Any, questions: Sequence[Question], image: Any = None,

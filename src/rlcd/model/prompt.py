@@ -189,7 +189,9 @@ class PromptEncoder:
         return stem, [c + [self.marker_id] + self._newline for c in cands]
 
     def assemble(self, prefix: list[int], stem: list[int], cands: list[list[int]], *, n_image_tokens: int = 0,
-                 row: str | None = None) -> EncodedRow:
+                 row: str | None = None, max_tokens: int | None = None) -> EncodedRow:
+        """One row from its segments; longer than `max_tokens` (default: the encoder's) is a RecordError."""
+        limit = self.max_tokens if max_tokens is None else int(max_tokens)
         ids = list(prefix) + list(stem)
         decision = len(ids) - 1
         markers = []
@@ -197,9 +199,9 @@ class PromptEncoder:
             ids.extend(c)
             markers.append(len(ids) - 1 - len(self._newline))
         n = len(ids)
-        if n > self.max_tokens:
+        if n > limit:
             raise RecordError(row, "tokens", f"row has {n} tokens ({n_image_tokens} of them image tokens), more than "
-                                             f"max_tokens={self.max_tokens}; shorten the state, instructions or "
+                                             f"max_tokens={limit}; shorten the state, instructions or "
                                              "criteria (rows are never truncated)")
         found = [i for i, t in enumerate(ids) if t == self.marker_id]
         assert found == markers and len(markers) == len(cands), (
@@ -209,12 +211,12 @@ class PromptEncoder:
         return EncodedRow(ids, len(prefix), decision, markers, n_image_tokens, image_start)
 
     def encode(self, state: Any, question: Question, *, n_image_tokens: int = 0, row: str | None = None,
-               prefix: list[int] | None = None) -> EncodedRow:
+               prefix: list[int] | None = None, max_tokens: int | None = None) -> EncodedRow:
         """Render and tokenize one row (`prefix` may be passed in when already tokenized)."""
         if prefix is None:
             prefix = self.prefix_ids(state, n_image_tokens=n_image_tokens, row=row)
         stem, cands = self.question_segments(question, row=row)
-        return self.assemble(prefix, stem, cands, n_image_tokens=n_image_tokens, row=row)
+        return self.assemble(prefix, stem, cands, n_image_tokens=n_image_tokens, row=row, max_tokens=max_tokens)
 
 
 def render_text(state: Any, question: Question, *, n_image_tokens: int = 0, spec: PromptSpec | None = None) -> str:

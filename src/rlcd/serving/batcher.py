@@ -116,7 +116,7 @@ class Batcher:
 
     # ------------------------------------------------------------------ requests
     def retry_after(self) -> float:
-        per_batch = max(1, self.config.max_batch_questions) if self.config.enabled else 1
+        per_batch = self.config.max_batch_questions if self.config.enabled else 1
         return self.last_batch_s * (1 + self.queue.qsize() / per_batch)
 
     @contextlib.contextmanager
@@ -167,7 +167,7 @@ class Batcher:
         questions, tokens = first.questions, first.tokens
         deadline = time.perf_counter() + c.window_ms / 1000.0
         while True:
-            if self._arriving == 0 and self._held is None and self.queue.empty():
+            if self._arriving == 0 and self.queue.empty():
                 return batch  # nobody else is on the way: waiting would only add latency
             left = deadline - time.perf_counter()
             # short polls, so a request that leaves `arriving()` right after its submit is noticed at once;

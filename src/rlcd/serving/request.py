@@ -209,9 +209,10 @@ def parse_request(request: Any, limits: Limits, *, served: tuple[str, ...] = (),
         qids.append(qid)
         raw_criteria[qid] = raw.get("criteria") if isinstance(raw, Mapping) else None
     warnings: list[str] = []
-    texts = list(_strings(state)) + [t for q in qs.values() for t in _strings(
-        {k: v for k, v in q.items() if k in ("instructions", "criteria")})]
-    _assets(request, texts, images, warnings)
+    if request.get("assets") is not None:  # the texts are only searched for asset placeholders
+        texts = list(_strings(state)) + [t for q in qs.values() for t in _strings(
+            {k: v for k, v in q.items() if k in ("instructions", "criteria")})]
+        _assets(request, texts, images, warnings)
     if request.get("image") is not None:
         images.append(("image", request["image"]))
     if images and not takes_images:
