@@ -197,7 +197,13 @@ def test_report_with_an_empty_split(tmp_path):
 def test_report_flags_a_calibration_that_hurts_beyond_noise(tmp_path):
     run, preds, temps, meta, mb = make_run(tmp_path, with_log=False)
     harmful = {"choice": 0.25, "noul": 0.25, "score": 0.25}  # 8x too sharp on top of 2x: NLL must get worse
-    write_evaluation(run, evaluation_from_predictions(preds, harmful, meta, majority_baseline=mb))
+    ev = evaluation_from_predictions(preds, harmful, meta, majority_baseline=mb)
+    write_evaluation(run, ev)
+    from rlcd.report import format_summary
+
+    summary = format_summary(ev)  # the CLI summary says it too
+    for t in ("overall", "choice", "noul", "score"):
+        assert f"warning: calibration made {t} nll worse beyond noise" in summary, t
     text = write_report(run).read_text()
     for t in ("all types", "choice", "noul", "score"):
         assert f"⚠ Calibration made **{t}** NLL worse on test" in text, t

@@ -336,3 +336,24 @@ def _grid_minimum(u: np.ndarray, curve: np.ndarray) -> np.ndarray:
     step = np.where(np.isfinite(step), np.clip(step, -h, h), 0.0)
     best = np.where(inner, u[jj] + step, u[j])
     return np.where(np.isfinite(curve).any(axis=1), best, np.nan)
+
+
+FLAG_METRICS = ("nll", "ece")
+
+
+def effect_blocks(effect: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    """``[("overall", block), (type, block), ...]`` of a ``calibration_effect``."""
+    return [("overall", effect.get("overall") or {})] + list((effect.get("per_type") or {}).items())
+
+
+def worsened_by_calibration(effect: Mapping[str, Any]) -> list[tuple[str, str, float, list[float]]]:
+    """(block, metric, delta, ci95) for each block of a ``calibration_effect`` whose calibrated NLL or ECE
+    is worse than raw beyond the paired 95% interval (its lower bound above 0)."""
+    out = []
+    for name, block in effect_blocks(effect):
+        for m in FLAG_METRICS:
+            d = block.get(m) or {}
+            ci = d.get("ci95")
+            if ci and ci[0] is not None and ci[0] > 0:
+                out.append((name, m, d["delta"], ci))
+    return out

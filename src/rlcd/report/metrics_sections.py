@@ -9,10 +9,14 @@ from rlcd import metrics as M
 from rlcd.report import plots
 from rlcd.report.context import Context
 from rlcd.report.document import Bullets, Section, Table, Text, fmt, fmt_ci, fmt_interval
+from rlcd.uncertainty import effect_blocks, worsened_by_calibration
 
 HEAD_METRICS = ("accuracy", "soft_accuracy", "nll", "brier", "ece", "ece_target", "sharpness_gap",
                 "mean_confidence", "aurc")
-FLAG_METRICS = ("nll", "ece")
+
+
+def _label(block: str) -> str:
+    return "all types" if block == "overall" else block
 BOOTSTRAP_NOTE = ("Intervals: 95% grouped percentile bootstrap, 1,000 resamples of whole source cases (every "
                   "question about one state moves together), seeded, so the same files give the same numbers.")
 
@@ -31,17 +35,10 @@ def raw_cal_table(raw: Mapping, cal: Mapping, keys: Sequence[str] = HEAD_METRICS
 def calibration_flags(effect: Mapping[str, Any], split: str) -> list[Text]:
     """A warning for each type (and overall) whose calibrated NLL or ECE is worse than raw beyond the
     paired 95% interval of ``calibrated - raw``; one reassuring line when there is none."""
-    blocks = [("all types", effect.get("overall") or {})] + list((effect.get("per_type") or {}).items())
-    flags = []
-    for name, block in blocks:
-        for m in FLAG_METRICS:
-            d = block.get(m) or {}
-            ci = d.get("ci95")
-            if ci and ci[0] is not None and ci[0] > 0:
-                flags.append(Text(f"⚠ Calibration made **{name}** {m.upper()} worse on {split}: Δ = "
-                                  f"{d['delta']:+.4f}, paired 95% CI [{ci[0]:+.4f}, {ci[1]:+.4f}], which excludes 0: "
-                                  "more than resampling noise.", kind="warn"))
-    if not flags and blocks[0][1]:
+    flags = [Text(f"⚠ Calibration made **{_label(name)}** {m.upper()} worse on {split}: Δ = {delta:+.4f}, paired "
+                  f"95% CI [{ci[0]:+.4f}, {ci[1]:+.4f}], which excludes 0: more than resampling noise.", kind="warn")
+             for name, m, delta, ci in worsened_by_calibration(effect)]
+    if not flags and effect.get("overall"):
         flags.append(Text(f"No type's calibrated NLL or ECE on {split} is worse than raw beyond its paired 95% "
                           "interval.", kind="ok"))
     return flags
@@ -94,7 +91,7 @@ def per_type(ctx: Context) -> Section:
                   cal["per_type"][t]["ece_target"], r["sharpness_gap"], cal["per_type"][t]["sharpness_gap"]]
                  for t, r in raw["per_type"].items()]))
     effect = ctx.ev.get("calibration_effect") or {}
-    blocks = [("all types", effect.get("overall") or {})] + list((effect.get("per_type") or {}).items())
+    blocks = [(_label(name), b) for name, b in effect_blocks(effect)]
     s.add(Section("Calibration effect (calibrated − raw, paired)", level=3).add(
         Table(["type", "Δ NLL", "Δ Brier", "Δ ECE", "Δ ECE-target"],
               [[name] + [fmt_ci((b.get(m) or {}).get("delta"), (b.get(m) or {}).get("ci95"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from rlcd.report.document import fmt, fmt_interval
+from rlcd.uncertainty import worsened_by_calibration
 
 
 def format_summary(ev: Mapping[str, Any]) -> str:
@@ -31,11 +32,6 @@ def format_summary(ev: Mapping[str, Any]) -> str:
                      f"  (floor {fmt(post_r['bayes_nll'])}, n={post_r['n']})")
     else:
         lines.append("gap to Bayes floor: no rows carry a posterior")
-    effect = ev.get("calibration_effect") or {}
-    for t, block in [("overall", effect.get("overall") or {})] + list((effect.get("per_type") or {}).items()):
-        for m in ("nll", "ece"):
-            ci = (block.get(m) or {}).get("ci95")
-            if ci and ci[0] is not None and ci[0] > 0:
-                lines.append(f"warning: calibration made {t} {m} worse beyond noise "
-                             f"(delta {block[m]['delta']:+.4f}, 95% CI {fmt_interval(ci)})")
+    for t, m, delta, ci in worsened_by_calibration(ev.get("calibration_effect") or {}):
+        lines.append(f"warning: calibration made {t} {m} worse beyond noise (delta {delta:+.4f}, 95% CI {fmt_interval(ci)})")
     return "\n".join(lines)
