@@ -137,10 +137,7 @@ class Collator:
         images, owners = [], []
         for i, rec in enumerate(records):
             if rec.image:
-                if self.encoder.text_only:
-                    raise RecordError(rec.id, "image", f"the {self.encoder.spec.family} backbone is text-only; "
-                                                       "drop the image or use a vision-language backbone "
-                                                       "(a qwen3.5 preset)")
+                self.encoder.refuse_image(rec.id)
                 if self.image_processor is None:
                     raise RecordError(rec.id, "image", "this collator has no image processor")
                 images.append(self._load_image(rec))

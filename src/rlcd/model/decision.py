@@ -302,11 +302,7 @@ class DecisionModel(nn.Module):
     def _image_inputs(self, image: Any) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
         if image is None:
             return None, None, 0
-        if not self.supports_images:
-            from ..schema import RecordError
-
-            raise RecordError(None, "image", f"the {self.family.name} backbone is text-only; send no image, or "
-                                             "use a vision-language backbone (a qwen3.5 preset)")
+        self.encoder.refuse_image(None)
         pv, grid = process_images(self.image_processor, [image])
         return pv, grid, n_image_tokens(grid[0].tolist(), self.merge_size)
 

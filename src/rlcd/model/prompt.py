@@ -152,12 +152,16 @@ class PromptEncoder:
             raise RecordError(row, field, "tokenizes to a reserved special token; remove special-token text")
 
     # ---------------------------------------------------------------- segments
-    def image_segment(self, n_image_tokens: int, *, row: str | None = None) -> list[int]:
-        if n_image_tokens <= 0:
-            return []
+    def refuse_image(self, row: str | None) -> None:
+        """The one refusal of an image on a text-only backbone (rows, records, requests alike)."""
         if self.text_only:
             raise RecordError(row, "image", f"the {self.spec.family} backbone is text-only; send no image, or use "
                                             "a vision-language backbone (a qwen3.5 preset)")
+
+    def image_segment(self, n_image_tokens: int, *, row: str | None = None) -> list[int]:
+        if n_image_tokens <= 0:
+            return []
+        self.refuse_image(row)
         return [self.vision_start_id] + [self.image_pad_id] * n_image_tokens + [self.vision_end_id] + self._newline
 
     def prefix_ids(self, state: Any, *, n_image_tokens: int = 0, row: str | None = None) -> list[int]:
