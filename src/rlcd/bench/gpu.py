@@ -151,8 +151,7 @@ def build_backbone(config: Any, tokenizer: Any, *, preset: str, seed: int = 0, d
     model.to(device=device, dtype=dtype).eval()
     ip = bb.make_image_processor()
     bb._check_marker(tokenizer)
-    return bb.Backbone(model, tokenizer, ip, bb._info(preset, "random", model, tokenizer, bb.QWEN35, seed=int(seed)),
-                       bb.QWEN35)
+    return bb._backbone(bb.QWEN35, (model, tokenizer, ip), preset, "random", seed=int(seed))
 
 
 # ----------------------------------------------------------------------------------------------
