@@ -39,18 +39,22 @@ def state_excerpt(rec: Record) -> str:
 
 @torch.no_grad()
 def predict_rows(model, records: list[Record], collator, *, device="cpu", batch_size: int = 32,
-                 split: str | None = None, progress: bool = False) -> list[dict[str, Any]]:
+                 split: str | None = None, progress: bool = False, features=None) -> list[dict[str, Any]]:
     """One prediction row per record: id, group, type, labels, target, posterior, raw logits, and for
     reading the errors the question's ``instructions`` and a ``state_excerpt`` (older prediction files
     lack these two; every reader treats them as optional).
 
-    `progress`: show rows done / total ("score <split>") on stderr while scoring.
+    `progress`: show rows done / total ("score <split>") on stderr while scoring. `features`: a
+    `rlcd.features.FeatureCache` whose key matches this model, read instead of running the backbone.
     """
     rows = []
     with Progress(f"score {split or 'rows'}", len(records), enabled=progress and bool(records)) as bar:
         for i in range(0, len(records), batch_size):
             chunk = records[i:i + batch_size]
-            logits = model(collator(chunk).to(device)).float().cpu()
+            if features is not None:
+                logits = model(features.batch(split, chunk, [0] * len(chunk)).to(device)).float().cpu()
+            else:
+                logits = model(collator(chunk).to(device)).float().cpu()
             for j, rec in enumerate(chunk):
                 k = rec.question.k
                 row = {"id": rec.id, "group": rec.group, "type": rec.question.type, "labels": rec.question.labels,
@@ -78,9 +82,23 @@ def _records(config: dict, split: str) -> list[Record]:
 
 
 def _score(model, config: dict, split: str, records: list[Record], placement: Placement,
-           progress: bool) -> list[dict]:
+           progress: bool, features=None) -> list[dict]:
+    usable = features is not None and features.has(split, (r.id for r in records))
     return predict_rows(model, records, _collator(model, Path(config["data_dir"])), split=split,
-                        device=placement.torch_device, progress=progress)
+                        device=placement.torch_device, progress=progress, features=features if usable else None)
+
+
+def _features(model, config: dict, use: bool, say: Callable[[str], None] | None = None):
+    """The data directory's feature cache when its key matches this (merged) model -- a head-only run, whose
+    LoRA merges to the base weights -- else None (the backbone runs)."""
+    if not use:
+        return None
+    from rlcd.features import find_features
+
+    found = find_features(model, Path(config["data_dir"]))
+    if found is not None and say:
+        say(f"features: reading the cached frozen features {found.root} (--no-cache runs the backbone)")
+    return found
 
 
 def _calibration_key(run: Run, placement: Placement, which: str = "best") -> dict[str, Any]:
@@ -117,23 +135,25 @@ def stored_temperatures(run: Run, placement: Placement, which: str = "best") -> 
 
 
 def calibrate_run(run: Run | Path, *, placement: Placement | None = None, which: str = "best",
-                  progress: bool = True) -> dict[str, Any]:
+                  progress: bool = True, feature_cache: bool = True) -> dict[str, Any]:
     """Fit per-type temperatures on the calibration partition with the merged `which` checkpoint."""
     run = run if isinstance(run, Run) else Run.open(run)
     placement = placement or resolve_placement("cpu")
     model, config, _ = load_checkpoint_model(run, which, placement=placement)
-    rows = _score(model, config, "calibration", _records(config, "calibration"), placement, progress)
+    rows = _score(model, config, "calibration", _records(config, "calibration"), placement, progress,
+                  _features(model, config, feature_cache))
     return fit_temperatures(run, rows, placement, which)
 
 
 def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
                  print_fn: Callable[[str], None] | None = None, which: str = "best",
-                 progress: bool = True) -> dict[str, Any]:
+                 progress: bool = True, feature_cache: bool = True) -> dict[str, Any]:
     """Score every held-out split, calibrate, write eval/ and export/, and render the report.
 
     `which`: the dev-selected checkpoint ("best", the recipe) or the "last" one (what the final
     update left, e.g. when no evaluation beat the untrained step 0). `print_fn` receives the status
-    lines (none by default); `progress` shows each split's scoring.
+    lines (none by default); `progress` shows each split's scoring. `feature_cache`: read the data
+    directory's cached features when they match the merged model (a head-only run), else run the backbone.
     """
     from rlcd.data.io import write_jsonl
     from rlcd.metrics import majority_baseline
@@ -145,7 +165,8 @@ def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
     say = print_fn or (lambda _: None)
     model, config, state = load_checkpoint_model(run, which, placement=placement)
     records = {split: _records(config, split) for split in SPLITS}
-    preds = {split: _score(model, config, split, records[split], placement, progress) for split in SPLITS}
+    features = _features(model, config, feature_cache, say)
+    preds = {split: _score(model, config, split, records[split], placement, progress, features) for split in SPLITS}
     for split, rows in preds.items():
         write_jsonl(run.predictions_path(split), rows)
     stored = stored_temperatures(run, placement, which)

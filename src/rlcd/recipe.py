@@ -33,6 +33,9 @@ class Recipe:
     w_spherical: float = 0.75    # reward weight of the spherical score
     w_rps: float = 1.0           # reward weight of the RPS penalty (score questions)
     advantage_norm: str = "batch"  # advantage std: "batch" (one per micro-batch) or "type" (one per question type)
+    # --- what learns (LP-FT) -------------------------------------------------------------------
+    head_only: bool = False      # the scorer alone learns on frozen (cached) backbone features; LoRA stays 0
+    head_warmup: int = 0         # head-only updates before LoRA joins (schedule and horizon unchanged)
     # --- sampling ----------------------------------------------------------------------------
     batch_size: int = 8          # examples per micro-batch
     grad_accum: int = 4          # micro-batches per update, split over DDP ranks (global batch 32)
@@ -78,6 +81,15 @@ class Recipe:
                      "log_every", "horizon_cap", "lora_rank", "proj_dim"):
             if getattr(self, name) < 1:
                 raise OptionError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not isinstance(self.head_only, bool):
+            raise OptionError(f"head_only must be true or false, got {self.head_only!r}")
+        if not (isinstance(self.head_warmup, int) and not isinstance(self.head_warmup, bool)
+                and 0 <= self.head_warmup <= self.steps):
+            raise OptionError(f"head_warmup must be an integer in [0, steps={self.steps}] (head-only updates before "
+                              f"LoRA joins), got {self.head_warmup!r}")
+        if self.head_only and self.head_warmup:
+            raise OptionError("head_only=true and head_warmup>0 both given: a head-only run never lets LoRA join; "
+                              "use one of them")
         if self.diagnostics_every < 0:
             raise OptionError(f"diagnostics_every must be >= 0 (0 = off), got {self.diagnostics_every}")
         if self.centring not in ("running_mean", "layernorm", "none"):
@@ -90,6 +102,10 @@ class Recipe:
 
     def decay_horizon(self) -> int:
         return min(self.steps, self.horizon_cap)
+
+    def head_phase(self, step: int) -> bool:
+        """True while update `step` (0-based) trains the head alone on frozen features."""
+        return self.head_only or step < self.head_warmup
 
     def sigma_at(self, step: int, horizon: int) -> float:
         """sigma of update `step` (0-based) for decay horizon D.

@@ -158,6 +158,7 @@ class Session:
     device: torch.device
     consumed: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     objective_fn: Callable | None = None
+    features: Any = None            # rlcd.features.FeatureCache read while the backbone is frozen, or None (live)
 
     def objective(self, logits, batch, index):
         r = self.recipe
@@ -188,10 +189,21 @@ class Session:
         return out
 
     def microbatch(self, index: int):
-        from rlcd.data.sampling import shuffle_choice
-
         draws = self.sampler.microbatch(self.recipe.seed, index, self.recipe.batch_size)
-        rows = [shuffle_choice(self.records[d.id], d.perm_seed) for d in draws]
+        return self.batch_of(draws, head_phase=self.recipe.head_phase(index // self.recipe.grad_accum))
+
+    def batch_of(self, draws, *, head_phase: bool):
+        """The batch of `draws`. While only the head learns, a choice row takes one of its fixed candidate
+        orders (`order_of_draw`) and the features come from the cache when there is one (else the frozen
+        backbone runs live, on the same rows); otherwise every choice row is shuffled afresh."""
+        from rlcd.data.sampling import order_of_draw, shuffle_choice, with_fixed_order
+
+        if not head_phase:
+            return self.collator([shuffle_choice(self.records[d.id], d.perm_seed) for d in draws]).to(self.device)
+        orders = [order_of_draw(self.records[d.id], d.perm_seed) for d in draws]
+        rows = [with_fixed_order(self.records[d.id], o) for d, o in zip(draws, orders)]
+        if self.features is not None:
+            return self.features.batch("train", rows, orders).to(self.device)
         return self.collator(rows).to(self.device)
 
     def count_consumed(self, step: int) -> None:
@@ -277,6 +289,7 @@ class Session:
         """
         r = self.recipe
         lrs = self.set_lr(step)
+        self.model.frozen_features = r.head_phase(step)
         diag_due = r.diagnostics_every > 0 and (step + 1) % r.diagnostics_every == 0
         stats = reduce_stats(self.accumulate(step, diagnostics=diag_due, mark=mark), self.dist)
         if mark:
@@ -309,10 +322,11 @@ def reduce_stats(stats: dict[str, Any], d: Dist) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def dev_accuracy(model, dev: dict[str, list[Record]], collator, device, batch_size: int = 16) -> dict[str, Any]:
+def dev_accuracy(model, dev: dict[str, list[Record]], collator, device, batch_size: int = 16,
+                 features=None) -> dict[str, Any]:
     """Top-1 accuracy per sampling group and the unweighted group macro (the selection score), plus the
     dev scoring rules of `rlcd.diagnostics.dev_scores` (NLL, Brier, ECE overall and per type) from the same
-    forward."""
+    forward. `features`: a `FeatureCache` holding the dev rows, read instead of running the (frozen) backbone."""
     was_training = model.training
     model.eval()
     per_group = {}
@@ -322,7 +336,8 @@ def dev_accuracy(model, dev: dict[str, list[Record]], collator, device, batch_si
         correct = 0
         for i in range(0, len(rows), batch_size):
             chunk = rows[i:i + batch_size]
-            batch = collator(chunk).to(device)
+            batch = (features.batch("dev", chunk, [0] * len(chunk)) if features is not None else collator(chunk))
+            batch = batch.to(device)
             logits = model(batch)
             pred = logits.argmax(-1)
             tgt = batch.target.masked_fill(~batch.cand_mask, -1.0).argmax(-1)
@@ -349,9 +364,15 @@ def _load_records(data_dir: Path):
 
 
 def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement | None = None, backbone=None,
-                  objective_fn=None, records=None) -> Session:
+                  objective_fn=None, records=None, feature_cache: bool = True, progress: bool = True,
+                  print_fn: Callable[[str], None] | None = None) -> Session:
     """Model, optimizer, sampler and dev subset of a run. `records`: the (train, dev) rows if the caller
-    already read them; `backbone`: a ready backbone for `build_model` (tests, benchmarks)."""
+    already read them; `backbone`: a ready backbone for `build_model` (tests, benchmarks).
+
+    A run whose head learns alone for a while (`head_only`, `head_warmup`) reads its frozen features from
+    the data directory's feature cache (`rlcd.features`; extracted here on first need, by rank 0 while the
+    other ranks wait) unless `feature_cache` is False (the backbone then runs live, without gradients).
+    A head-only run's LoRA adapters stay at B = 0 with requires_grad off, so its export merges to the base."""
     from rlcd.data.sampling import Sampler
     from rlcd.model.build import build_model
 
@@ -369,6 +390,20 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
     torch.manual_seed(recipe.seed)
     model = build_model(config, device=device, dtype=placement.torch_dtype, backbone=backbone)
     model.train()
+    if recipe.head_only:
+        for p in model.param_groups()["lora"]:
+            p.requires_grad_(False)
+    features = None
+    if feature_cache and (recipe.head_only or recipe.head_warmup > 0):
+        from rlcd.features import ensure_features
+
+        if d.main:
+            features = ensure_features(model, data_dir, progress=progress, say=print_fn,
+                                       records={"train": train, "dev": dev_rows})
+        if d.active:
+            dist.barrier()
+            if not d.main:
+                features = ensure_features(model, data_dir, progress=False)
     groups = model.param_groups()
     optimizer = torch.optim.AdamW(
         [{"params": groups["lora"], "lr": recipe.lr_lora, "name": "lora"},
@@ -379,13 +414,14 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
     if d.active:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        wrapped = DDP(model, device_ids=[device.index or 0] if device.type == "cuda" else None)
+        wrapped = DDP(model, device_ids=[device.index or 0] if device.type == "cuda" else None,
+                      find_unused_parameters=recipe.head_warmup > 0)  # LoRA gets no gradient in the warm-up
     check_special_tokens(model.encoder, [by_id[i] for ids in pool.values() for i in ids],
                          [r for rows in dev.values() for r in rows])
     collator = model.collator(image_root=data_dir)
     return Session(recipe=recipe, horizon=int(config["decay_horizon"]), model=model, wrapped=wrapped,
                    optimizer=optimizer, collator=collator, records=by_id, dev=dev, sampler=Sampler(pool),
-                   dist=d, device=device, objective_fn=objective_fn)
+                   dist=d, device=device, objective_fn=objective_fn, features=features)
 
 
 def check_special_tokens(encoder, *splits) -> None:
@@ -410,13 +446,8 @@ def init_centring(s: Session, n_batches: int = 4) -> None:
     Uses micro-batch indices far outside the training stream (negative-free offset), so the
     estimate is identical on every rank and for every world size.
     """
-    from rlcd.data.sampling import shuffle_choice
-
-    batches = []
-    for i in range(n_batches):
-        draws = s.sampler.microbatch(s.recipe.seed + 7919, i, s.recipe.batch_size)
-        rows = [shuffle_choice(s.records[dd.id], dd.perm_seed) for dd in draws]
-        batches.append(s.collator(rows).to(s.device))
+    batches = [s.batch_of(s.sampler.microbatch(s.recipe.seed + 7919, i, s.recipe.batch_size),
+                          head_phase=s.recipe.head_phase(0)) for i in range(n_batches)]
     s.model.init_centring(batches)
 
 
@@ -502,14 +533,16 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
           recipe: Recipe | None = None, resume: bool = False, steps: int | None = None,
           stop_after: int | None = None, progress: bool = True, model_seed: int = 0,
           objective_fn: Callable | None = None, device: str = "auto", dtype: str = "auto",
-          backbone=None, log: str | None = None, print_fn: Callable[[str], None] = echo) -> dict:
+          backbone=None, log: str | None = None, print_fn: Callable[[str], None] = echo,
+          feature_cache: bool = True) -> dict:
     """Train (or resume) the run at `run_dir`; returns the final state dict.
 
     Inputs are checked and the model is built before anything is written, so a failed start leaves
     no run directory behind. `stop_after` ends the process after that many updates without a final
     evaluation, as a kill would (used to test resume equivalence). `backbone` hands `build_model` a
     ready backbone (tests, benchmarks). `progress=False` silences the progress display (stderr);
-    `log` is the experiment tracker (`rlcd.tracking`: "none", the default of a new run, or
+    `feature_cache=False` runs the frozen backbone live in a head-only phase instead of reading the
+    data directory's feature cache (same numbers within float noise, slower). `log` is the experiment tracker (`rlcd.tracking`: "none", the default of a new run, or
     "tensorboard"); a resume keeps the run's own unless `log` is given, and records the change.
     """
     from rlcd.model.backbone import check_backbone_spec
@@ -548,7 +581,8 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
         placement = resolve_placement(device, dtype if dtype != "auto" else config.get("dtype", "auto"),
                                       local_rank=d.local_rank if d.active else None)
     s = build_session(config, samples, d, placement=placement, backbone=backbone, objective_fn=objective_fn,
-                      records=records)
+                      records=records, feature_cache=feature_cache, progress=progress,
+                      print_fn=print_fn if d.main else None)
     r = s.recipe
     if d.main:
         notice = deviation_notice(r)
@@ -577,7 +611,8 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
         tracker = open_tracker(config.get("log", "none"), run, resume_step=state["step"] if resume else None)
     writer = RunWriter(run, enabled=d.main, tracker=tracker)
     writer.log({"event": "session", "step": state["step"], "world_size": d.world, **placement.to_dict(),
-                "resume": bool(resume)})
+                "resume": bool(resume),
+                "features": None if s.features is None else str(s.features.root)})
 
     def snapshot() -> dict:
         return {**state, "recipe": r.to_dict(), "consumed": dict(s.consumed), "world_size": d.world,
@@ -585,7 +620,8 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
 
     def evaluate_and_select(step: int) -> None:
         if d.main:
-            ev = dev_accuracy(s.model, s.dev, s.collator, s.device)
+            frozen = r.head_only or step <= r.head_warmup  # LoRA has not moved yet: the cache holds these features
+            ev = dev_accuracy(s.model, s.dev, s.collator, s.device, features=s.features if frozen else None)
             state["score"] = ev["dev_macro_accuracy"]
             writer.log({"event": "eval", "step": step, **ev})
             if state["best_score"] is None or ev["dev_macro_accuracy"] > state["best_score"]:

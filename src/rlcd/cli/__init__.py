@@ -24,7 +24,7 @@ import typer
 from typer._click import exceptions as cx  # typer vendors click (typer._click) since 0.2x; pinned
 from typer.core import TyperGroup
 
-from rlcd.cli import analysis, bench, data, demo, evaluate, serve, train
+from rlcd.cli import analysis, bench, data, demo, evaluate, features, serve, train
 from rlcd.cli._common import show_status
 from rlcd.errors import UserError
 
@@ -83,6 +83,7 @@ def _root(version: bool = typer.Option(False, "--version", is_eager=True, callba
 # the command table -------------------------------------------------------------------------------
 app.add_typer(data.app, name="data")
 app.command("train")(train.train)
+app.command("features")(features.features)
 app.command("calibrate")(evaluate.calibrate)
 app.command("evaluate")(evaluate.evaluate)
 app.command("report")(evaluate.report)

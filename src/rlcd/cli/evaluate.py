@@ -15,12 +15,14 @@ class Which(str, Enum):
     last = "last"
 
 
+NoCacheOpt = Annotated[bool, typer.Option("--no-cache", help="run the backbone even when the data directory's "
+                                           "feature cache matches the model (a head-only run reads it by default)")]
 CheckpointOpt = Annotated[Which, typer.Option("--checkpoint", help="best: the dev-selected checkpoint (the "
                                               "recipe); last: the one the final update left")]
 
 
 def calibrate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = DType.auto,
-              checkpoint: CheckpointOpt = Which.best) -> None:
+              checkpoint: CheckpointOpt = Which.best, no_cache: NoCacheOpt = False) -> None:
     """Fit one temperature per decision type on the calibration split (merged best or last checkpoint).
 
     Writes eval/temperatures.json; `rlcd evaluate` and the export use these temperatures when they
@@ -31,11 +33,11 @@ def calibrate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = 
     from rlcd.run import Run
 
     r = Run.open(run_path(run, None))
-    echo_json(calibrate_run(r, placement=placement(device, dtype), which=checkpoint.value))
+    echo_json(calibrate_run(r, placement=placement(device, dtype), which=checkpoint.value, feature_cache=not no_cache))
 
 
 def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = DType.auto,
-             checkpoint: CheckpointOpt = Which.best) -> None:
+             checkpoint: CheckpointOpt = Which.best, no_cache: NoCacheOpt = False) -> None:
     """Score dev/calibration/test with the merged best (or last) checkpoint, calibrate, write eval/ and export/.
 
     Progress (rows done / total per split, rows/s, time left) and model loading go to stderr, the
@@ -47,7 +49,8 @@ def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = D
     from rlcd.run import Run
 
     r = Run.open(run_path(run, None))
-    print_summary(evaluate_run(r, placement=placement(device, dtype), print_fn=echo, which=checkpoint.value))
+    print_summary(evaluate_run(r, placement=placement(device, dtype), print_fn=echo, which=checkpoint.value,
+                               feature_cache=not no_cache))
 
 
 def report(run: RunArg = None) -> None:

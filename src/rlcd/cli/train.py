@@ -44,6 +44,8 @@ def train(
              "config.json: a resume keeps the run's choice unless --log is given", show_default=False)] = None,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="head-only phases run the frozen backbone live "
+                                           "instead of reading DATA/features/ (rlcd features)")] = False,
 ) -> None:
     """Train a run with the fixed recipe, or resume one (a larger --steps extends it).
 
@@ -66,7 +68,7 @@ def train(
             if other is not None and Path(other) != Path(resume):
                 raise OptionError(f"--resume {resume} and run directory {other} differ; give the run once")
         out = run_train(resume, resume=True, steps=steps, device=device, dtype=dtype.value,
-                        log=log.value if log else None)
+                        log=log.value if log else None, feature_cache=not no_cache)
     else:
         if run is not None and run_alias is not None and Path(run) != Path(run_alias):
             raise typer.BadParameter(f"RUN given twice ({run} and --run {run_alias}); give it once")
@@ -82,5 +84,5 @@ def train(
             raise OptionError(f"--{both[0].replace('_', '-')} and --recipe {both[0]}=... both given; give it once")
         rec = Recipe().with_(**fields, **knobs)
         out = run_train(path, data_dir=data, model=model or "qwen3.5-0.8b", recipe=rec, steps=steps,
-                        device=device, dtype=dtype.value, log=log.value if log else None)
+                        device=device, dtype=dtype.value, log=log.value if log else None, feature_cache=not no_cache)
     echo_json({k: out[k] for k in ("step", "best_step", "best_score")})

@@ -92,7 +92,15 @@ def shuffle_choice(record: Record, seed: int) -> Record:
     q = record.question
     if q.type != "choice":
         return record
-    perm = np.random.default_rng(seed).permutation(q.k).tolist()
+    return permute_choice(record, np.random.default_rng(seed).permutation(q.k).tolist())
+
+
+def permute_choice(record: Record, perm: list[int]) -> Record:
+    """A copy of a choice record whose candidate j is the original candidate `perm[j]` (with its target,
+    posterior and description); noul and score records are returned unchanged."""
+    q = record.question
+    if q.type != "choice":
+        return record
     labels = q.labels
     if isinstance(q.criteria, dict):
         criteria: list[str] | dict[str, str] = {labels[i]: q.criteria[labels[i]] for i in perm}
@@ -105,3 +113,28 @@ def shuffle_choice(record: Record, seed: int) -> Record:
     if record.posterior is not None:
         update["posterior"] = [record.posterior[i] for i in perm]
     return record.model_copy(update=update)
+
+
+N_ORDERS = 4  # candidate orders kept per choice row when the backbone is frozen (the identity among them)
+
+
+def fixed_order(record_id: str, k: int, order: int) -> list[int]:
+    """Candidate order `order` (0..N_ORDERS-1) of a choice row: 0 is the identity, the others are
+    permutations drawn from sha256(id, order), so they depend on the row alone (not on a run's seed)."""
+    if order == 0:
+        return list(range(k))
+    digest = hashlib.sha256(f"{record_id}\0{order}".encode("utf-8")).digest()
+    return np.random.default_rng(int.from_bytes(digest[:8], "little")).permutation(k).tolist()
+
+
+def order_of_draw(record: Record, perm_seed: int, n_orders: int = N_ORDERS) -> int:
+    """Which of a row's fixed orders a draw uses while the backbone is frozen: `perm_seed mod n_orders`
+    for a choice row (uniform over the orders, a pure function of the draw), 0 for noul and score."""
+    return perm_seed % n_orders if record.question.type == "choice" else 0
+
+
+def with_fixed_order(record: Record, order: int) -> Record:
+    """The record in its fixed order `order` (`fixed_order`); noul/score rows unchanged."""
+    if record.question.type != "choice" or order == 0:
+        return record
+    return permute_choice(record, fixed_order(record.id, record.question.k, order))

@@ -131,6 +131,7 @@ class DecisionModel(nn.Module):
             self.head = CandidateScorer(hidden, proj_dim=proj_dim, centring=centring)
         self.head.to(dev)
         self.merged = False
+        self.frozen_features = False  # set by the trainer while only the head learns
         self.seed = int(seed)
         self.last_usage: dict = {}
         if self.family.supports_images:
@@ -262,7 +263,10 @@ class DecisionModel(nn.Module):
         return self._lm(ids, feats, attn, pos).last_hidden_state
 
     def features(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h_decision [B,H], h_markers [B,Kmax,H]) from a full forward."""
+        """(h_decision [B,H], h_markers [B,Kmax,H]) from a full forward (or as given by a cached
+        `rlcd.features.FeatureBatch`)."""
+        if hasattr(batch, "h_dec"):
+            return batch.h_dec, batch.h_cand
         h = self.hidden_states(batch)
         dev = h.device
         rows = torch.arange(h.shape[0], device=dev)
@@ -271,7 +275,13 @@ class DecisionModel(nn.Module):
         return h_dec, h_cand
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        h_dec, h_cand = self.features(batch)
+        """Logits [B, Kmax]. While `frozen_features` is set (head-only training, the head warm-up) the
+        backbone runs without gradients: only the head learns, and the features equal the cached ones."""
+        if self.frozen_features:
+            with torch.no_grad():
+                h_dec, h_cand = self.features(batch)
+        else:
+            h_dec, h_cand = self.features(batch)
         return self.head(h_dec, h_cand, batch.cand_mask.to(h_dec.device))
 
     @torch.no_grad()

@@ -1,0 +1,416 @@
+"""The frozen-feature cache: `(h_dec, h_cand)` of every row of a processed data directory, computed once.
+
+While the backbone is frozen (a head-only run, or the head warm-up of an LP-FT run: LoRA B is still
+zero) the scorer's inputs are a pure function of the row, so they are computed once and shared by
+every run whose key matches -- the pattern of `datasets`' fingerprinted cache files: the key says
+everything the content depends on, so a match is a proof and a mismatch a rebuild.
+
+    DATA/features/<KEY>/
+      manifest.json          {"key": {...}, "key_id", "complete": true, "splits": {split: n_entries}, ...}
+      <split>.safetensors    h_dec [N, H], h_cand [C, H] (all candidates, row after row), cand_start [N],
+                             k [N], n_tokens [N]  (N entries: one per row, N_ORDERS per train choice row)
+      <split>.index.json     [[id, order], ...] in entry order
+
+KEY = sha256 of {feature_version, backbone (family, config hash, vocabulary, marker), a digest of every
+frozen weight, the prompt frame, the four split files' sha256, the dtype, N_ORDERS}. The directory is
+written under a temporary name and renamed into place as the last step, so a killed extraction leaves
+only a `.tmp-*` directory that no reader opens (and the next extraction removes); a directory whose
+manifest does not say `complete` or whose key differs is never read.
+
+Choice rows: the candidate features depend on the option order, so a train choice row is cached in
+N_ORDERS fixed orders (`rlcd.data.sampling.fixed_order`, the identity among them) and a draw uses
+order `perm_seed mod N_ORDERS` (`order_of_draw`). Against live shuffling (a fresh permutation per
+draw out of K!) this caps the orders a row is seen in at 4: a position prior can still not be learnt
+(every row is seen in 4 orders, 3 of them random), but a K > 4 choice row shows at most 4 of its
+positions to each label. Dev, calibration and test rows are scored in their given order only.
+
+Extraction runs all questions of one state from one prefix forward (`DecisionModel.case_features`,
+the serving path) when the model has it, several cases per call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from rlcd.data.sampling import N_ORDERS, with_fixed_order
+from rlcd.errors import OptionError
+from rlcd.schema import TYPE_ID, Record
+
+FEATURE_VERSION = 1
+SPLITS = ("train", "dev", "calibration", "test")
+FEATURES_DIR = "features"
+_TENSORS = ("h_dec", "h_cand", "cand_start", "k", "n_tokens")
+
+
+# ----------------------------------------------------------------------------------------------
+# the key
+
+
+def weights_digest(model) -> str:
+    """sha256 over every frozen backbone weight (LoRA excluded), name-independent of the peft wrapper.
+
+    Per tensor: its normalised name, shape, dtype, float64 sum and ~4k strided values -- any real change
+    of a weight (another seed, another checkpoint, a merged non-zero LoRA) changes it; it costs well under
+    a second on a 0.8B backbone.
+    """
+    h = hashlib.sha256()
+    for name, p in model.backbone.named_parameters():
+        if "lora_" in name:
+            continue
+        name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        t = p.detach().reshape(-1)
+        stride = max(1, t.numel() // 4096)
+        sample = t[::stride].float().cpu().contiguous()
+        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|{float(t.double().sum()):.17g}|".encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()
+
+
+def feature_key(model, data_dir: Path) -> dict[str, Any]:
+    """Everything the cached features depend on (see the module docstring)."""
+    from rlcd.train import data_hashes
+
+    info = model.backbone_info
+    dtype = str(next(model.backbone.parameters()).dtype).replace("torch.", "")
+    return {
+        "feature_version": FEATURE_VERSION,
+        "backbone": {k: info.get(k) for k in ("family", "config_hash", "vocab", "vocab_size", "marker_id",
+                                              "hidden_size", "num_layers")},
+        "weights": weights_digest(model),
+        "prompt": model.info["prompt"],
+        "splits": data_hashes(Path(data_dir)),
+        "dtype": dtype,
+        "n_orders": N_ORDERS,
+    }
+
+
+def key_id(key: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
+# ----------------------------------------------------------------------------------------------
+# what a training step reads
+
+
+@dataclass
+class FeatureBatch:
+    """A micro-batch of cached features: what `DecisionModel.forward` needs instead of token ids.
+
+    Carries the `Batch` fields the objective and the diagnostics read (`cand_mask`, `target`, `ordinal`,
+    `type_id`, `ids`, `groups`, `types`, `n_tokens`)."""
+
+    h_dec: torch.Tensor  # [B, H]
+    h_cand: torch.Tensor  # [B, Kmax, H] (0 on padding)
+    cand_mask: torch.Tensor  # [B, Kmax] bool
+    target: torch.Tensor  # [B, Kmax] float32
+    ordinal: torch.Tensor  # [B] bool
+    type_id: torch.Tensor  # [B] long
+    ids: list[str]
+    groups: list[str]
+    types: list[str]
+    n_tokens: int
+
+    def to(self, device: Any, non_blocking: bool = False) -> "FeatureBatch":
+        kw = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            kw[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+        return FeatureBatch(**kw)
+
+    def __len__(self) -> int:
+        return int(self.h_dec.shape[0])
+
+
+class FeatureCache:
+    """A complete cache directory, loaded into memory (CPU tensors)."""
+
+    def __init__(self, root: Path, manifest: dict, tensors: dict[str, dict[str, torch.Tensor]],
+                 index: dict[str, dict[tuple[str, int], int]]):
+        self.root, self.manifest, self.tensors, self.index = root, manifest, tensors, index
+
+    @property
+    def key(self) -> dict:
+        return self.manifest["key"]
+
+    @classmethod
+    def load(cls, root: Path, key: dict | None = None) -> "FeatureCache | None":
+        """The cache at `root` if it is complete and (when given) holds exactly `key`; else None."""
+        from safetensors.torch import load_file
+
+        try:
+            manifest = json.loads((root / "manifest.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if not manifest.get("complete") or (key is not None and manifest.get("key") != key):
+            return None
+        tensors, index = {}, {}
+        try:
+            for split, n in manifest["splits"].items():
+                t = load_file(str(root / f"{split}.safetensors"))
+                entries = json.loads((root / f"{split}.index.json").read_text())
+                if len(entries) != n or any(t[name].shape[0] != n for name in ("h_dec", "cand_start", "k")):
+                    return None
+                tensors[split] = t
+                index[split] = {(i, int(o)): j for j, (i, o) in enumerate(entries)}
+        except (OSError, ValueError, KeyError):
+            return None
+        return cls(root, manifest, tensors, index)
+
+    def has(self, split: str, ids: Iterable[str]) -> bool:
+        idx = self.index.get(split, {})
+        return all((i, 0) in idx for i in ids)
+
+    def rows(self, split: str, keys: Sequence[tuple[str, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(h_dec [B,H], h_cand [B,Kmax,H], cand_mask [B,Kmax]) of entries `(id, order)` of `split`."""
+        t = self.tensors[split]
+        idx = self.index[split]
+        try:
+            js = [idx[(i, o)] for i, o in keys]
+        except KeyError as e:
+            raise KeyError(f"feature cache {self.root} has no entry {e.args[0]} in {split}") from None
+        ks = [int(t["k"][j]) for j in js]
+        kmax = max(ks)
+        h_dec = t["h_dec"][js]
+        h_cand = torch.zeros((len(js), kmax, h_dec.shape[1]), dtype=t["h_cand"].dtype)
+        mask = torch.zeros((len(js), kmax), dtype=torch.bool)
+        for b, (j, k) in enumerate(zip(js, ks)):
+            s = int(t["cand_start"][j])
+            h_cand[b, :k] = t["h_cand"][s:s + k]
+            mask[b, :k] = True
+        return h_dec, h_cand, mask
+
+    def batch(self, split: str, records: Sequence[Record], orders: Sequence[int]) -> FeatureBatch:
+        """A FeatureBatch of `records` (already in their fixed orders `orders`: targets are read from them)."""
+        h_dec, h_cand, mask = self.rows(split, [(r.id, o) for r, o in zip(records, orders)])
+        t = self.tensors[split]
+        n_tok = sum(int(t["n_tokens"][self.index[split][(r.id, o)]]) for r, o in zip(records, orders))
+        target = torch.zeros(mask.shape, dtype=torch.float32)
+        for b, r in enumerate(records):
+            target[b, : len(r.target)] = torch.tensor(r.target, dtype=torch.float32)
+        types = [r.question.type for r in records]
+        return FeatureBatch(h_dec=h_dec, h_cand=h_cand, cand_mask=mask, target=target,
+                            ordinal=torch.tensor([ty == "score" for ty in types], dtype=torch.bool),
+                            type_id=torch.tensor([TYPE_ID[ty] for ty in types], dtype=torch.long),
+                            ids=[r.id for r in records], groups=[r.group or r.sampling_group for r in records],
+                            types=types, n_tokens=n_tok)
+
+
+# ----------------------------------------------------------------------------------------------
+# extraction
+
+
+def cache_root(data_dir: Path) -> Path:
+    return Path(data_dir) / FEATURES_DIR
+
+
+def _entries(split: str, records: Sequence[Record]) -> list[tuple[Record, int]]:
+    """(record in its fixed order, order) for every cached entry of a split."""
+    out = []
+    for r in records:
+        orders = range(N_ORDERS) if split == "train" and r.question.type == "choice" else (0,)
+        out.extend((with_fixed_order(r, o), o) for o in orders)
+    return out
+
+
+def _by_case(entries: list[tuple[Record, int]]) -> list[list[int]]:
+    cases: dict[str, list[int]] = defaultdict(list)
+    for j, (r, _) in enumerate(entries):
+        cases[r.case_id if r.case_id is not None else f"\0{r.id}"].append(j)
+    return list(cases.values())
+
+
+@torch.no_grad()
+def extract_split(model, records: Sequence[Record], collator, split: str, *, rows_per_call: int = 64,
+                  progress: Callable[[int], None] | None = None) -> tuple[dict[str, torch.Tensor], list]:
+    """The tensors and index of one split: every entry's (h_dec, h_cand) from the frozen backbone.
+
+    Rows of one case (one state) share a prefix forward (`model.case_features`) when the model has it;
+    otherwise (or for a case of one row) full rows are run, `rows_per_call` at a time.
+    """
+    entries = _entries(split, records)
+    n = len(entries)
+    h_dec: list[torch.Tensor | None] = [None] * n
+    h_cand: list[torch.Tensor | None] = [None] * n
+    n_tok = [0] * n
+    was = model.training
+    model.eval()
+    done = 0
+    shared = getattr(model, "case_features", None)
+    groups = _by_case(entries) if shared is not None else [[j] for j in range(n)]
+    call: list[list[int]] = []
+
+    def flush(call: list[list[int]]) -> None:
+        nonlocal done
+        if not call:
+            return
+        if shared is not None:
+            cases = [model.case_inputs_from_records([entries[j][0] for j in g], image_root=collator.image_root) for g in call]
+            for g, c, feats in zip(call, cases, shared(cases)):
+                for j, row, (d, cand) in zip(g, c.rows, feats):
+                    h_dec[j], h_cand[j], n_tok[j] = d.float().cpu(), cand.float().cpu(), len(row)
+        else:
+            flat = [j for g in call for j in g]
+            batch = collator([entries[j][0] for j in flat])
+            d, cand = model.features(batch)
+            for b, j in enumerate(flat):
+                k = entries[j][0].question.k
+                h_dec[j], h_cand[j] = d[b].float().cpu(), cand[b, :k].float().cpu()
+                n_tok[j] = int(batch.attention_mask[b].sum())
+        done += sum(len(g) for g in call)
+        if progress:
+            progress(done)
+
+    for g in groups:
+        if call and sum(len(x) for x in call) + len(g) > rows_per_call:
+            flush(call)
+            call = []
+        call.append(g)
+    flush(call)
+    model.train(was)
+    ks = [c.shape[0] for c in h_cand]  # type: ignore[union-attr]
+    starts = [0]
+    for k in ks[:-1]:
+        starts.append(starts[-1] + k)
+    hidden = int(model.head.hidden)
+    tensors = {
+        "h_dec": torch.stack(h_dec) if n else torch.zeros((0, hidden)),  # type: ignore[arg-type]
+        "h_cand": torch.cat(h_cand) if n else torch.zeros((0, hidden)),  # type: ignore[arg-type]
+        "cand_start": torch.tensor(starts if n else [], dtype=torch.long),
+        "k": torch.tensor(ks, dtype=torch.long),
+        "n_tokens": torch.tensor(n_tok, dtype=torch.long),
+    }
+    return tensors, [[r.id, o] for r, o in entries]
+
+
+def _check_writable(root: Path) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".probe-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise OptionError(f"feature cache directory {root} is not writable ({e.strerror or e}); make it writable "
+                          f"or run with --no-cache") from None
+
+
+def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callable[[str], None] | None = None,
+                    records: dict[str, list[Record]] | None = None) -> FeatureCache:
+    """The cache of `model`'s frozen features over `data_dir`: loaded when a complete one with the same key
+    exists, else extracted (all four splits) and published atomically. Partial `.tmp-*` directories of
+    killed extractions are removed first (an extraction in progress elsewhere keeps its own)."""
+    from rlcd.data.io import load_split
+    from rlcd.progress import Progress
+    from safetensors.torch import save_file
+
+    say = say or (lambda _: None)
+    data_dir = Path(data_dir)
+    key = feature_key(model, data_dir)
+    kid = key_id(key)
+    root = cache_root(data_dir)
+    final = root / kid
+    found = FeatureCache.load(final, key)
+    if found is not None:
+        say(f"features: reusing {final}")
+        return found
+    _check_writable(root)
+    _remove_dead_tmp(root)
+    if final.exists():  # incomplete or another key under this name: never read, rebuilt
+        shutil.rmtree(final, ignore_errors=True)
+    tmp = root / f".tmp-{kid}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    t0 = time.perf_counter()
+    counts, tokens = {}, 0
+    collator = model.collator(image_root=data_dir)
+    try:
+        for split in SPLITS:
+            recs = (records or {}).get(split)
+            if recs is None:
+                recs = load_split(data_dir, split) if (data_dir / f"{split}.jsonl").is_file() else []
+            n = len(_entries(split, recs))
+            with Progress(f"features {split}", n, unit="rows", enabled=progress and n > 0) as bar:
+                tensors, index = extract_split(model, recs, collator, split, progress=bar.update)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / f"{split}.safetensors"))
+            (tmp / f"{split}.index.json").write_text(json.dumps(index))
+            counts[split] = len(index)
+            tokens += int(tensors["n_tokens"].sum())
+        seconds = time.perf_counter() - t0
+        manifest = {"key": key, "key_id": kid, "complete": True, "splits": counts, "row_tokens": tokens,
+                    "seconds": round(seconds, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "shared_prefix": hasattr(model, "case_features")}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        _fsync_dir(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process published the same key first: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    out = FeatureCache.load(final, key)
+    if out is None:
+        raise RuntimeError(f"feature cache {final} could not be read back after writing it")
+    say(f"features: {sum(counts.values())} entries ({tokens} row tokens) in {seconds:.1f} s -> {final}")
+    return out
+
+
+def find_features(model, data_dir: Path) -> FeatureCache | None:
+    """The complete cache for `model` over `data_dir` if one exists (never extracts)."""
+    key = feature_key(model, Path(data_dir))
+    return FeatureCache.load(cache_root(Path(data_dir)) / key_id(key), key)
+
+
+def _remove_dead_tmp(root: Path) -> None:
+    """Remove `.tmp-*` directories whose writer process is gone (a killed extraction)."""
+    for d in root.glob(".tmp-*"):
+        try:
+            pid = int(d.name.split("-")[2])
+        except (IndexError, ValueError):
+            pid = -1
+        if pid > 0 and pid != os.getpid() and _alive(pid):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _fsync_dir(d: Path) -> None:
+    for f in d.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def cached_logits(model, cache: FeatureCache, split: str, records: Sequence[Record],
+                  batch_size: int = 256) -> list[torch.Tensor]:
+    """Per-record logits over its K candidates from cached features (given order), the head in eval mode."""
+    out: list[torch.Tensor] = []
+    dev = model.device
+    with torch.no_grad():
+        for i in range(0, len(records), batch_size):
+            chunk = records[i:i + batch_size]
+            h_dec, h_cand, mask = cache.rows(split, [(r.id, 0) for r in chunk])
+            lg = model.head(h_dec.to(dev), h_cand.to(dev), mask.to(dev), update=False).float().cpu()
+            out.extend(lg[j, : r.question.k] for j, r in enumerate(chunk))
+    return out
+
+
+__all__ = ["FeatureBatch", "FeatureCache", "ensure_features", "find_features", "feature_key", "key_id",
+           "weights_digest", "cached_logits", "extract_split", "FEATURE_VERSION"]

@@ -1,0 +1,195 @@
+"""Head-only training on the shared feature cache (issue 20): cache == live backbone, key changes rebuild,
+a killed extraction is never read, resume is exact, the head warm-up freezes LoRA first."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import synth_processed
+
+from rlcd import checkpoint as ckpt
+from rlcd.errors import OptionError
+from rlcd.features import FeatureCache, cache_root, ensure_features, find_features
+from rlcd.recipe import Recipe
+from rlcd.train import train
+
+torch.set_num_threads(1)
+FAST = dict(eval_every=3, checkpoint_every=1, log_every=1, diagnostics_every=0)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return synth_processed(tmp_path_factory.mktemp("data"), 40, seed=5)
+
+
+def _fresh_data(tmp_path, data_dir) -> Path:
+    out = tmp_path / "data"
+    shutil.copytree(data_dir, out, ignore=shutil.ignore_patterns("features"))
+    return out
+
+
+def _train(run, data_dir, model="tiny-toy", steps=4, **kw):
+    recipe = Recipe(steps=steps, **{**FAST, **kw.pop("recipe", {})})
+    return train(run, data_dir=data_dir, model=model, recipe=recipe, progress=False, print_fn=lambda _: None, **kw)
+
+
+def _weights(run, which="last"):
+    return ckpt.load(Path(run) / "checkpoints" / which)["weights"]
+
+
+def _model(name="tiny-toy", seed=0):
+    from rlcd.model.build import build_model
+
+    return build_model({"model": name, "model_seed": seed, "recipe": {}})
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
+def test_head_only_on_the_cache_equals_the_live_frozen_backbone(tmp_path, data_dir, name):
+    data = _fresh_data(tmp_path, data_dir)
+    cached = _train(tmp_path / "cached", data, model=name, steps=5, recipe={"head_only": True})
+    live = _train(tmp_path / "live", data, model=name, steps=5, recipe={"head_only": True}, feature_cache=False)
+    assert find_features(_model(name), data) is not None, "training built the cache"
+    assert cached["step"] == live["step"] == 5
+    a, b = _weights(tmp_path / "cached"), _weights(tmp_path / "live")
+    assert set(a) == set(b)
+    # float32 noise of the two feature paths (prefix-shared extraction vs full rows); AdamW's first steps move
+    # each weight by ~lr * sign(g), so a near-zero gradient element can differ by up to a fraction of lr_head
+    for k in a:
+        if k.startswith("head."):
+            d = (a[k] - b[k]).abs()
+            assert float(d.max()) < 0.2 * Recipe().lr_head and float(d.mean()) < 1e-7, (k, float(d.max()))
+    lora_b = [v for k, v in a.items() if "lora_B" in k]
+    assert lora_b and all(torch.count_nonzero(v) == 0 for v in lora_b), "a head-only run leaves LoRA B at 0"
+    session = [json.loads(x) for x in (tmp_path / "cached" / "metrics.jsonl").read_text().splitlines()][0]
+    assert session["features"] and Path(session["features"]).parent == cache_root(data)
+
+
+def test_the_cache_is_reused_and_rebuilt_when_its_key_changes(tmp_path, data_dir):
+    data = _fresh_data(tmp_path, data_dir)
+    m = _model()
+    first = ensure_features(m, data, progress=False)
+    again = ensure_features(m, data, progress=False)
+    assert again.root == first.root
+    assert again.manifest["created"] == first.manifest["created"], "a matching key is reused, not re-extracted"
+    other_seed = ensure_features(_model(seed=1), data, progress=False)
+    assert other_seed.root != first.root, "another backbone (weights) is another key"
+    m.encoder.max_tokens = 4096  # another prompt frame limit: part of the key
+    assert find_features(m, data) is None
+    m.encoder.max_tokens = 8192
+    # an edited split: the old cache no longer matches and a new one is built
+    rows = (data / "test.jsonl").read_text().splitlines()
+    (data / "test.jsonl").write_text("\n".join(rows[:-1]) + "\n")
+    assert find_features(m, data) is None
+    rebuilt = ensure_features(m, data, progress=False)
+    assert rebuilt.root != first.root and rebuilt.manifest["splits"]["test"] == len(rows) - 1
+    # a cache directory whose manifest lies about completeness is never read
+    manifest = json.loads((rebuilt.root / "manifest.json").read_text())
+    (rebuilt.root / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+    assert FeatureCache.load(rebuilt.root, manifest["key"]) is None
+    assert ensure_features(m, data, progress=False).manifest["complete"]
+
+
+def test_a_killed_extraction_leaves_nothing_a_later_run_reads(tmp_path, data_dir):
+    data = _fresh_data(tmp_path, data_dir)
+    script = (
+        "import os, signal, sys\n"
+        "import rlcd.features as f\n"
+        "from rlcd.model.build import build_model\n"
+        "real = f.extract_split\n"
+        "def dying(model, records, collator, split, **kw):\n"
+        "    if split == 'dev':\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return real(model, records, collator, split, **kw)\n"
+        "f.extract_split = dying\n"
+        f"f.ensure_features(build_model({{'model': 'tiny-toy', 'model_seed': 0, 'recipe': {{}}}}), {str(data)!r},"
+        " progress=False)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    root = cache_root(data)
+    assert [p.name for p in root.iterdir() if p.name.startswith(".tmp-")], "the killed writer left its temp dir"
+    assert not [p for p in root.iterdir() if not p.name.startswith(".")], "nothing was published"
+    m = _model()
+    assert find_features(m, data) is None
+    built = ensure_features(m, data, progress=False)
+    assert built.manifest["complete"]
+    assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")], "the dead temp dir was removed"
+
+
+def test_head_only_resume_is_bit_exact(tmp_path, data_dir):
+    data = _fresh_data(tmp_path, data_dir)
+    _train(tmp_path / "full", data, steps=6, recipe={"head_only": True})
+    _train(tmp_path / "part", data, steps=6, recipe={"head_only": True}, stop_after=3)
+    train(tmp_path / "part", resume=True, progress=False, print_fn=lambda _: None)
+    a, b = _weights(tmp_path / "full"), _weights(tmp_path / "part")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_head_warmup_trains_only_the_head_then_lora_joins(tmp_path, data_dir):
+    data = _fresh_data(tmp_path, data_dir)
+    run = tmp_path / "lpft"
+    _train(run, data, steps=5, recipe={"head_warmup": 3}, stop_after=3)
+    w0 = _weights(run, "best")  # step 0 is the best until an evaluation beats it (eval at 3)
+    w3 = _weights(run)
+    lora = [k for k in w3 if k.startswith("lora.")]
+    assert lora and all(torch.equal(w3[k], w0[k]) for k in lora), "LoRA did not move in the warm-up"
+    assert not torch.equal(w3["head.w_d.weight"], w0["head.w_d.weight"]), "the head learnt in the warm-up"
+    train(run, resume=True, progress=False, print_fn=lambda _: None)
+    w5 = _weights(run)
+    assert any(not torch.equal(w5[k], w3[k]) for k in lora if "lora_B" in k), "LoRA learns after the warm-up"
+
+
+def test_cached_and_live_evaluations_give_the_same_predictions(tmp_path, data_dir):
+    from rlcd.evaluate import evaluate_run
+
+    data = _fresh_data(tmp_path, data_dir)
+    run = tmp_path / "run"
+    _train(run, data, steps=3, recipe={"head_only": True})
+    evaluate_run(run, progress=False, feature_cache=True)
+    cached = {s: (run / "eval" / f"predictions-{s}.jsonl").read_text() for s in ("dev", "calibration", "test")}
+    evaluate_run(run, progress=False, feature_cache=False)
+    assert sum(len(t.splitlines()) for t in cached.values()) > 20
+    for split, text in cached.items():
+        a = [json.loads(x) for x in text.splitlines()]
+        b = [json.loads(x) for x in (run / "eval" / f"predictions-{split}.jsonl").read_text().splitlines()]
+        assert [r["id"] for r in a] == [r["id"] for r in b]
+        if not a:
+            continue
+        diff = max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra["logits"], rb["logits"]))
+        assert diff < 1e-4, (split, diff)
+
+
+def test_recipe_refuses_a_warmup_beyond_the_budget_and_both_modes():
+    with pytest.raises(OptionError, match="head_warmup must be an integer in \\[0, steps=10\\]"):
+        Recipe(steps=10, head_warmup=11)
+    with pytest.raises(OptionError, match="head_only=true and head_warmup>0"):
+        Recipe(head_only=True, head_warmup=5)
+    assert Recipe(head_only=True).deviations()["head_only"] == {"value": True, "pinned": False}
+
+
+def _cli(*args, cwd=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "rlcd.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+
+
+def test_cli_mistakes_are_one_line_and_exit_2(tmp_path, data_dir):
+    data = _fresh_data(tmp_path, data_dir)
+    p = _cli("train", str(tmp_path / "r"), "--data", str(data), "--model", "tiny-toy", "--steps", "10",
+             "--recipe", "head_warmup=50")
+    assert p.returncode == 2 and "head_warmup must be an integer in [0, steps=10]" in p.stderr
+    assert len(p.stderr.strip().splitlines()) <= 2 and not (tmp_path / "r").exists()
+    (data / "features").write_text("not a directory")
+    p = _cli("features", str(data), "--model", "tiny-toy")
+    assert p.returncode == 2 and "is not writable" in p.stderr and "Traceback" not in p.stderr
+    p = _cli("train", str(tmp_path / "r2"), "--data", str(data), "--model", "tiny-toy", "--steps", "2",
+             "--recipe", "head_only=true")
+    assert p.returncode == 2 and "is not writable" in p.stderr and not (tmp_path / "r2").exists()
