@@ -96,14 +96,16 @@ def compare(
     split: Annotated[str, typer.Option(help="prediction split: dev | calibration | test")] = "test",
     resamples: Annotated[int, typer.Option(help="bootstrap resamples")] = 5000,
     seed: Annotated[int, typer.Option(help="bootstrap seed")] = 0,
-    grouped: Annotated[bool, typer.Option(help="resample whole isolation groups (case_id / id prefix before ':')")] = False,
+    rows: Annotated[bool, typer.Option("--rows", help="resample single rows instead of whole source cases "
+                                                      "(case_id / id prefix before ':', the default)")] = False,
     json_out: Annotated[Optional[Path], typer.Option(help="also write the JSON result to this file")] = None,
     raw: Annotated[bool, typer.Option(help="compare raw logits (ignore the fitted temperatures)")] = False,
 ) -> None:
     """Paired bootstrap of a per-row metric between runs A and B: difference B - A, 95% CI, p-value.
 
-    RUN_A / RUN_B may list several runs, comma-separated (pooled per row). Prints a short human summary
-    on stderr and the JSON result on stdout.
+    RUN_A / RUN_B may list several runs, comma-separated (pooled per row). The bootstrap resamples
+    whole source cases (case_id) unless --rows is given; the output says which. Prints a short human
+    summary on stderr and the JSON result on stdout.
     """
     from rich.console import Console
 
@@ -112,7 +114,7 @@ def compare(
     err = Console(stderr=True)
     try:
         result = compare_runs(_run_dirs(run_a), _run_dirs(run_b), metric=metric, split=split,
-                              resamples=resamples, seed=seed, grouped=grouped, raw=raw)
+                              resamples=resamples, seed=seed, grouped=not rows, raw=raw)
     except (ValueError, FileNotFoundError) as e:
         err.print(f"rlcd compare: {e}", style="red", highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
