@@ -318,3 +318,79 @@ def test_in_process_sweep_resumes_an_interrupted_run(tmp_path):
     # continued from the checkpoint (the pre-kill line is kept), not restarted
     assert [(r["step"], r.get("before_kill", False)) for r in train_rows] == [(1, True), (2, False)]
     assert spec.evaluation_path.is_file() and (out / "summary.md").is_file()
+
+
+# ----------------------------------------------------------------------------------------------
+# issue 23: every diagnostics row kept, ce arms deduplicated over every RLCD field, boolean arms
+
+
+def test_a_600_step_sweep_keeps_every_diagnostics_row(tmp_path):
+    """Scaled to 600 updates, log_every (2) does not divide diagnostics_every (17): every diagnostics
+    update still writes a train row, so none of the 35 diagnostics rows is lost."""
+    from rlcd.train import log_due
+
+    (spec,) = plan_runs(tmp_path / "d", "tiny-toy", expand_grid({"sigma": [1.0]})[0], [0], 600, tmp_path / "o")
+    r = Recipe.from_dict(spec.config["recipe"])
+    assert r.diagnostics_every % r.log_every != 0
+    diag_steps = [s for s in range(1, 601) if s % r.diagnostics_every == 0]
+    assert len(diag_steps) == 600 // r.diagnostics_every and all(log_due(s, r) for s in diag_steps)
+    assert [s for s in range(1, 601) if log_due(s, r)] == sorted(
+        set(range(r.log_every, 601, r.log_every)) | set(diag_steps) | {600})
+    off = Recipe(steps=600, log_every=4, diagnostics_every=0)
+    assert [s for s in range(1, 601) if log_due(s, off)] == list(range(4, 601, 4))
+
+
+def test_a_short_train_logs_every_diagnostics_update(tmp_path):
+    from conftest import synth_processed
+
+    from rlcd.train import train
+
+    data = synth_processed(tmp_path, 30, seed=3)
+    recipe = Recipe(steps=4, log_every=3, diagnostics_every=2, eval_every=4, checkpoint_every=4, batch_size=2,
+                    grad_accum=1, dev_cap=4)
+    train(tmp_path / "run", data_dir=data, model="tiny-toy", recipe=recipe, progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["event"] == "train"]
+    assert [r["step"] for r in train_rows] == [2, 3, 4]
+    assert [r["step"] for r in train_rows if "adv_std" in r and "grad_cosine" in r] == [2, 4]
+
+
+def test_ce_arms_collapse_over_every_field_ce_ignores():
+    grid = {"objective": ["rlcd", "ce"], "w_spherical": [0.0, 0.75], "n_perturbations": [2, 4],
+            "advantage_norm": ["batch", "type"], "sigma_end": [None, 0.1], "w_rps": [0.0, 1.0]}
+    arms, notes = expand_grid(grid)
+    ce = [a for a in arms if a.objective == "ce"]
+    assert len(ce) == 1 and ce[0].params == {"objective": "ce"} and len(ce[0].merged) == 32
+    assert len([a for a in arms if a.objective == "rlcd"]) == 32
+    (note,) = [n for n in notes if "'ce'" in n]
+    for k in ("advantage_norm", "n_perturbations", "sigma_end", "w_rps", "w_spherical"):
+        assert k in note
+    assert "32 grid points are run once per seed and shown once in the summary" in note
+    # a field ce does read still makes separate ce arms
+    arms, _ = expand_grid({"objective": ["ce"], "lr_head": [1e-4, 5e-4], "w_rps": [0.0, 1.0]})
+    assert [a.params for a in arms] == [{"objective": "ce", "lr_head": 1e-4}, {"objective": "ce", "lr_head": 5e-4}]
+    # one ce run per seed, and the summary lists the arm once
+    specs = plan_runs("d", "tiny-toy", expand_grid(grid)[0], [0, 1], 10, "o")
+    assert sorted(s.name for s in specs if s.arm == "ce") == ["ce-s0", "ce-s1"] and len(specs) == 66
+    summary = summarize_runs(expand_grid(grid)[0], specs, notes=notes)
+    assert [a["name"] for a in summary["arms"]].count("ce") == 1
+    assert "shown once in the summary" in "\n".join(summary["notes"])
+
+
+def test_a_boolean_recipe_field_is_an_arm_like_any_other(monkeypatch):
+    """`--grid head_only=true,false` (a bool field; stand-in when the recipe has none yet)."""
+    import rlcd.recipe as recipe_mod
+
+    if not any(t is bool for t in recipe_mod.field_types().values()):
+        real = recipe_mod.field_types
+        monkeypatch.setattr(recipe_mod, "field_types", lambda: {**real(), "head_only": bool})
+    key = next(k for k, t in recipe_mod.field_types().items() if t is bool)
+    grid = parse_grid([f"{key}=true,false,1", "objective=rlcd,ce"])
+    assert grid == {key: [True, False, True], "objective": ["rlcd", "ce"]}
+    assert all(type(v) is bool for v in grid[key])
+    arms, notes = expand_grid(grid)
+    assert [a.name for a in arms] == [f"rlcd-{key}true", f"ce-{key}true", f"rlcd-{key}false", f"ce-{key}false"]
+    assert [a.params[key] for a in arms] == [True, True, False, False]
+    assert any("repeated values" in n for n in notes)
+    with pytest.raises(OptionError, match=f"--grid {key}=maybe: not a valid bool"):
+        parse_grid([f"{key}=maybe"])

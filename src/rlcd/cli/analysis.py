@@ -172,7 +172,8 @@ def sweep(
     """Run a grid of recipe arms x seeds (one run dir and process each), evaluate each, and summarise.
 
     Finished runs (eval/evaluation.json present) are skipped, so re-running resumes a sweep. The ce
-    objective ignores sigma/ce_weight: its arm runs once per seed. Every run trains and evaluates on
+    objective ignores the RLCD fields (sigma, sigma_end, ce_weight, G, reward weights, advantage_norm):
+    its arm runs once per seed and is summarised once. Every run trains and evaluates on
     the auto device (its GPU with --devices) in --dtype, recorded in its config. Writes summary.json,
     summary.md, fitted_T_vs_sigma.png and nll_vs_sigma.png under --out; exits 1 if a run failed.
     """
