@@ -82,18 +82,25 @@ def test_plan_resolves_full_recipes(tmp_path):
 # aggregation from fake evaluation files
 
 
-def _fake_eval(nll: float, acc: float, t_choice: float, bayes_gap: float | None = None) -> dict:
-    def block(scale):
-        b = {"n": 10, "accuracy": acc, "nll": nll * scale, "brier": 0.5 * scale, "ece": 0.1, "ece_target": 0.05,
-             "sharpness_gap": 0.2 * nll * scale}
+def _fake_eval(nll: float, acc: float, t_choice: float, bayes_gap: float | None = None,
+               test_nll: float | None = None) -> dict:
+    """Dev blocks from `nll`; test blocks from `test_nll` (default: the same numbers as dev)."""
+    def block(scale, value=nll):
+        b = {"n": 10, "accuracy": acc, "nll": value * scale, "brier": 0.5 * scale, "ece": 0.1, "ece_target": 0.05,
+             "sharpness_gap": 0.2 * value * scale}
         if bayes_gap is not None:
-            b["posterior"] = {"n": 10, "nll": nll * scale - 0.1, "bayes_gap": bayes_gap, "accuracy": acc}
+            b["posterior"] = {"n": 10, "nll": value * scale - 0.1, "bayes_gap": bayes_gap, "accuracy": acc}
         return b
 
-    return {"format": "rlcd.evaluation/1", "headline_split": "test",
+    def views(value):
+        return {"raw": {"overall": block(1.0, value), "per_type": {"choice": block(1.0, value)},
+                        "group_macro": {"accuracy": acc}},
+                "calibrated": {"overall": block(0.9, value), "per_type": {"choice": block(0.9, value)}}}
+
+    test = views(nll if test_nll is None else test_nll)
+    return {"format": "rlcd.evaluation/2", "headline_split": "test",
             "temperatures": {"choice": t_choice, "noul": 1.0, "score": 2.0},
-            "raw": {"overall": block(1.0), "per_type": {"choice": block(1.0)}, "group_macro": {"accuracy": acc}},
-            "calibrated": {"overall": block(0.9), "per_type": {"choice": block(0.9)}},
+            "raw": test["raw"], "calibrated": test["calibrated"], "other_splits": {"dev": views(nll)},
             "meta": {"calibration": {"noul": {"temperature": 1.0, "reason": "3 calibration rows < 10: T = 1"}}}}
 
 
@@ -105,7 +112,9 @@ def _write_fake_runs(specs, values):
         cfg = {k: spec.config[k] for k in ("model", "data_dir", "recipe", "model_seed")}
         (spec.run_dir / "config.json").write_text(json.dumps(cfg))
         (spec.run_dir / "eval").mkdir(exist_ok=True)
-        (spec.run_dir / "eval" / "evaluation.json").write_text(json.dumps(_fake_eval(*values[spec.name])))
+        v = values[spec.name]
+        ev = _fake_eval(**v) if isinstance(v, dict) else _fake_eval(*v)
+        (spec.run_dir / "eval" / "evaluation.json").write_text(json.dumps(ev))
 
 
 def test_mean_std():
@@ -394,3 +403,68 @@ def test_a_boolean_recipe_field_is_an_arm_like_any_other(monkeypatch):
     assert any("repeated values" in n for n in notes)
     with pytest.raises(OptionError, match=f"--grid {key}=maybe: not a valid bool"):
         parse_grid([f"{key}=maybe"])
+
+
+def test_a_sweep_whose_dev_and_test_rankings_differ_is_summarised_by_dev(tmp_path):
+    """sigma 0.5 is best on dev, sigma 2 on test: the summary, its table, the CLI line and the plot
+    choose sigma 0.5; the test numbers sit beside, labelled not for choosing."""
+    arms, notes = expand_grid({"sigma": [0.5, 2.0], "objective": ["rlcd", "ce"]})
+    specs = plan_runs(tmp_path / "data", "tiny-toy", arms, [0, 1], 10, tmp_path / "out")
+    dev_test = {"rlcd-sigma0.5": (1.0, 3.0), "rlcd-sigma2": (2.0, 1.0), "ce": (3.0, 2.0)}
+    values = {s.name: {"nll": dev_test[s.arm][0] + 0.1 * s.seed, "acc": 0.5, "t_choice": 1.0,
+                       "test_nll": dev_test[s.arm][1] + 0.1 * s.seed} for s in specs}
+    _write_fake_runs(specs, values)
+    summary = summarize_runs(arms, specs, notes=notes)
+    rk = summary["ranking"]
+    assert summary["choose_on"] == "dev" and rk["metric"] == "calibrated.overall.nll"
+    assert rk["order"] == ["rlcd-sigma0.5", "rlcd-sigma2", "ce"] and rk["best"] == "rlcd-sigma0.5"
+    by = {a["name"]: a for a in summary["arms"]}
+    assert by["rlcd-sigma0.5"]["metrics"]["calibrated.overall.nll"]["mean"] == pytest.approx(0.9 * 1.05)
+    assert by["rlcd-sigma0.5"]["metrics_beside"]["calibrated.overall.nll"]["mean"] == pytest.approx(0.9 * 3.05)
+    # on test the order would differ; asked explicitly, it is the test order
+    on_test = summarize_runs(arms, specs, choose_on="test")["ranking"]
+    assert on_test["order"] == ["rlcd-sigma2", "ce", "rlcd-sigma0.5"] and on_test["beside"] == "dev"
+    assert summarize_runs(arms, specs, rank_by="raw.overall.accuracy")["ranking"]["higher_is_better"] is True
+    with pytest.raises(ValueError, match="rank_by"):
+        summarize_runs(arms, specs, rank_by="raw.overall.sharpness_gap")
+
+    paths = write_summary(tmp_path / "out", summary)
+    md = paths["md"].read_text()
+    assert "Best on dev: **`rlcd-sigma0.5`**" in md
+    assert "| 1 | `rlcd-sigma0.5` | 2 | 0.945 ± 0.064 | 2.745 ± 0.064 |" in md
+    assert "test (not for choosing)" in md and "## Calibrated probabilities (overall), test (not for choosing)" in md
+    assert md.index("## Choice: on dev") < md.index("## Raw probabilities (overall), dev")
+
+    # a run evaluated without a dev split is left out of the dev numbers, with a note
+    ev_path = specs[0].evaluation_path
+    ev = json.loads(ev_path.read_text())
+    del ev["other_splits"]["dev"]
+    ev_path.write_text(json.dumps(ev))
+    again = summarize_runs(arms, specs)
+    first = next(a for a in again["arms"] if a["name"] == specs[0].arm)
+    assert first["metrics"]["calibrated.overall.nll"]["n"] == 1 and first["metrics_beside"]["calibrated.overall.nll"]["n"] == 2
+    assert any(specs[0].name in n and "no dev split" in n for n in again["notes"])
+
+
+def test_sweep_cli_chooses_on_dev_and_refuses_a_bad_rank_key(tmp_path):
+    from rlcd.cli import app
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("")
+    out = tmp_path / "out"
+    arms, _ = expand_grid({"sigma": [0.5, 2.0]})
+    specs = plan_runs(data, "tiny-toy", arms, [0], 3, out)
+    _write_fake_runs(specs, {"sigma0.5-s0": {"nll": 1.0, "acc": 0.5, "t_choice": 1.0, "test_nll": 3.0},
+                             "sigma2-s0": {"nll": 2.0, "acc": 0.5, "t_choice": 1.0, "test_nll": 1.0}})
+    base = ["sweep", "--data", str(data), "--model", "tiny-toy", "--grid", "sigma=0.5,2", "--seeds", "1",
+            "--steps", "3", "--out", str(out)]
+    res = CliRunner().invoke(app, base)
+    assert res.exit_code == 0, res.output
+    assert "best on dev by calibrated.overall.nll: sigma0.5" in res.stdout and "not for choosing" in res.stdout
+    assert json.loads((out / "summary.json").read_text())["ranking"]["best"] == "sigma0.5"
+    res = CliRunner().invoke(app, base + ["--choose-on", "test"])
+    assert res.exit_code == 0 and "best on test by calibrated.overall.nll: sigma2" in res.stdout
+    for bad, needle in ((["--rank-by", "nll"], "--rank-by"), (["--choose-on", "calibration"], "--choose-on")):
+        res = CliRunner().invoke(app, base + bad)
+        assert res.exit_code == 2 and needle in res.stderr and "Traceback" not in res.output, res.output
