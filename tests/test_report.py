@@ -154,6 +154,10 @@ def test_report_and_plots_exist_for_a_tiny_run(tmp_path):
         assert heading in text, heading
     assert (run / "eval" / "report.html").stat().st_size > 100_000
     assert "1 unreadable line(s) skipped" in text
+    assert f"| choice | {1.6:.3f} → {1.6 / 40 ** 0.3:.3f} | {0.5:.3f} → {1 - 0.5 / 40 ** 0.3:.3f} |" in text
+    order = [text.index(h) for h in ("## Headline", "## Temperatures", "## Training", "## Data and recipe",
+                                     "## About this report")]
+    assert order == sorted(order)  # summary first, what the run was last
     assert "not available" not in text.lower() and "missing" not in text.lower()
 
 
