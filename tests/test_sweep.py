@@ -442,7 +442,8 @@ def test_a_sweep_whose_dev_and_test_rankings_differ_is_summarised_by_dev(tmp_pat
     ev_path.write_text(json.dumps(ev))
     again = summarize_runs(arms, specs)
     first = next(a for a in again["arms"] if a["name"] == specs[0].arm)
-    assert first["metrics"]["calibrated.overall.nll"]["n"] == 1 and first["metrics_beside"]["calibrated.overall.nll"]["n"] == 2
+    assert first["metrics"]["calibrated.overall.nll"]["n"] == 1
+    assert first["metrics_beside"]["calibrated.overall.nll"]["n"] == 2
     assert any(specs[0].name in n and "no dev split" in n for n in again["notes"])
 
 

@@ -6,9 +6,10 @@ calibrated dev NLL by default), and the test numbers sit beside them as ``metric
 labelled "not for choosing" in summary.md, the plots and the CLI table.
 
 Read from every run's ``eval/evaluation.json`` (the headline blocks for the headline split, test
-when present; ``other_splits`` for the others): for ``raw`` and ``calibrated`` probabilities, overall / per type / group-macro accuracy, NLL, Brier, ECE,
-target-referenced ECE and sharpness gap; when rows carry a known posterior, the same against the
-posterior plus the Bayes gap; the fitted temperature per type. Each metric becomes
+when present; ``other_splits`` for the others): for ``raw`` and ``calibrated`` probabilities,
+overall / per type / group-macro accuracy, NLL, Brier, ECE, target-referenced ECE and sharpness
+gap; when rows carry a known posterior, the same against the posterior plus the Bayes gap; the
+fitted temperature per type. Each metric becomes
 ``{"mean", "std", "n", "values"}`` with the sample standard deviation
 ``std = sqrt(sum((v - mean)^2) / (n - 1))`` (``None`` with one seed). Plots:
 ``fitted_T_vs_sigma.png`` and ``nll_vs_sigma.png``; arms without a sigma (``ce``) are drawn as
@@ -26,7 +27,7 @@ from typing import Any, Mapping, Sequence
 from rlcd.analysis.sweep.grid import Arm, RunSpec, fmt_value
 from rlcd.analysis.sweep.scheduler import RunResult
 
-FORMAT = "rlcd.sweep/1"
+FORMAT = "rlcd.sweep/2"  # /2: ``metrics`` are the dev split's (were the headline split's), ``ranking`` added
 TYPES = ("choice", "noul", "score")
 VIEWS = ("raw", "calibrated")
 BLOCK_METRICS = ("accuracy", "nll", "brier", "ece", "ece_target", "sharpness_gap")
@@ -167,7 +168,7 @@ def check_rank_by(rank_by: str) -> str:
 
 
 def rank_arms(arms: Sequence[Mapping[str, Any]], rank_by: str = RANK_BY) -> list[str]:
-    """Arm names best first by the mean of ``rank_by`` over seeds (arms without it last, in grid order)."""
+    """Arm names best first by the mean of ``rank_by`` over seeds (ties in grid order; arms without it left out)."""
     higher = rank_by.endswith(HIGHER_IS_BETTER)
     scored = [(a["metrics"].get(rank_by) or {}).get("mean") for a in arms]
     order = sorted(range(len(arms)), key=lambda i: (scored[i] is None,
