@@ -283,3 +283,32 @@ def test_compare_command_prints_summary_and_json(tmp_path, capsys):
     assert data["metric"] == "brier" and data["calibrated"] is False and len(data["runs_a"]) == 2
     bad = CliRunner().invoke(app, ["compare", str(a1), str(tmp_path / "missing")])
     assert bad.exit_code == 2
+
+
+def test_compare_resamples_cases_by_default_and_rows_with_the_rows_flag(tmp_path):
+    """Rows of one case share their difference: the case bootstrap equals a bootstrap of per-case means
+    (6 cases, not 18 rows) and its interval is wider; the output says which unit it resampled."""
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    t = [1.0, 0.0]
+    rows_a = [_row(f"c{c}:q{q}", [0.0, 0.0], t, case_id=f"case{c}") for c in range(6) for q in range(3)]
+    rows_b = [_row(f"c{c}:q{q}", [float(c) - 2.5, 0.0], t, case_id=f"case{c}") for c in range(6) for q in range(3)]
+    ra, rb = _write_run(tmp_path / "a", rows_a), _write_run(tmp_path / "b", rows_b)
+    default = compare_runs([ra], [rb], metric="nll", resamples=400, seed=3)
+    assert default["grouped"] is True and default["resampling_unit"] == "case" and default["n_groups"] == 6
+    by_rows = compare_runs([ra], [rb], metric="nll", resamples=400, seed=3, grouped=False)
+    assert by_rows["resampling_unit"] == "row" and by_rows["n_groups"] == 18
+    assert default["ci_high"] - default["ci_low"] > by_rows["ci_high"] - by_rows["ci_low"]
+    # every case has 3 rows, so a case resample's mean is the mean of the drawn cases' mean differences
+    case_d = np.array([_nll([c - 2.5, 0.0], t) - _nll([0.0, 0.0], t) for c in range(6)])
+    ref = paired_bootstrap(np.zeros(6), case_d, resamples=400, seed=3, groups=np.arange(6))
+    assert (default["ci_low"], default["ci_high"]) == pytest.approx((ref["ci_low"], ref["ci_high"]))
+
+    cli = CliRunner().invoke(app, ["compare", str(ra), str(rb), "--resamples", "100"])
+    assert cli.exit_code == 0, cli.output
+    assert json.loads(cli.stdout)["resampling_unit"] == "case" and "over 6 source cases" in cli.stderr
+    cli = CliRunner().invoke(app, ["compare", str(ra), str(rb), "--resamples", "100", "--rows"])
+    assert cli.exit_code == 0, cli.output
+    assert json.loads(cli.stdout)["resampling_unit"] == "row" and "over 18 single rows" in cli.stderr

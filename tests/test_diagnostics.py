@@ -1,6 +1,7 @@
 """rlcd.diagnostics against independent numpy computations: per-type reward parts, advantage spread,
 extreme advantages pooled over an update's micro-batches, and the dev scoring rules."""
 
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -115,3 +116,31 @@ def test_type_diagnostics_still_summarise(monkeypatch):
     out = d.summary()["per_type"]
     assert sum(v["n"] for v in out.values()) == len(type_id)
     assert out["noul"]["effective_candidates"] <= 2 + 1e-6
+
+
+def test_type_diagnostics_pool_over_ranks_with_reduce():
+    """Two 'ranks' with their own rows: summary(reduce=sum over ranks) gives, on each, the per-type means
+    over all rows (float64 reference), not its own rows' means."""
+    from rlcd.diagnostics import TypeDiagnostics
+
+    batches = [micro_batch(seed, B=7 + seed) for seed in (4, 5)]
+    ranks = []
+    for logits, mask, _, _, _, type_id in batches:
+        d = TypeDiagnostics()
+        d.add(logits, SimpleNamespace(cand_mask=mask, type_id=type_id))
+        ranks.append(d)
+    local = ranks[0].summary()["per_type"]
+    others = ranks[1].sums.clone()
+    pooled = ranks[0].summary(reduce=lambda t: t.add_(others))["per_type"]  # what all_reduce(SUM) does
+    ref: dict[int, list] = {0: [], 1: [], 2: []}
+    for logits, mask, _, _, _, type_id in batches:
+        for z, m, t in zip(logits.double(), mask, type_id.tolist()):
+            p = torch.softmax(z[m], -1)
+            h = float(-(p * p.log()).sum())
+            ref[t].append((h, float(p.max()), math.exp(h)))
+    for i, t in enumerate(("choice", "noul", "score")):
+        vals = np.array(ref[i])
+        assert pooled[t]["n"] == len(vals) > local[t]["n"]
+        assert pooled[t]["entropy"] == pytest.approx(vals[:, 0].mean(), rel=1e-5)
+        assert pooled[t]["max_prob"] == pytest.approx(vals[:, 1].mean(), rel=1e-5)
+        assert pooled[t]["effective_candidates"] == pytest.approx(vals[:, 2].mean(), rel=1e-5)

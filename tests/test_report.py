@@ -64,7 +64,10 @@ def make_run(tmp_path, *, with_eval=True, with_log=True, posterior=True, diagnos
         with open(run / "metrics.jsonl", "w") as fh:
             for step in range(1, 41):
                 line = {"step": step, "loss": 2.0 / step, "ce_loss": 1.5 / step, "lr_lora": 1e-4 * min(1, step / 5),
-                        "lr_head": 5e-4 * min(1, step / 5), "grad_norm": 1.0 / step ** 0.5}
+                        "lr_head": 5e-4 * min(1, step / 5), "grad_norm": 1.0 / step ** 0.5,
+                        "per_type": {t: {"entropy": h / step ** 0.3, "max_prob": 1 - 0.5 / step ** 0.3,
+                                         "effective_candidates": float(np.exp(h / step ** 0.3)), "n": 10}
+                                     for t, h in (("choice", 1.6), ("noul", 0.6), ("score", 1.2))}}
                 if diagnostics:
                     line.update(policy_loss=0.1 - step / 400, reward_mean=-1 + step / 40, log_score_mean=-1.2 + step / 50,
                                 spherical_mean=0.4 + step / 200, advantage_std=1.0, grad_cosine=0.3,
@@ -135,7 +138,7 @@ def test_report_and_plots_exist_for_a_tiny_run(tmp_path):
     assert report == run / "eval" / "report.md"
     text = report.read_text()
     plots = ["reliability_overall", "reliability_choice", "reliability_noul", "reliability_score", "coverage_risk",
-             "group_accuracy", "training_curves", "rlcd_diagnostics", "accuracy_by_k"]
+             "group_accuracy", "training_curves", "rlcd_diagnostics", "accuracy_by_k", "type_stats"]
     for name in plots:
         png = run / "eval" / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == PNG and png.stat().st_size > 5000, name
@@ -146,10 +149,15 @@ def test_report_and_plots_exist_for_a_tiny_run(tmp_path):
     assert "matches the prediction files exactly" in text
     assert "| accuracy | 0." in text and "raw [95% CI]" in text and "95% CI (refit per resample)" in text
     for heading in ("## Error analysis (test)", "### Confusion matrices", "### Accuracy by number of candidates K",
-                    "### The 20 worst rows by calibrated NLL", "### RLCD diagnostics", "### Recipe"):
+                    "### The 20 worst rows by calibrated NLL", "### RLCD diagnostics", "### Recipe",
+                    "### Output sharpness per type"):
         assert heading in text, heading
     assert (run / "eval" / "report.html").stat().st_size > 100_000
     assert "1 unreadable line(s) skipped" in text
+    assert f"| choice | {1.6:.3f} → {1.6 / 40 ** 0.3:.3f} | {0.5:.3f} → {1 - 0.5 / 40 ** 0.3:.3f} |" in text
+    order = [text.index(h) for h in ("## Headline", "## Temperatures", "## Training", "## Data and recipe",
+                                     "## About this report")]
+    assert order == sorted(order)  # summary first, what the run was last
     assert "not available" not in text.lower() and "missing" not in text.lower()
 
 

@@ -91,3 +91,32 @@ def test_the_browser_checks_can_fail(browser, tmp_path):
                      "<body></body></html>")
     assert render(browser, blank, tmp_path / "blank.png", height=600) == []
     assert ink_share(tmp_path / "blank.png") < 0.001
+
+
+def test_the_first_screen_shows_the_verdict_lines_and_the_headline_table(report, browser, tmp_path):
+    """At 1280 x 900 the first screen is the title, the verdict lines and the headline table with its
+    intervals: a page cut right after that table renders, down to the table's last pixel row, exactly
+    as the top of the full report does, and that row is above 900."""
+    import numpy as np
+    from PIL import Image
+
+    run, md, html = report
+    assert md.index("## Headline: test split") < md.index("## Temperatures") < md.index("## Data and recipe")
+    assert "**Learned vs majority**" in md and "**Calibration effect**" in md and "**Gap to the Bayes floor**" in md
+    start = html.index("<h2>Headline: test split")
+    assert start < html.index("<nav>") and html.index("raw [95% CI]") < html.index("<nav>")
+    cut = html[: html.index("</table></div>", start) + len("</table></div>")] + "</section></main></body></html>"
+    (tmp_path / "cut.html").write_text(cut, encoding="utf-8")
+    assert render(browser, run / "eval" / "report.html", tmp_path / "full.png", height=900) == []
+    assert render(browser, tmp_path / "cut.html", tmp_path / "cut.png", height=900) == []
+    full = np.asarray(Image.open(tmp_path / "full.png").convert("L"))
+    part = np.asarray(Image.open(tmp_path / "cut.png").convert("L"))
+    ink_rows = np.flatnonzero((part < 235).any(axis=1))
+    bottom = int(ink_rows[-1]) + 1  # the headline table's last row of pixels
+    assert 200 < bottom < 900
+    assert np.array_equal(full[:bottom], part[:bottom])
+    # and the check can fail: a report with a long preamble pushes the table below the first screen
+    pushed = html.replace("<h2>Headline", "<p>" + "filler<br>" * 60 + "</p><h2>Headline", 1)
+    (tmp_path / "pushed.html").write_text(pushed, encoding="utf-8")
+    assert render(browser, tmp_path / "pushed.html", tmp_path / "pushed.png", height=900) == []
+    assert not np.array_equal(np.asarray(Image.open(tmp_path / "pushed.png").convert("L"))[:bottom], part[:bottom])

@@ -82,18 +82,25 @@ def test_plan_resolves_full_recipes(tmp_path):
 # aggregation from fake evaluation files
 
 
-def _fake_eval(nll: float, acc: float, t_choice: float, bayes_gap: float | None = None) -> dict:
-    def block(scale):
-        b = {"n": 10, "accuracy": acc, "nll": nll * scale, "brier": 0.5 * scale, "ece": 0.1, "ece_target": 0.05,
-             "sharpness_gap": 0.2 * nll * scale}
+def _fake_eval(nll: float, acc: float, t_choice: float, bayes_gap: float | None = None,
+               test_nll: float | None = None) -> dict:
+    """Dev blocks from `nll`; test blocks from `test_nll` (default: the same numbers as dev)."""
+    def block(scale, value=nll):
+        b = {"n": 10, "accuracy": acc, "nll": value * scale, "brier": 0.5 * scale, "ece": 0.1, "ece_target": 0.05,
+             "sharpness_gap": 0.2 * value * scale}
         if bayes_gap is not None:
-            b["posterior"] = {"n": 10, "nll": nll * scale - 0.1, "bayes_gap": bayes_gap, "accuracy": acc}
+            b["posterior"] = {"n": 10, "nll": value * scale - 0.1, "bayes_gap": bayes_gap, "accuracy": acc}
         return b
 
-    return {"format": "rlcd.evaluation/1", "headline_split": "test",
+    def views(value):
+        return {"raw": {"overall": block(1.0, value), "per_type": {"choice": block(1.0, value)},
+                        "group_macro": {"accuracy": acc}},
+                "calibrated": {"overall": block(0.9, value), "per_type": {"choice": block(0.9, value)}}}
+
+    test = views(nll if test_nll is None else test_nll)
+    return {"format": "rlcd.evaluation/2", "headline_split": "test",
             "temperatures": {"choice": t_choice, "noul": 1.0, "score": 2.0},
-            "raw": {"overall": block(1.0), "per_type": {"choice": block(1.0)}, "group_macro": {"accuracy": acc}},
-            "calibrated": {"overall": block(0.9), "per_type": {"choice": block(0.9)}},
+            "raw": test["raw"], "calibrated": test["calibrated"], "other_splits": {"dev": views(nll)},
             "meta": {"calibration": {"noul": {"temperature": 1.0, "reason": "3 calibration rows < 10: T = 1"}}}}
 
 
@@ -105,7 +112,9 @@ def _write_fake_runs(specs, values):
         cfg = {k: spec.config[k] for k in ("model", "data_dir", "recipe", "model_seed")}
         (spec.run_dir / "config.json").write_text(json.dumps(cfg))
         (spec.run_dir / "eval").mkdir(exist_ok=True)
-        (spec.run_dir / "eval" / "evaluation.json").write_text(json.dumps(_fake_eval(*values[spec.name])))
+        v = values[spec.name]
+        ev = _fake_eval(**v) if isinstance(v, dict) else _fake_eval(*v)
+        (spec.run_dir / "eval" / "evaluation.json").write_text(json.dumps(ev))
 
 
 def test_mean_std():
@@ -318,3 +327,145 @@ def test_in_process_sweep_resumes_an_interrupted_run(tmp_path):
     # continued from the checkpoint (the pre-kill line is kept), not restarted
     assert [(r["step"], r.get("before_kill", False)) for r in train_rows] == [(1, True), (2, False)]
     assert spec.evaluation_path.is_file() and (out / "summary.md").is_file()
+
+
+# ----------------------------------------------------------------------------------------------
+# issue 23: every diagnostics row kept, ce arms deduplicated over every RLCD field, boolean arms
+
+
+def test_a_600_step_sweep_keeps_every_diagnostics_row(tmp_path):
+    """Scaled to 600 updates, log_every (2) does not divide diagnostics_every (17): every diagnostics
+    update still writes a train row, so none of the 35 diagnostics rows is lost."""
+    from rlcd.train import log_due
+
+    (spec,) = plan_runs(tmp_path / "d", "tiny-toy", expand_grid({"sigma": [1.0]})[0], [0], 600, tmp_path / "o")
+    r = Recipe.from_dict(spec.config["recipe"])
+    assert r.diagnostics_every % r.log_every != 0
+    diag_steps = [s for s in range(1, 601) if s % r.diagnostics_every == 0]
+    assert len(diag_steps) == 600 // r.diagnostics_every and all(log_due(s, r) for s in diag_steps)
+    assert [s for s in range(1, 601) if log_due(s, r)] == sorted(
+        set(range(r.log_every, 601, r.log_every)) | set(diag_steps) | {600})
+    off = Recipe(steps=600, log_every=4, diagnostics_every=0)
+    assert [s for s in range(1, 601) if log_due(s, off)] == list(range(4, 601, 4))
+
+
+def test_a_short_train_logs_every_diagnostics_update(tmp_path):
+    from conftest import synth_processed
+
+    from rlcd.train import train
+
+    data = synth_processed(tmp_path, 30, seed=3)
+    recipe = Recipe(steps=4, log_every=3, diagnostics_every=2, eval_every=4, checkpoint_every=4, batch_size=2,
+                    grad_accum=1, dev_cap=4)
+    train(tmp_path / "run", data_dir=data, model="tiny-toy", recipe=recipe, progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["event"] == "train"]
+    assert [r["step"] for r in train_rows] == [2, 3, 4]
+    assert [r["step"] for r in train_rows if "adv_std" in r and "grad_cosine" in r] == [2, 4]
+
+
+def test_ce_arms_collapse_over_every_field_ce_ignores():
+    grid = {"objective": ["rlcd", "ce"], "w_spherical": [0.0, 0.75], "n_perturbations": [2, 4],
+            "advantage_norm": ["batch", "type"], "sigma_end": [None, 0.1], "w_rps": [0.0, 1.0]}
+    arms, notes = expand_grid(grid)
+    ce = [a for a in arms if a.objective == "ce"]
+    assert len(ce) == 1 and ce[0].params == {"objective": "ce"} and len(ce[0].merged) == 32
+    assert len([a for a in arms if a.objective == "rlcd"]) == 32
+    (note,) = [n for n in notes if "'ce'" in n]
+    for k in ("advantage_norm", "n_perturbations", "sigma_end", "w_rps", "w_spherical"):
+        assert k in note
+    assert "32 grid points are run once per seed and shown once in the summary" in note
+    # a field ce does read still makes separate ce arms
+    arms, _ = expand_grid({"objective": ["ce"], "lr_head": [1e-4, 5e-4], "w_rps": [0.0, 1.0]})
+    assert [a.params for a in arms] == [{"objective": "ce", "lr_head": 1e-4}, {"objective": "ce", "lr_head": 5e-4}]
+    # one ce run per seed, and the summary lists the arm once
+    specs = plan_runs("d", "tiny-toy", expand_grid(grid)[0], [0, 1], 10, "o")
+    assert sorted(s.name for s in specs if s.arm == "ce") == ["ce-s0", "ce-s1"] and len(specs) == 66
+    summary = summarize_runs(expand_grid(grid)[0], specs, notes=notes)
+    assert [a["name"] for a in summary["arms"]].count("ce") == 1
+    assert "shown once in the summary" in "\n".join(summary["notes"])
+
+
+def test_a_boolean_recipe_field_is_an_arm_like_any_other(monkeypatch):
+    """`--grid head_only=true,false` (a bool field; stand-in when the recipe has none yet)."""
+    import rlcd.recipe as recipe_mod
+
+    if not any(t is bool for t in recipe_mod.field_types().values()):
+        real = recipe_mod.field_types
+        monkeypatch.setattr(recipe_mod, "field_types", lambda: {**real(), "head_only": bool})
+    key = next(k for k, t in recipe_mod.field_types().items() if t is bool)
+    grid = parse_grid([f"{key}=true,false,1", "objective=rlcd,ce"])
+    assert grid == {key: [True, False, True], "objective": ["rlcd", "ce"]}
+    assert all(type(v) is bool for v in grid[key])
+    arms, notes = expand_grid(grid)
+    assert [a.name for a in arms] == [f"rlcd-{key}true", f"ce-{key}true", f"rlcd-{key}false", f"ce-{key}false"]
+    assert [a.params[key] for a in arms] == [True, True, False, False]
+    assert any("repeated values" in n for n in notes)
+    with pytest.raises(OptionError, match=f"--grid {key}=maybe: not a valid bool"):
+        parse_grid([f"{key}=maybe"])
+
+
+def test_a_sweep_whose_dev_and_test_rankings_differ_is_summarised_by_dev(tmp_path):
+    """sigma 0.5 is best on dev, sigma 2 on test: the summary, its table, the CLI line and the plot
+    choose sigma 0.5; the test numbers sit beside, labelled not for choosing."""
+    arms, notes = expand_grid({"sigma": [0.5, 2.0], "objective": ["rlcd", "ce"]})
+    specs = plan_runs(tmp_path / "data", "tiny-toy", arms, [0, 1], 10, tmp_path / "out")
+    dev_test = {"rlcd-sigma0.5": (1.0, 3.0), "rlcd-sigma2": (2.0, 1.0), "ce": (3.0, 2.0)}
+    values = {s.name: {"nll": dev_test[s.arm][0] + 0.1 * s.seed, "acc": 0.5, "t_choice": 1.0,
+                       "test_nll": dev_test[s.arm][1] + 0.1 * s.seed} for s in specs}
+    _write_fake_runs(specs, values)
+    summary = summarize_runs(arms, specs, notes=notes)
+    rk = summary["ranking"]
+    assert summary["choose_on"] == "dev" and rk["metric"] == "calibrated.overall.nll"
+    assert rk["order"] == ["rlcd-sigma0.5", "rlcd-sigma2", "ce"] and rk["best"] == "rlcd-sigma0.5"
+    by = {a["name"]: a for a in summary["arms"]}
+    assert by["rlcd-sigma0.5"]["metrics"]["calibrated.overall.nll"]["mean"] == pytest.approx(0.9 * 1.05)
+    assert by["rlcd-sigma0.5"]["metrics_beside"]["calibrated.overall.nll"]["mean"] == pytest.approx(0.9 * 3.05)
+    # on test the order would differ; asked explicitly, it is the test order
+    on_test = summarize_runs(arms, specs, choose_on="test")["ranking"]
+    assert on_test["order"] == ["rlcd-sigma2", "ce", "rlcd-sigma0.5"] and on_test["beside"] == "dev"
+    assert summarize_runs(arms, specs, rank_by="raw.overall.accuracy")["ranking"]["higher_is_better"] is True
+    with pytest.raises(ValueError, match="rank_by"):
+        summarize_runs(arms, specs, rank_by="raw.overall.sharpness_gap")
+
+    paths = write_summary(tmp_path / "out", summary)
+    md = paths["md"].read_text()
+    assert "Best on dev: **`rlcd-sigma0.5`**" in md
+    assert "| 1 | `rlcd-sigma0.5` | 2 | 0.945 ± 0.064 | 2.745 ± 0.064 |" in md
+    assert "test (not for choosing)" in md and "## Calibrated probabilities (overall), test (not for choosing)" in md
+    assert md.index("## Choice: on dev") < md.index("## Raw probabilities (overall), dev")
+
+    # a run evaluated without a dev split is left out of the dev numbers, with a note
+    ev_path = specs[0].evaluation_path
+    ev = json.loads(ev_path.read_text())
+    del ev["other_splits"]["dev"]
+    ev_path.write_text(json.dumps(ev))
+    again = summarize_runs(arms, specs)
+    first = next(a for a in again["arms"] if a["name"] == specs[0].arm)
+    assert first["metrics"]["calibrated.overall.nll"]["n"] == 1
+    assert first["metrics_beside"]["calibrated.overall.nll"]["n"] == 2
+    assert any(specs[0].name in n and "no dev split" in n for n in again["notes"])
+
+
+def test_sweep_cli_chooses_on_dev_and_refuses_a_bad_rank_key(tmp_path):
+    from rlcd.cli import app
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("")
+    out = tmp_path / "out"
+    arms, _ = expand_grid({"sigma": [0.5, 2.0]})
+    specs = plan_runs(data, "tiny-toy", arms, [0], 3, out)
+    _write_fake_runs(specs, {"sigma0.5-s0": {"nll": 1.0, "acc": 0.5, "t_choice": 1.0, "test_nll": 3.0},
+                             "sigma2-s0": {"nll": 2.0, "acc": 0.5, "t_choice": 1.0, "test_nll": 1.0}})
+    base = ["sweep", "--data", str(data), "--model", "tiny-toy", "--grid", "sigma=0.5,2", "--seeds", "1",
+            "--steps", "3", "--out", str(out)]
+    res = CliRunner().invoke(app, base)
+    assert res.exit_code == 0, res.output
+    assert "best on dev by calibrated.overall.nll: sigma0.5" in res.stdout and "not for choosing" in res.stdout
+    assert json.loads((out / "summary.json").read_text())["ranking"]["best"] == "sigma0.5"
+    res = CliRunner().invoke(app, base + ["--choose-on", "test"])
+    assert res.exit_code == 0 and "best on test by calibrated.overall.nll: sigma2" in res.stdout
+    for bad, needle in ((["--rank-by", "nll"], "--rank-by"), (["--choose-on", "calibration"], "--choose-on")):
+        res = CliRunner().invoke(app, base + bad)
+        assert res.exit_code == 2 and needle in res.stderr and "Traceback" not in res.output, res.output

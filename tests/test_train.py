@@ -234,6 +234,12 @@ def test_ddp_keeps_the_recipe_batch_and_matches_one_process(tmp_path, data_dir):
     assert pooled and set(pooled) == {k for k in rows[1] if k.startswith(("reward/", "adv_std", "adv_extreme"))}
     for k in pooled:
         assert rows[1][k] == pytest.approx(one[1][k], rel=1e-4, abs=1e-6), k
+    # so are the per-type entropy / max p / effective K: every rank's rows, not rank 0's
+    assert rows[1]["per_type"].keys() == one[1]["per_type"].keys()
+    for t, b in one[1]["per_type"].items():
+        assert rows[1]["per_type"][t]["n"] == b["n"], t
+        for k in ("entropy", "max_prob", "effective_candidates"):
+            assert rows[1]["per_type"][t][k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (t, k)
     w2 = ckpt.load(run / "checkpoints" / "last")["weights"]
     w1 = ckpt.load(single / "checkpoints" / "last")["weights"]
     assert w1.keys() == w2.keys() and len(w1) > 10

@@ -61,7 +61,11 @@ class TypeDiagnostics:
         sums = torch.zeros(len(QUESTION_TYPES), 4, device=per_row.device).index_add_(0, type_id, per_row)
         self.sums = sums if self.sums is None else self.sums + sums
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, reduce: Callable[[torch.Tensor], Any] | None = None) -> dict[str, Any]:
+        """``{"per_type": {t: {entropy, max_prob, effective_candidates, n}}}``; with ``reduce`` (an in-place
+        sum over DDP ranks) the sums are pooled first, so the means cover every rank's rows."""
+        if reduce is not None and self.sums is not None:
+            reduce(self.sums)
         out = {}
         for t, (h, m, e, n) in zip(QUESTION_TYPES, self.sums.tolist() if self.sums is not None else []):
             if n:

@@ -101,6 +101,13 @@ def micro_indices(step: int, *, accum: int, rank: int = 0, world: int = 1) -> li
     return list(range(base, base + per))
 
 
+def log_due(done: int, r: Recipe) -> bool:
+    """Whether update `done` (1-based) writes a train row: every `log_every`, the last update, and every
+    `diagnostics_every` (its diagnostics exist on that update only), whatever the two cadences."""
+    diag = r.diagnostics_every > 0 and done % r.diagnostics_every == 0
+    return done % r.log_every == 0 or done == r.steps or diag
+
+
 def noise_generator(seed: int, index: int) -> torch.Generator:
     """CPU generator for the logit noise of micro-batch `index`: resume- and device-independent."""
     return torch.Generator().manual_seed((seed * 1_000_003 + index) % (2**63 - 1))
@@ -259,7 +266,7 @@ class Session:
                     diag = {"grad_cosine": float(d["grad_cosine"]), "grad_norm_ratio": float(d["grad_norm_ratio"])}
             mark("other")
         out = dict(stats_sum)
-        out.update(per_type.summary())
+        out.update(per_type.summary(reduce=dist.all_reduce if self.dist.active else None))
         if rewards is not None:
             out.update(rewards.summary(reduce=dist.all_reduce if self.dist.active else None))
         if diag:
@@ -646,7 +653,7 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
         state["step"] = done
         window_examples += stats["_examples"]
         window_tokens += stats["_tokens"]
-        if done % r.log_every == 0 or done == r.steps:
+        if log_due(done, r):
             now = time.perf_counter()
             dt = max(now - t_last, 1e-9)
             row = {"event": "train", "step": done, **{k: v for k, v in stats.items() if not k.startswith("_")},

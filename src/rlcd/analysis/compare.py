@@ -11,9 +11,11 @@ Conventions (printed by ``rlcd compare`` too):
 * **Probabilities**: ``softmax(logits / T_type)`` with the per-type temperatures of the run's
   ``eval/evaluation.json`` (``"temperatures": {type: T}``; T = 1 for a type without one, or for
   every type when the file has none or ``raw=True``).
-* **Bootstrap**: ``resamples`` resamples of the rows with replacement (or, with ``groups``, of whole
-  isolation groups with replacement: every drawn group contributes all its rows, so the resampled
-  statistic is ``sum of diffs over drawn rows / number of drawn rows``). The interval is the
+* **Bootstrap**: ``resamples`` resamples of whole source cases with replacement (the default, as
+  the evaluation's intervals: rows of one case -- ``case_id``, else the id prefix before ``:`` --
+  are not independent; every drawn case contributes all its rows, so the resampled statistic is
+  ``sum of diffs over drawn rows / number of drawn rows``), or, with ``grouped=False``
+  (``rlcd compare --rows``), of single rows. The interval is the
   percentile interval of the resampled mean differences. The two-sided p-value is the percentile-
   bootstrap p-value ``p = min(1, 2 * min((1 + #{d* <= 0}) / (R + 1), (1 + #{d* >= 0}) / (R + 1)))``:
   twice the (add-one smoothed) share of the bootstrap distribution on the far side of zero, so
@@ -232,7 +234,7 @@ def compare_runs(
     split: str = "test",
     resamples: int = 5000,
     seed: int = 0,
-    grouped: bool = False,
+    grouped: bool = True,
     *,
     raw: bool = False,
     confidence: float = 0.95,
@@ -240,7 +242,8 @@ def compare_runs(
     """Paired bootstrap of ``metric`` between side A (``runs_a``) and side B (``runs_b``); B - A.
 
     Rows are aligned by id over the intersection of all runs; several runs per side are averaged per
-    row. ``grouped=True`` resamples whole isolation groups (:func:`group_key`). The result carries
+    row. ``grouped`` (the default) resamples whole source cases (:func:`group_key`); ``grouped=False``
+    single rows. ``"resampling_unit"`` says which (``"case"`` or ``"row"``). The result carries
     the bootstrap numbers, the side means, and a ``"rows"`` block with every count of dropped rows.
     """
     if metric not in METRICS:
@@ -264,6 +267,7 @@ def compare_runs(
         "lower_is_better": LOWER_IS_BETTER[metric],
         "calibrated": not raw,
         "grouped": bool(grouped),
+        "resampling_unit": "case" if grouped else "row",
         "seed": int(seed),
         "mean_a": float(a.mean()),
         "mean_b": float(b.mean()),
@@ -288,7 +292,8 @@ def summary_lines(result: Mapping[str, Any]) -> list[str]:
     better = "lower" if result["lower_is_better"] else "higher"
     rows = result["rows"]
     pct = int(round(100 * result["confidence"]))
-    unit = f"{result['n_groups']} groups" if result["grouped"] else f"{result['n']} rows"
+    unit = (f"{result['n_groups']} source cases (case_id; --rows for single rows)" if result["grouped"]
+            else f"{result['n']} single rows (--rows; rows of one case are not independent)")
     lines = [
         f"{m} on {result['split']} ({'calibrated' if result['calibrated'] else 'raw'}; {better} is better): "
         f"A = {result['mean_a']:.4f}, B = {result['mean_b']:.4f}",

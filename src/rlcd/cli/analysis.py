@@ -96,14 +96,16 @@ def compare(
     split: Annotated[str, typer.Option(help="prediction split: dev | calibration | test")] = "test",
     resamples: Annotated[int, typer.Option(help="bootstrap resamples")] = 5000,
     seed: Annotated[int, typer.Option(help="bootstrap seed")] = 0,
-    grouped: Annotated[bool, typer.Option(help="resample whole isolation groups (case_id / id prefix before ':')")] = False,
+    rows: Annotated[bool, typer.Option("--rows", help="resample single rows instead of whole source cases "
+                                                      "(case_id / id prefix before ':', the default)")] = False,
     json_out: Annotated[Optional[Path], typer.Option(help="also write the JSON result to this file")] = None,
     raw: Annotated[bool, typer.Option(help="compare raw logits (ignore the fitted temperatures)")] = False,
 ) -> None:
     """Paired bootstrap of a per-row metric between runs A and B: difference B - A, 95% CI, p-value.
 
-    RUN_A / RUN_B may list several runs, comma-separated (pooled per row). Prints a short human summary
-    on stderr and the JSON result on stdout.
+    RUN_A / RUN_B may list several runs, comma-separated (pooled per row). The bootstrap resamples
+    whole source cases (case_id) unless --rows is given; the output says which. Prints a short human
+    summary on stderr and the JSON result on stdout.
     """
     from rich.console import Console
 
@@ -112,7 +114,7 @@ def compare(
     err = Console(stderr=True)
     try:
         result = compare_runs(_run_dirs(run_a), _run_dirs(run_b), metric=metric, split=split,
-                              resamples=resamples, seed=seed, grouped=grouped, raw=raw)
+                              resamples=resamples, seed=seed, grouped=not rows, raw=raw)
     except (ValueError, FileNotFoundError) as e:
         err.print(f"rlcd compare: {e}", style="red", highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
@@ -166,13 +168,19 @@ def sweep(
                                                         "(each run's --device auto is its GPU)")] = None,
     dtype: DTypeOpt = DType.auto,
     dry_run: Annotated[bool, typer.Option(help="write the run configs and print the worker commands; train nothing")] = False,
+    choose_on: Annotated[str, typer.Option(help="split the summary ranks the arms on: dev (the default; test is "
+                                                "shown beside it, not for choosing) or test")] = "dev",
+    rank_by: Annotated[str, typer.Option(help="metric the arms are ranked by (raw|calibrated.<block>.<metric>)")]
+    = "calibrated.overall.nll",
 ) -> None:
     """Run a grid of recipe arms x seeds (one run dir and process each), evaluate each, and summarise.
 
     Finished runs (eval/evaluation.json present) are skipped, so re-running resumes a sweep. The ce
-    objective ignores sigma/ce_weight: its arm runs once per seed. Every run trains and evaluates on
+    objective ignores the RLCD fields (sigma, sigma_end, ce_weight, G, reward weights, advantage_norm):
+    its arm runs once per seed and is summarised once. Every run trains and evaluates on
     the auto device (its GPU with --devices) in --dtype, recorded in its config. Writes summary.json,
-    summary.md, fitted_T_vs_sigma.png and nll_vs_sigma.png under --out; exits 1 if a run failed.
+    summary.md, fitted_T_vs_sigma.png and nll_vs_sigma.png under --out; exits 1 if a run failed. The
+    summary is on dev and ranks the arms there (--choose-on, --rank-by); test sits beside, not for choosing.
     """
     from rlcd.analysis.sweep import parse_grid, run_sweep
     from rlcd.recipe import parse_overrides
@@ -180,7 +188,7 @@ def sweep(
     dev = [d.strip() for d in devices.split(",") if d.strip()] if devices else None
     summary = run_sweep(data, model, parse_grid(grid or []), seeds, steps, out, parse_overrides(recipe or []),
                         scale_cadence=scale_cadence, in_process=in_process, devices=dev, dtype=dtype.value,
-                        dry_run=dry_run)
+                        dry_run=dry_run, choose_on=choose_on, rank_by=rank_by)
     if dry_run:
         for cmd in summary["commands"]:
             typer.echo(cmd)
@@ -189,13 +197,15 @@ def sweep(
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"sweep summary ({out / 'summary.md'})", box=box.SIMPLE, padding=(0, 1))
+    rk = summary["ranking"]
+    beside = f"{rk['beside']} (not for choosing)" if rk["beside"] == "test" else rk["beside"]
+    table = Table(title=f"sweep summary on {rk['split']} ({out / 'summary.md'})", box=box.SIMPLE, padding=(0, 1))
     for col in ("arm", "ok", "accuracy", "NLL", "Brier", "ECE-t", "sharp gap", "T choice", "T noul", "T score",
-                "Bayes gap"):
+                "Bayes gap", f"{rk['beside']} {rk['metric'].split('.')[-1]}"):
         table.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
 
-    def cell(arm, key, digits=3):
-        st = arm["metrics"].get(key)
+    def cell(arm, key, digits=3, source="metrics"):
+        st = arm[source].get(key)
         if not st or st.get("mean") is None:
             return "–"
         return f"{st['mean']:.{digits}f}" + (f"±{st['std']:.{digits}f}" if st.get("std") is not None else "")
@@ -205,8 +215,11 @@ def sweep(
                       cell(a, "raw.overall.nll"), cell(a, "raw.overall.brier"), cell(a, "raw.overall.ece_target"),
                       cell(a, "raw.overall.sharpness_gap"), cell(a, "temperature.choice", 2),
                       cell(a, "temperature.noul", 2), cell(a, "temperature.score", 2),
-                      cell(a, "raw.overall.posterior.bayes_gap"))
+                      cell(a, "raw.overall.posterior.bayes_gap"), cell(a, rk["metric"], source="metrics_beside"))
     Console().print(table)
+    if rk["best"] is not None:
+        typer.echo(f"best on {rk['split']} by {rk['metric']}: {rk['best']} (ranking: {', '.join(rk['order'])}); "
+                   f"the last column is {beside}")
     if summary["failed"]:
         typer.echo(f"{len(summary['failed'])} run(s) failed: {', '.join(summary['failed'])} (see summary.md)", err=True)
         raise typer.Exit(code=1)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from rlcd.errors import RunError
-from rlcd.report import error_sections, metrics_sections, run_sections
+from rlcd.report import error_sections, metrics_sections, run_sections, verdict
 from rlcd.report.context import Context, FigureWriter, read_config
 from rlcd.report.document import Section, Text, to_html, to_markdown
 from rlcd.report.evaluation import as_run, evaluation_from_predictions, load_predictions
@@ -28,9 +28,10 @@ from rlcd.report.training_log import read_training_log
 from rlcd.run import Run
 from rlcd.schema import QUESTION_TYPES
 
+# The headline (verdict lines, headline table, overall reliability) leads: one screen says what the run
+# achieved; the details follow, and what the run was (data, recipe, metadata, hashes) comes last.
 SECTIONS = (
-    run_sections.data_and_recipe,
-    metrics_sections.headline,
+    verdict.summary,
     metrics_sections.temperatures,
     metrics_sections.per_type,
     metrics_sections.ordinal,
@@ -41,6 +42,7 @@ SECTIONS = (
     metrics_sections.reliability,
     error_sections.error_analysis,
     run_sections.training,
+    run_sections.data_and_recipe,
 )
 
 
@@ -85,8 +87,8 @@ def write_report(run: Run | str | Path, *, ev: Mapping[str, Any] | None = None) 
         f"Regenerate with `rlcd report {ctx.name}`; every number and plot comes from `eval/predictions-*.jsonl`, the "
         "temperatures, `metrics.jsonl` and `config.json`. `report.md` links the PNGs under `plots/`; `report.html` "
         "holds the same content in one file (images inline, no network)."))
-    sections = [intro] + sections
+    sections = sections + [intro]
     title = f"rlcd evaluation report: {ctx.name}"
     run.report_md.write_text(to_markdown(title, sections), encoding="utf-8")
-    run.report_html.write_text(to_html(title, sections), encoding="utf-8")
+    run.report_html.write_text(to_html(title, sections, lead=1), encoding="utf-8")
     return run.report_md

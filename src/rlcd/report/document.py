@@ -141,6 +141,7 @@ figcaption { color: #555; font-size: 12.5px; }
 .warn { background: #fff4e0; border-left: 4px solid #e08a00; padding: 6px 10px; }
 .ok { background: #eaf6ec; border-left: 4px solid #3c9a4b; padding: 6px 10px; }
 .scroll { overflow-x: auto; }
+h1 + section > h2 { margin-top: 10px; border-top: none; }
 """
 
 
@@ -199,11 +200,13 @@ def _html_section(s: Section) -> str:
             + "\n".join(_html_block(b) for b in s.blocks) + "</section>")
 
 
-def to_html(title: str, sections: Sequence[Section]) -> str:
+def to_html(title: str, sections: Sequence[Section], *, lead: int = 0) -> str:
+    """The page; the first ``lead`` sections come before the table of contents (the first screen)."""
     nav = "".join(f'<a href="#{_slug(s.title)}">{inline(s.title)}</a>' for s in sections)
-    body = "\n".join(_html_section(s) for s in sections)
+    first = "".join(_html_section(s) for s in sections[:lead])
+    body = "\n".join(_html_section(s) for s in sections[lead:])
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
             '<link rel="icon" href="data:,">'
             f"<title>{html.escape(title)}</title><style>{CSS}</style></head>\n"
-            f"<body><main><h1>{inline(title)}</h1><nav>{nav}</nav>\n{body}\n</main></body></html>\n")
+            f"<body><main><h1>{inline(title)}</h1>{first}<nav>{nav}</nav>\n{body}\n</main></body></html>\n")

@@ -1,5 +1,6 @@
-"""Report sections on the evaluation metrics, one screen each: headline, temperatures, per type,
-ordinal metrics, majority baseline, Bayes floor, per group, other splits, reliability."""
+"""Report sections on the evaluation metrics, one screen each: temperatures, per type, ordinal
+metrics, majority baseline, Bayes floor, per group, other splits, reliability (the headline, which
+leads the report, is `rlcd.report.verdict`)."""
 
 from __future__ import annotations
 
@@ -42,19 +43,6 @@ def calibration_flags(effect: Mapping[str, Any], split: str) -> list[Text]:
         flags.append(Text(f"No type's calibrated NLL or ECE on {split} is worse than raw beyond its paired 95% "
                           "interval.", kind="ok"))
     return flags
-
-
-def headline(ctx: Context) -> Section:
-    raw, cal = ctx.raw, ctx.cal
-    s = Section(f"Headline: {ctx.head} split (n = {raw['n']})")
-    s.add(raw_cal_table(raw["overall"], cal["overall"], intervals=True))
-    gm = raw["group_macro"]
-    s.add(Text(f"Group macro accuracy (the selection score's form): {fmt_ci(gm.get('accuracy'), _ci(gm, 'accuracy'))} "
-               f"over {gm.get('n_groups')} groups. `ece` is hard-label ECE (15 bins on max p); `ece_target` compares "
-               "confidence with the target mass on the chosen candidate; `sharpness_gap` = mean(max p) − mean(max "
-               "target). " + BOOTSTRAP_NOTE))
-    s.add(*calibration_flags(ctx.ev.get("calibration_effect") or {}, ctx.head))
-    return s
 
 
 def temperatures(ctx: Context) -> Section:
@@ -177,10 +165,9 @@ def other_splits(ctx: Context) -> Section | None:
 def reliability(ctx: Context) -> Section:
     raw, cal, head = ctx.raw, ctx.cal, ctx.head
     s = Section(f"Reliability and coverage ({head}, raw vs calibrated)")
-    s.add(Text("Points: mean accuracy of each confidence bin at the bin's mean confidence, with the bin's Wilson "
-               "95% interval; hollow points hold fewer than 5 rows. Bars below: rows per bin."))
-    s.add(ctx.figures.add("reliability_overall", plots.reliability(raw["overall"], cal["overall"], "all types"),
-                          "reliability, all types"))
+    s.add(Text("Per type (all types together: in the headline). Points: mean accuracy of each confidence bin at "
+               "the bin's mean confidence, with the bin's Wilson 95% interval; hollow points hold fewer than 5 rows. "
+               "Bars below: rows per bin."))
     for t in raw["per_type"]:
         s.add(ctx.figures.add(f"reliability_{t}", plots.reliability(raw["per_type"][t], cal["per_type"][t], t),
                               f"reliability, {t}"))

@@ -15,7 +15,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from rlcd import metrics as M
-from rlcd.report.training_log import COMPONENTS, REWARD_PARTS, ema, has, reward_keys, series
+from rlcd.report.training_log import (COMPONENTS, REWARD_PARTS, TYPE_STATS, ema, has, reward_keys, series,
+                                      type_stat_series, type_stat_types)
 
 Z95 = 1.959963984540054
 COLORS = {"raw": "tab:red", "calibrated": "tab:blue"}
@@ -44,14 +45,15 @@ def wilson(p: float, n: int, z: float = Z95) -> tuple[float, float]:
     return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))
 
 
-def reliability(raw_block: Mapping, cal_block: Mapping, title: str) -> bytes:
+def reliability(raw_block: Mapping, cal_block: Mapping, title: str, height: float = 6.0) -> bytes:
     """Hard-label and target-referenced reliability, raw vs calibrated, with 95% bin intervals and counts.
 
     Top row: mean accuracy per confidence bin against the bin's mean confidence; error bars are the
     Wilson interval of the bin (for the target-referenced mean of ``t[argmax p]`` in [0, 1] this
     bounds the binomial spread); bins with fewer than 5 rows are hollow. Bottom row: rows per bin.
+    ``height`` (inches at 100 dpi): the headline's compact copy is lower than the full one.
     """
-    fig = Figure(figsize=(11, 6))
+    fig = Figure(figsize=(11, height))
     axes = fig.subplots(2, 2, gridspec_kw={"height_ratios": [3, 1]}, sharex="col")
     width = 1 / M.N_BINS
     for col, (ref, name) in enumerate((("accuracy", "hard-label accuracy"),
@@ -81,7 +83,7 @@ def reliability(raw_block: Mapping, cal_block: Mapping, title: str) -> bytes:
         ax.legend(fontsize=8, loc="upper left")
         hist.set(xlim=(0, 1), xlabel="confidence (max p), 15 bins", ylabel="rows")
         hist.margins(y=0.3)
-    return png(fig, hspace=0.08, bottom=0.09)
+    return png(fig, hspace=0.08, bottom=0.54 / height, top=1 - 0.42 / height)
 
 
 def coverage_risk(curves: Mapping[str, tuple[np.ndarray, np.ndarray]], title: str) -> bytes:
@@ -192,6 +194,29 @@ def diagnostics(train: list[dict], selected: int | None) -> bytes:
     _panel(axes[6], train, ["grad_cosine"], "cos(RL grad, CE grad)", selected)
     _panel(axes[7], train, ["grad_norm_ratio"], "|RL grad| / |CE grad|", selected)
     return png(fig, left=0.05, wspace=0.28, bottom=0.08, hspace=0.3)
+
+
+def type_stats(train: list[dict], selected: int | None) -> bytes:
+    """Entropy, max probability and effective candidate count exp(H) of the training rows, per type."""
+    fig = Figure(figsize=(14, 3.6))
+    axes = fig.subplots(1, 3)
+    titles = {"entropy": "mean entropy H (nats)", "max_prob": "mean max probability",
+              "effective_candidates": "effective candidates exp(H)"}
+    types = type_stat_types(train)
+    for ax, stat in zip(axes, TYPE_STATS):
+        drawn = False
+        for t in types:
+            xs, ys = type_stat_series(train, t, stat)
+            if not xs:
+                continue
+            color = TYPE_COLORS.get(t)
+            ax.plot(xs, ys, lw=0.8, alpha=0.3 if len(xs) >= 10 else 1.0, color=color,
+                    marker="." if len(xs) < 30 else None, label=None if len(xs) >= 10 else t)
+            if len(xs) >= 10:
+                ax.plot(xs, ema(ys), lw=1.4, color=color, label=t)
+            drawn = True
+        _finish(ax, f"{titles[stat]} per type", drawn, selected)
+    return png(fig, left=0.05, wspace=0.22, bottom=0.15, top=0.88)
 
 
 def accuracy_by_k(table: Sequence[Mapping[str, Any]]) -> bytes:

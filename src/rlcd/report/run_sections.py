@@ -11,7 +11,8 @@ from rlcd.report import plots
 from rlcd.report.context import Context
 from rlcd.report.document import Bullets, Section, Table, Text, fmt
 from rlcd.report.evaluation import evaluation_json
-from rlcd.report.training_log import has_diagnostics, last_value, reward_keys, selected_step
+from rlcd.report.training_log import (has_diagnostics, last_value, reward_keys, selected_step, type_stat_series,
+                                      type_stat_types)
 
 ARM_FIELDS = ("objective", "sigma", "sigma_end", "ce_weight", "n_perturbations", "w_spherical", "w_rps",
               "advantage_norm", "steps", "seed")
@@ -83,7 +84,24 @@ def training(ctx: Context) -> Section:
             s.add(Table(["dev subset at the selected step", "NLL", "Brier", "ECE"],
                         [["all types", at.get("dev_nll"), at.get("dev_brier"), at.get("dev_ece")]]
                         + [[t, at.get(f"dev_nll/{t}"), at.get(f"dev_brier/{t}"), at.get(f"dev_ece/{t}")] for t in types]))
-    return s.add(_diagnostics(ctx, train, chosen))
+    return s.add(_type_stats(ctx, train, chosen), _diagnostics(ctx, train, chosen))
+
+
+def _type_stats(ctx: Context, train: list[dict], chosen: int | None) -> Section | None:
+    """Per-type entropy, max probability and effective candidate count over training (every objective)."""
+    types = type_stat_types(train)
+    if not types:
+        return None
+    s = Section("Output sharpness per type", level=3)
+    s.add(ctx.figures.add("type_stats", plots.type_stats(train, chosen), "per-type entropy, max p and effective K",
+                          "Over each logged update's training rows (pooled over every DDP rank): mean entropy of "
+                          "the predicted distribution, mean max probability, and the effective number of "
+                          "candidates exp(H); EMA solid, raw faint."))
+    rows = []
+    for t in types:
+        first = [type_stat_series(train, t, k)[1] for k in ("entropy", "max_prob", "effective_candidates")]
+        rows.append([t] + [f"{fmt(v[0], 3)} → {fmt(v[-1], 3)}" if v else "—" for v in first])
+    return s.add(Table(["type", "entropy (first → last logged)", "max p", "effective candidates"], rows))
 
 
 def _diagnostics(ctx: Context, train: list[dict], chosen: int | None) -> Section:

@@ -5,6 +5,7 @@ Lines with ``"event": "eval"`` are dev evaluations (``dev_macro_accuracy``, ``de
 with a ``step`` are training updates (``loss``, ``ce_loss``, ``policy_loss``, ``reward_mean``,
 ``lr_lora``, ``lr_head``, ``grad_norm``, ...; at the diagnostics cadence ``grad_cosine``,
 ``grad_norm_ratio``, ``reward/<type>/<component>/{mean,std}``, ``adv_std``, ``adv_extreme_share``;
+on every line ``per_type: {type: {entropy, max_prob, effective_candidates, n}}``, pooled over DDP ranks);
 logs of older runs have the pooled ``log_score_mean``/``spherical_mean``/``rps_mean`` and
 ``advantage_std`` only).
 """
@@ -113,3 +114,27 @@ def last_value(lines: list[dict], key: str) -> Any:
         if key in obj:
             return obj[key]
     return None
+
+
+TYPE_STATS = ("entropy", "max_prob", "effective_candidates")
+
+
+def type_stat_series(lines: list[dict], type_: str, stat: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of ``per_type[type_][stat]`` (the output statistics of each update's rows)."""
+    xs, ys = [], []
+    for obj in lines:
+        v = ((obj.get("per_type") or {}).get(type_) or {}).get(stat) if isinstance(obj.get("per_type"), dict) else None
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            xs.append(float(obj["step"]))
+            ys.append(float(v))
+    return xs, ys
+
+
+def type_stat_types(lines: list[dict]) -> list[str]:
+    """The question types with any per-type output statistic in the log, in first-seen order."""
+    seen: dict[str, None] = {}
+    for obj in lines:
+        per = obj.get("per_type")
+        if isinstance(per, dict):
+            seen.update({t: None for t, b in per.items() if isinstance(b, dict) and any(k in b for k in TYPE_STATS)})
+    return list(seen)

@@ -6,7 +6,8 @@
   arm x seed with its full resolved recipe (cadence scaled to short budgets);
 - `scheduler`: runs the specs, one process per run (``rlcd sweep-worker``), one run per device
   at a time, skipping finished runs, so re-running a sweep resumes it;
-- `aggregate`: each arm's metrics over its seeds (mean, sample std) -> ``summary.json``,
+- `aggregate`: each arm's metrics over its seeds (mean, sample std), on dev (the split to choose
+  on; test beside it, not for choosing), the arms ranked on dev -> ``summary.json``,
   ``summary.md``, ``fitted_T_vs_sigma.png`` and ``nll_vs_sigma.png``.
 
 Layout of ``out``: ``runs/<arm>-s<seed>/`` (run directories), ``configs/<run>.json`` (worker
@@ -20,15 +21,16 @@ import shlex
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from rlcd.analysis.sweep.aggregate import FORMAT, mean_std, metric_values, summarize_runs, write_summary
+from rlcd.analysis.sweep.aggregate import (CHOOSE_ON, FORMAT, RANK_BY, check_rank_by, mean_std, metric_values,
+                                           rank_arms, summarize_runs, write_summary)
 from rlcd.analysis.sweep.grid import (Arm, RunSpec, SweepError, expand_grid, parse_grid, parse_seeds, plan_runs,
                                       scaled_cadence)
 from rlcd.analysis.sweep.scheduler import Event, RunResult, execute, run_one, worker_command, write_run_config
 from rlcd.recipe import coerce_value
 
 __all__ = ["Arm", "RunResult", "RunSpec", "SweepError", "execute", "expand_grid", "mean_std", "metric_values",
-           "parse_grid", "parse_seeds", "plan_runs", "run_one", "run_sweep", "scaled_cadence", "summarize_runs",
-           "write_summary"]
+           "parse_grid", "parse_seeds", "plan_runs", "rank_arms", "run_one", "run_sweep", "scaled_cadence",
+           "summarize_runs", "write_summary"]
 
 
 @contextlib.contextmanager
@@ -69,13 +71,14 @@ def run_sweep(data: Path, model: str, grid: Mapping[str, Sequence[Any]], seeds: 
               steps: int, out: Path, recipe_overrides: Mapping[str, Any] | None = None, *,
               scale_cadence: bool = True, in_process: bool = False, devices: Sequence[str] | None = None,
               dtype: str = "auto", dry_run: bool = False, progress: bool | None = None,
-              model_seed: int = 0) -> dict[str, Any]:
+              model_seed: int = 0, choose_on: str = CHOOSE_ON, rank_by: str = RANK_BY) -> dict[str, Any]:
     """Plan, run (skipping finished runs), summarise; writes summary.json/.md and plots under ``out``.
 
     ``dtype`` (auto | float32 | bfloat16) is the backbone dtype of every run, recorded in its
     config; each run uses the ``auto`` device (with ``devices``, the GPU it was given). With
     ``dry_run`` nothing is trained: the run configs are written under ``out/configs`` and the
     returned summary lists the worker command of every run (``commands``) for an external scheduler.
+    ``choose_on`` (dev, the default, or test) is the split the summary ranks the arms on, by ``rank_by``.
     """
     from rich.console import Console
 
@@ -83,6 +86,12 @@ def run_sweep(data: Path, model: str, grid: Mapping[str, Sequence[Any]], seeds: 
     data = Path(data)
     if not (data / "train.jsonl").is_file():
         raise SweepError(f"{data} is not a processed data dir (no train.jsonl); run `rlcd data prepare` first")
+    if choose_on not in ("dev", "test"):
+        raise SweepError(f"--choose-on {choose_on!r}: expected dev (the default) or test")
+    try:
+        check_rank_by(rank_by)
+    except ValueError as e:
+        raise SweepError(f"--rank-by: {e}") from None
     overrides = {k: coerce_value(k, v) for k, v in (recipe_overrides or {}).items()}
     seed_list = parse_seeds(seeds)
     arms, notes = expand_grid(grid, overrides)
@@ -93,7 +102,7 @@ def run_sweep(data: Path, model: str, grid: Mapping[str, Sequence[Any]], seeds: 
     config = {"data": str(data.resolve()), "model": model, "grid": {k: list(v) for k, v in grid.items()},
               "seeds": seed_list, "steps": int(steps), "recipe_overrides": overrides, "cadence": cadence,
               "dtype": dtype, "mode": "in-process" if in_process else "subprocess",
-              "devices": list(devices) if devices else None}
+              "devices": list(devices) if devices else None, "choose_on": choose_on, "rank_by": rank_by}
     console = Console(stderr=True)
     console.print(f"sweep: {len(arms)} arms x {len(seed_list)} seeds = {len(specs)} runs -> {out}", highlight=False)
     for n in notes:
@@ -106,7 +115,8 @@ def run_sweep(data: Path, model: str, grid: Mapping[str, Sequence[Any]], seeds: 
 
     with _progress(console, len(specs), console.is_terminal if progress is None else progress) as on_event:
         results = execute(specs, out, in_process=in_process, devices=devices, on_event=on_event)
-    summary = summarize_runs(arms, specs, results=results, notes=notes, config=config)
+    summary = summarize_runs(arms, specs, results=results, notes=notes, config=config, choose_on=choose_on,
+                             rank_by=rank_by)
     paths = write_summary(out, summary)
     console.print(f"wrote {paths['json']}, {paths['md']}, {paths['fitted_T'].name}, {paths['nll'].name}",
                   highlight=False)

@@ -1,9 +1,15 @@
 """A sweep's results: each arm aggregated over its seeds, as summary.json, summary.md and two plots.
 
-Read from every run's ``eval/evaluation.json`` (headline split: test when present): for ``raw``
-and ``calibrated`` probabilities, overall / per type / group-macro accuracy, NLL, Brier, ECE,
-target-referenced ECE and sharpness gap; when rows carry a known posterior, the same against the
-posterior plus the Bayes gap; the fitted temperature per type. Each metric becomes
+Decided on **dev** (the cookbook: choose on dev, never tune on test): an arm's ``metrics`` are its
+runs' dev-split numbers (``choose_on``), the arms are ranked on them (``ranking``: by ``rank_by``,
+calibrated dev NLL by default), and the test numbers sit beside them as ``metrics_beside``,
+labelled "not for choosing" in summary.md, the plots and the CLI table.
+
+Read from every run's ``eval/evaluation.json`` (the headline blocks for the headline split, test
+when present; ``other_splits`` for the others): for ``raw`` and ``calibrated`` probabilities,
+overall / per type / group-macro accuracy, NLL, Brier, ECE, target-referenced ECE and sharpness
+gap; when rows carry a known posterior, the same against the posterior plus the Bayes gap; the
+fitted temperature per type. Each metric becomes
 ``{"mean", "std", "n", "values"}`` with the sample standard deviation
 ``std = sqrt(sum((v - mean)^2) / (n - 1))`` (``None`` with one seed). Plots:
 ``fitted_T_vs_sigma.png`` and ``nll_vs_sigma.png``; arms without a sigma (``ce``) are drawn as
@@ -21,7 +27,7 @@ from typing import Any, Mapping, Sequence
 from rlcd.analysis.sweep.grid import Arm, RunSpec, fmt_value
 from rlcd.analysis.sweep.scheduler import RunResult
 
-FORMAT = "rlcd.sweep/1"
+FORMAT = "rlcd.sweep/2"  # /2: ``metrics`` are the dev split's (were the headline split's), ``ranking`` added
 TYPES = ("choice", "noul", "score")
 VIEWS = ("raw", "calibrated")
 BLOCK_METRICS = ("accuracy", "nll", "brier", "ece", "ece_target", "sharpness_gap")
@@ -32,16 +38,36 @@ POSTERIOR_METRICS = ("accuracy", "nll", "brier", "ece_target", "sharpness_gap", 
 # --- numbers -----------------------------------------------------------------------------------
 
 
-def metric_values(ev: Mapping[str, Any]) -> dict[str, float]:
-    """Flat ``{"raw.overall.nll": v, ..., "temperature.choice": T}`` from one evaluation dict."""
+CHOOSE_ON = "dev"
+RANK_BY = "calibrated.overall.nll"
+HIGHER_IS_BETTER = ("accuracy",)  # a rank_by key ending in one of these: higher is better; else lower
+RANKABLE = ("accuracy", "nll", "brier", "ece", "ece_target", "bayes_gap", "model_nll")
+
+
+def split_blocks(ev: Mapping[str, Any], split: str | None = None) -> dict[str, Any] | None:
+    """``{"raw", "calibrated"}`` summaries of ``split`` in an evaluation dict (None: the headline split);
+    None when the evaluation has no such split."""
+    if split is None or ev.get("headline_split") == split:
+        return {"raw": ev.get("raw"), "calibrated": ev.get("calibrated")}
+    other = (ev.get("other_splits") or {}).get(split)
+    return dict(other) if isinstance(other, Mapping) else None
+
+
+def metric_values(ev: Mapping[str, Any], split: str | None = None) -> dict[str, float]:
+    """Flat ``{"raw.overall.nll": v, ..., "temperature.choice": T}`` from one evaluation dict: the
+    metrics of ``split`` (None: the headline split; none at all when the split is absent) and the
+    temperatures (fitted on the calibration split, the same whatever ``split``)."""
     out: dict[str, float] = {}
+    blocks_of = split_blocks(ev, split)
+    if blocks_of is None:
+        return out
 
     def put(key: str, v: Any) -> None:
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v)):
             out[key] = float(v)
 
     for view in VIEWS:
-        summ = ev.get(view) or {}
+        summ = blocks_of.get(view) or {}
         blocks = {"overall": summ.get("overall"), "group_macro": summ.get("group_macro")}
         for t, b in (summ.get("per_type") or {}).items():
             blocks[f"per_type.{t}"] = b
@@ -93,8 +119,10 @@ def _run_entry(spec: RunSpec, res: RunResult | None) -> tuple[dict[str, Any], di
     return entry, ev
 
 
-def _arm_summary(arm: Arm, specs: Sequence[RunSpec], by_result: Mapping[str, RunResult]) -> dict[str, Any]:
+def _arm_summary(arm: Arm, specs: Sequence[RunSpec], by_result: Mapping[str, RunResult],
+                 choose_on: str = CHOOSE_ON, beside: str | None = "test") -> dict[str, Any]:
     per_metric: dict[str, list[float]] = {}
+    per_beside: dict[str, list[float]] = {}
     runs, splits, fit = [], set(), {}
     for spec in specs:
         entry, ev = _run_entry(spec, by_result.get(spec.name))
@@ -102,8 +130,12 @@ def _arm_summary(arm: Arm, specs: Sequence[RunSpec], by_result: Mapping[str, Run
         if ev is None:
             continue
         splits.add(ev.get("headline_split"))
-        for k, v in metric_values(ev).items():
+        if split_blocks(ev, choose_on) is None:
+            entry["missing_split"] = choose_on
+        for k, v in metric_values(ev, choose_on).items():
             per_metric.setdefault(k, []).append(v)
+        for k, v in (metric_values(ev, beside) if beside else {}).items():
+            per_beside.setdefault(k, []).append(v)
         if _fit_notes(ev):
             fit[spec.name] = _fit_notes(ev)
     recipe = specs[0].config["recipe"] if specs else {}
@@ -121,17 +153,52 @@ def _arm_summary(arm: Arm, specs: Sequence[RunSpec], by_result: Mapping[str, Run
         "runs": runs,
         "temperature_fit_notes": fit,
         "metrics": {k: mean_std(v) for k, v in sorted(per_metric.items())},
+        "metrics_beside": {k: mean_std(v) for k, v in sorted(per_beside.items())},
     }
 
 
+def check_rank_by(rank_by: str) -> str:
+    """A ranking key is a metric of the summary (``raw|calibrated.<block>.<metric>``) lower or higher
+    being better without doubt; ValueError naming the choices otherwise."""
+    parts = rank_by.split(".")
+    if len(parts) < 3 or parts[0] not in VIEWS or parts[-1] not in RANKABLE:
+        raise ValueError(f"rank_by {rank_by!r}: expected raw|calibrated.<overall|group_macro|per_type.T>.<metric>, "
+                         f"metric one of {', '.join(RANKABLE)} (e.g. {RANK_BY})")
+    return rank_by
+
+
+def rank_arms(arms: Sequence[Mapping[str, Any]], rank_by: str = RANK_BY) -> list[str]:
+    """Arm names best first by the mean of ``rank_by`` over seeds (ties in grid order; arms without it left out)."""
+    higher = rank_by.endswith(HIGHER_IS_BETTER)
+    scored = [(a["metrics"].get(rank_by) or {}).get("mean") for a in arms]
+    order = sorted(range(len(arms)), key=lambda i: (scored[i] is None,
+                                                    0.0 if scored[i] is None else (-scored[i] if higher else scored[i]),
+                                                    i))
+    return [arms[i]["name"] for i in order if scored[i] is not None]
+
+
 def summarize_runs(arms: Sequence[Arm], specs: Sequence[RunSpec], *, results: Sequence[RunResult] = (),
-                   notes: Sequence[str] = (), config: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The summary.json content: per arm, mean/std over its seeds of every metric (see module doc)."""
+                   notes: Sequence[str] = (), config: Mapping[str, Any] | None = None,
+                   choose_on: str = CHOOSE_ON, rank_by: str = RANK_BY) -> dict[str, Any]:
+    """The summary.json content: per arm, mean/std over its seeds of every metric of the ``choose_on``
+    split (dev) and, beside, of the other of dev/test; the arms ranked on ``rank_by`` (see module doc)."""
+    check_rank_by(rank_by)
+    beside = "test" if choose_on != "test" else "dev"
     by_result = {r.name: r for r in results}
-    out_arms = [_arm_summary(arm, [s for s in specs if s.arm == arm.name], by_result) for arm in arms]
+    out_arms = [_arm_summary(arm, [s for s in specs if s.arm == arm.name], by_result, choose_on, beside)
+                for arm in arms]
     failed = [r["name"] for a in out_arms for r in a["runs"] if r["status"] == "failed"]
-    return {"format": FORMAT, "config": dict(config or {}), "notes": list(notes), "arms": out_arms,
-            "failed": failed}
+    notes = list(notes)
+    missing = [r["name"] for a in out_arms for r in a["runs"] if r.get("missing_split")]
+    if missing:
+        notes.append(f"no {choose_on} split in the evaluation of {', '.join(missing)}: left out of the {choose_on} "
+                     f"numbers")
+    order = rank_arms(out_arms, rank_by)
+    ranking = {"split": choose_on, "metric": rank_by, "higher_is_better": rank_by.endswith(HIGHER_IS_BETTER),
+               "order": order, "best": order[0] if order else None, "beside": beside,
+               "beside_note": "not for choosing" if beside == "test" else None}
+    return {"format": FORMAT, "config": dict(config or {}), "notes": notes, "choose_on": choose_on,
+            "beside": beside, "ranking": ranking, "arms": out_arms, "failed": failed}
 
 
 # --- summary.md ---------------------------------------------------------------------------------
@@ -166,22 +233,28 @@ def _header(summary: Mapping[str, Any]) -> list[str]:
                f"`{json.dumps(cfg.get('recipe_overrides'))}`"
                + (f"; cadence scaled to the budget: `{json.dumps(cfg.get('cadence'))}`" if cfg.get("cadence") else "")
                + ".", ""]
-    md += ["Every cell is the mean ± sample standard deviation over seeds (no ± with one seed) of the run's "
-           "headline split (test when present). Lower is better for NLL, Brier and ECE; sharpness gap = "
+    choose, beside = summary.get("choose_on", CHOOSE_ON), summary.get("beside", "test")
+    md += [f"Every cell is the mean ± sample standard deviation over seeds (no ± with one seed) on the runs' "
+           f"**{choose}** split, the split to choose on; {_beside_label(beside)} numbers are in their own "
+           "table below. Lower is better for NLL, Brier and ECE; sharpness gap = "
            "mean max p − mean max target (> 0: sharper than the targets). ECE-t is the target-referenced ECE.", ""]
     if summary.get("notes"):
         md += ["Notes:", ""] + [f"- {n}" for n in summary["notes"]] + [""]
     return md
 
 
+def _beside_label(split: str) -> str:
+    return f"{split} (not for choosing)" if split == "test" else split
+
+
 def _metric_table(arms: Sequence[Mapping[str, Any]], title: str, prefix: str, cols: Sequence[tuple[str, str]],
-                  with_temperatures: bool = False) -> list[str]:
+                  with_temperatures: bool = False, source: str = "metrics") -> list[str]:
     """One row per arm that has any of the metrics ``prefix.<key>``; nothing when no arm has one."""
     head = ["arm", "n"] + [c for c, _ in cols] + ([f"T {t}" for t in TYPES] if with_temperatures else [])
     lines = [f"## {title}", "", _row(head), "|" + "---|" * len(head)]
     rows = 0
     for a in arms:
-        m = a["metrics"]
+        m = a.get(source) or {}
         cells = [_pm(m.get(f"{prefix}.{key}")) for _, key in cols]
         if all(c == "–" for c in cells):
             continue
@@ -202,7 +275,7 @@ def _posterior_tables(arms: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def _per_type_table(arms: Sequence[Mapping[str, Any]]) -> list[str]:
     head = ["arm"] + [f"{t} raw" for t in TYPES] + [f"{t} cal" for t in TYPES]
-    md = ["## Per type (raw NLL / calibrated NLL)", "", _row(head), "|" + "---|" * len(head)]
+    md = ["## Per type (raw NLL / calibrated NLL), same split", "", _row(head), "|" + "---|" * len(head)]
     for a in arms:
         m = a["metrics"]
         md.append(_row([f"`{a['name']}`"] + [_pm(m.get(f"raw.per_type.{t}.nll")) for t in TYPES]
@@ -235,14 +308,48 @@ def _runs_section(summary: Mapping[str, Any]) -> list[str]:
     return md
 
 
+def _ranking_section(summary: Mapping[str, Any]) -> list[str]:
+    rk = summary.get("ranking")
+    if not rk:
+        return []
+    by = {a["name"]: a for a in summary["arms"]}
+    metric, beside = rk["metric"], _beside_label(rk["beside"])
+    better = "higher" if rk["higher_is_better"] else "lower"
+    md = [f"## Choice: on {rk['split']}, by `{metric}` ({better} is better)", ""]
+    if not rk["order"]:
+        return md + [f"No arm has `{metric}` on {rk['split']}.", ""]
+    md += [f"Best on {rk['split']}: **`{rk['best']}`**. The {beside} column is shown for reference only.", "",
+           _row(["rank", "arm", "n", f"{rk['split']} {metric}", f"{beside} {metric}"]), "|---|---|---|---|---|"]
+    for i, name in enumerate(rk["order"], 1):
+        a = by[name]
+        md.append(_row([str(i), f"`{name}`", str(a["n_ok"]), _pm(a["metrics"].get(metric)),
+                        _pm((a.get("metrics_beside") or {}).get(metric))]))
+    return md + [""]
+
+
+def _beside_tables(summary: Mapping[str, Any]) -> list[str]:
+    arms, label = summary["arms"], _beside_label(summary.get("beside", "test"))
+    md = _metric_table(arms, f"Raw probabilities (overall), {label}", "raw.overall", METRIC_COLUMNS,
+                       source="metrics_beside")
+    md += _metric_table(arms, f"Calibrated probabilities (overall), {label}", "calibrated.overall", METRIC_COLUMNS,
+                        source="metrics_beside")
+    md += _metric_table(arms, f"Bayes gap, {label}", "calibrated.overall", POSTERIOR_COLUMNS[-1:],
+                        source="metrics_beside")
+    return md
+
+
 def summary_markdown(summary: Mapping[str, Any]) -> str:
     arms = summary["arms"]
+    choose = summary.get("choose_on", CHOOSE_ON)
     md = _header(summary)
-    md += _metric_table(arms, "Raw probabilities (overall)", "raw.overall", METRIC_COLUMNS, with_temperatures=True)
-    md += _metric_table(arms, "Calibrated probabilities (overall, per-type temperatures)", "calibrated.overall",
-                        METRIC_COLUMNS)
+    md += _ranking_section(summary)
+    md += _metric_table(arms, f"Raw probabilities (overall), {choose}", "raw.overall", METRIC_COLUMNS,
+                        with_temperatures=True)
+    md += _metric_table(arms, f"Calibrated probabilities (overall, per-type temperatures), {choose}",
+                        "calibrated.overall", METRIC_COLUMNS)
     md += _posterior_tables(arms)
     md += _per_type_table(arms)
+    md += _beside_tables(summary)
     md += _runs_section(summary)
     md += ["## Plots", "", "![fitted temperature vs sigma](fitted_T_vs_sigma.png)", "",
            "![NLL vs sigma](nll_vs_sigma.png)", ""]
@@ -260,10 +367,11 @@ def _series_key(arm: Mapping[str, Any]) -> str:
     return label
 
 
-def plot_vs_sigma(summary: Mapping[str, Any], metrics: Sequence[tuple[str, str]], ylabel: str, title: str,
+def plot_vs_sigma(summary: Mapping[str, Any], metrics: Sequence[tuple[str, ...]], ylabel: str, title: str,
                   path: Path) -> Path:
     """One line (with ±std error bars) per (metric, arm family) over sigma; arms without sigma as
-    horizontal dashed reference lines (with a ±std band)."""
+    horizontal dashed reference lines (with a ±std band). A metric is ``(key, label)`` (the arm's
+    ``metrics``) or ``(key, label, "metrics_beside")`` (drawn fainter: the split not to choose on)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -279,25 +387,27 @@ def plot_vs_sigma(summary: Mapping[str, Any], metrics: Sequence[tuple[str, str]]
         families.setdefault(_series_key(a), []).append(a)
     sigmas = sorted({float(a["sigma"]) for a in curves})
     drawn = False
-    for mi, (metric, mlabel) in enumerate(metrics):
+    for mi, (metric, mlabel, *src) in enumerate(metrics):
         colour = f"C{mi}"
+        source = src[0] if src else "metrics"
+        faint = 0.45 if source != "metrics" else 1.0
         for fi, (fam, members) in enumerate(families.items()):
             pts = []
             for a in sorted(members, key=lambda x: float(x["sigma"])):
-                st = a["metrics"].get(metric)
+                st = (a.get(source) or {}).get(metric)
                 if st and st.get("mean") is not None:
                     pts.append((float(a["sigma"]), st["mean"], st.get("std") or 0.0))
             if not pts:
                 continue
             xs, ys, es = zip(*pts)
             ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, color=colour, linestyle=styles[fi % len(styles)],
-                        label=f"{mlabel} ({fam})")
+                        label=f"{mlabel} ({fam})", alpha=faint)
             drawn = True
         for a in refs:
-            st = a["metrics"].get(metric)
+            st = (a.get(source) or {}).get(metric)
             if not st or st.get("mean") is None:
                 continue
-            ax.axhline(st["mean"], linestyle="--", color=colour, alpha=0.8,
+            ax.axhline(st["mean"], linestyle="--", color=colour, alpha=0.8 * faint,
                        label=f"{mlabel} ({_series_key(a)}, no sigma)")
             if st.get("std"):
                 ax.axhspan(st["mean"] - st["std"], st["mean"] + st["std"], color=colour, alpha=0.12)
@@ -332,6 +442,9 @@ def write_summary(out: Path, summary: Mapping[str, Any]) -> dict[str, Path]:
     paths["md"].write_text(summary_markdown(summary), encoding="utf-8")
     plot_vs_sigma(summary, [(f"temperature.{t}", f"T {t}") for t in TYPES], "fitted temperature",
                   "fitted temperature per type vs sigma", paths["fitted_T"])
-    plot_vs_sigma(summary, [("raw.overall.nll", "NLL raw"), ("calibrated.overall.nll", "NLL calibrated")],
-                  "test NLL", "NLL vs sigma", paths["nll"])
+    choose, beside = summary.get("choose_on", CHOOSE_ON), summary.get("beside", "test")
+    plot_vs_sigma(summary, [("raw.overall.nll", f"{choose} NLL raw"),
+                            ("calibrated.overall.nll", f"{choose} NLL calibrated"),
+                            ("calibrated.overall.nll", f"{_beside_label(beside)} NLL calibrated", "metrics_beside")],
+                  "NLL", f"NLL vs sigma (choose on {choose})", paths["nll"])
     return paths

@@ -1,9 +1,12 @@
 """The sweep's plan: `--grid KEY=V1,V2` -> arms -> one `RunSpec` (full resolved recipe) per arm x seed.
 
-Arms are the Cartesian product of the grid. The ``ce`` objective's loss reads neither ``sigma``
-nor ``ce_weight``, so those keys are dropped from ``ce`` arms and the grid points that then
-coincide collapse into one arm, run once per seed (said in the notes); repeated values in a list
-collapse too. ``steps`` and ``seed`` are the sweep's own options, never grid keys.
+Arms are the Cartesian product of the grid. The ``ce`` objective's loss reads none of the RLCD
+fields (`CE_IGNORES`: the noise, the reward weights, G, the advantage normalisation, ``ce_weight``),
+so those keys are dropped from ``ce`` arms and the grid points that then coincide collapse into one
+arm, run once per seed and summarised once (said in the notes); repeated values in a list collapse
+too. Any recipe field is a grid key, booleans included (``--grid head_only=true,false``: typed by
+`coerce_value`, named ``head_onlytrue`` / ``head_onlyfalse``). ``steps`` and ``seed`` are the
+sweep's own options, never grid keys.
 
 A run's recipe is ``Recipe(**scaled cadence, **overrides, **arm params, steps, seed)``: with a
 budget of S < 3,600 updates the cadence fields are scaled by S / 3600 (at least 1), so a short
@@ -26,7 +29,9 @@ from rlcd.run import Run
 
 CADENCE = ("eval_every", "checkpoint_every", "log_every", "diagnostics_every")
 NOT_GRID_KEYS = ("steps", "seed")
-CE_IGNORES = ("sigma", "ce_weight")  # the ce objective's loss does not read these
+# the ce objective's loss reads none of these (w_log: the log score's weight, where the recipe has it)
+CE_IGNORES = ("sigma", "sigma_end", "ce_weight", "n_perturbations", "w_spherical", "w_rps", "w_log",
+              "advantage_norm")
 
 
 class SweepError(OptionError):
@@ -70,6 +75,8 @@ def parse_seeds(value: int | str | Sequence[int]) -> list[int]:
 
 
 def fmt_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"  # as `--grid KEY=true,false` spells it
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
@@ -122,7 +129,8 @@ def expand_grid(grid: Mapping[str, Sequence[Any]], recipe_overrides: Mapping[str
         if dropped:
             n = len(arm.merged)
             notes.append(f"arm {arm.name!r}: objective=ce does not read {', '.join(dropped)}; "
-                         + (f"its {n} grid points are run once per seed" if n > 1 else "the value is ignored"))
+                         + (f"its {n} grid points are run once per seed and shown once in the summary" if n > 1
+                            else "the value is ignored"))
     return list(arms.values()), notes
 
 
