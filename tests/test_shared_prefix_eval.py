@@ -136,3 +136,85 @@ def test_planner_runs_a_single_question_as_one_full_forward(preset):
     assert dm.plan_paths([one, many], path="full") == [None, None]
     with pytest.raises(ValueError, match="path must be"):
         dm.plan_paths([one], path="fast")
+
+
+def mixed_records(dm, tmp_path):
+    """Cases interleaved in the input: a 4-question case (with an image on a vision backbone), a
+    3-question case, a lone record without case_id, a 2-question case whose case_id is reused by a
+    record with another state (a different case), and a text copy of the image case's state."""
+    img = write_image(tmp_path / "b.png", seed=3) if dm.supports_images else None
+    a = records(0, STATE, QS, image=img, prefix="a")
+    b = records(1, "Second ticket: the courier never came and nobody answers the phone.", QS[1:], prefix="b")
+    c = records(2, "Third state, short.", QS[2:], prefix="c")
+    lone = Record(id="lone", source="s", task="t", state=STATE, question=QS[0], target=[0.0, 1.0, 0.0])
+    odd = Record(id="odd", source="s", task="t", state="Another state under case c2.", question=QS[1],
+                 target=[1.0, 0.0], case_id="c2")
+    text_copy = records(3, STATE, QS[:2], prefix="t")
+    return [a[0], b[0], lone, a[1], c[0], odd, b[1], a[2], c[1], text_copy[0], b[2], a[3], text_copy[1]]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_predict_rows_shared_equals_full_rows_in_input_order(preset, tmp_path, capsys):
+    from rlcd.evaluate import predict_rows
+
+    dm = model(preset)
+    recs = mixed_records(dm, tmp_path)
+    collate = dm.collator(image_root=tmp_path)
+    normalise(dm, recs, collate)
+    full = predict_rows(dm, recs, collate, batch_size=5, shared=False)
+    shared = predict_rows(dm, recs, collate, split="test", progress=True)
+    assert "score test" in capsys.readouterr().err
+    assert [r["id"] for r in shared] == [r.id for r in recs] == [r["id"] for r in full]
+    assert all(r["split"] == "test" for r in shared)
+    assert [r.get("case_id") for r in shared] == [r.case_id for r in recs]
+    diff = max(float((torch.tensor(s["logits"]) - torch.tensor(f["logits"])).abs().max())
+               for s, f in zip(shared, full))
+    scale = max(abs(x) for f in full for x in f["logits"])
+    assert diff < 1e-4 and scale > 0.5
+    if dm.supports_images:  # the image reaches the shared path: the image case differs from its text copy
+        by_id = {r["id"]: r["logits"] for r in shared}
+        assert max(abs(x - y) for x, y in zip(by_id["a0-0"], by_id["t3-0"])) > 1e-3
+    # small calls (one case each, the rows split) give the same logits
+    from rlcd.model.case_scoring import score_records
+
+    small = score_records(dm, recs, image_root=tmp_path, max_rows=2)
+    assert max(float((s - torch.tensor(f["logits"])).abs().max()) for s, f in zip(small, full)) < 1e-4
+
+
+def test_dev_accuracy_shared_equals_full_rows(tmp_path):
+    from rlcd.train import dev_accuracy
+
+    dm = model("tiny-llama")
+    recs = mixed_records(dm, tmp_path)
+    collate = dm.collator(image_root=tmp_path)
+    normalise(dm, recs, collate)
+    dev = {"g1": recs[:7], "g0": recs[7:]}
+    dm.train()
+    shared = dev_accuracy(dm, dev, collate, dm.device)
+    assert dm.training  # the mode is restored
+    full = dev_accuracy(dm, dev, collate, dm.device, shared=False)
+    assert shared["dev_accuracy"] == full["dev_accuracy"] and list(shared["dev_accuracy"]) == ["g0", "g1"]
+    assert shared["dev_macro_accuracy"] == full["dev_macro_accuracy"]
+    assert set(shared) == set(full)
+    for key in ("dev_nll", "dev_brier", "dev_ece"):
+        assert shared[key] == pytest.approx(full[key], abs=1e-5)
+    # the accuracy is the fraction of rows whose top logit is the target's top candidate (float64 check)
+    with torch.inference_mode():
+        lg = dm.eval()(collate(dev["g0"])).double()
+    want = sum(int(lg[i, : r.question.k].argmax()) == max(range(r.question.k), key=lambda j: (r.target[j], -j))
+               for i, r in enumerate(dev["g0"])) / len(dev["g0"])
+    assert shared["dev_accuracy"]["g0"] == want
+
+
+def test_group_and_pack_cases():
+    from rlcd.model.case_scoring import group_cases, pack_cases
+
+    q = QS[1]
+    rs = [Record(id=i, source="s", task="t", state=st, question=q, target=[1.0, 0.0], case_id=cid)
+          for i, st, cid in [("x0", "A", "x"), ("y0", "B", "y"), ("n0", "A", None), ("x1", "A", "x"),
+                             ("n1", "A", None), ("x2", "Z", "x")]]
+    assert group_cases(rs) == [[0, 3], [1], [2], [4], [5]]
+    assert pack_cases([(6, 100), (6, 100), (6, 100), (70, 10), (1, 1)], max_rows=12, max_tokens=1000) == \
+        [[0, 1], [2], [3], [4]]
+    assert pack_cases([(2, 600), (2, 600), (2, 100)], max_rows=64, max_tokens=1000) == [[0], [1, 2]]
+    assert pack_cases([], max_rows=4, max_tokens=10) == []
