@@ -43,7 +43,7 @@ HOW_NOTE = {
 # headline fields per bench (dotted paths into "results"); every field is listed below them anyway
 HEADLINE = {
     "prefix": ("model", "hidden", "questions", "state_tokens", "prefix_tokens", "mean_row_tokens", "max_abs_diff",
-               "rel_diff", "tol_ok", "time_full_s", "time_shared_s", "speedup", "bound", "ratio"),
+               "rel_diff", "tol_ok", "err_full", "err_prefix", "parity_ok", "time_full_s", "time_shared_s", "speedup", "bound", "ratio"),
     "train": ("model", "hidden", "device", "batch_size", "grad_accum", "updates", "warmup_updates", "mean_row_tokens",
               "step_ms", "examples_per_s", "tokens_per_s", "objective_share", "objective_pass",
               "sampler_rows_per_s", "sampler_pass"),

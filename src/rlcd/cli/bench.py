@@ -43,8 +43,9 @@ def prefix(
     _threads(threads)
     res = run_prefix_bench(model=model, questions=questions, state_tokens=state_tokens, repeats=repeats, seed=seed,
                            placement=pl)
-    save_result("prefix", invocation(shlex.join(["rlcd", "bench", "prefix", "--model", model, "--json", str(json_out)])),
-                res, path=json_out)
+    extra = [] if dtype == DType.auto else ["--dtype", dtype.value]
+    save_result("prefix", invocation(shlex.join(["rlcd", "bench", "prefix", "--model", model, *extra,
+                                                 "--json", str(json_out)])), res, path=json_out)
 
 
 @app.command("train")
