@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 import torch
 
 torch.set_num_threads(1)
@@ -67,3 +69,30 @@ def test_prefix_bench_bfloat16_is_judged_against_float32_rows():
     # float32: no reference copy, parity is the plain tolerance check
     assert precision_parity(build_model({"model": "tiny-toy", "recipe": {}}), state, qs, ids, full, shared, True) == \
         {"err_full": None, "err_prefix": None, "parity_ok": True}
+
+
+@pytest.mark.slow  # ~35 s on the shared 2-core machine (two model loads, the transformers pipeline)
+def test_pipeline_bench_command_small(tmp_path, monkeypatch):
+    """`rlcd bench pipeline` on tiny-llama, small: rlcd and transformers' pipeline agree, the JSON holds the
+    command, and the evaluation section's shared rows equal the full rows."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "pipe.json"
+    r = CliRunner().invoke(app, ["bench", "pipeline", "--model", "tiny-llama", "--sizes", "1,3", "--repeats", "1",
+                                 "--eval-cases", "2", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    rec = json.loads(out.read_text())
+    assert rec["bench"] == "pipeline" and "--sizes 1,3" in rec["command"]
+    serving, ev = rec["results"]["serving"], rec["results"]["evaluation"]
+    assert serving["1"]["rlcd_path"] == "full" and serving["3"]["rlcd_path"] == "prefix"
+    for n in ("1", "3"):
+        assert serving[n]["max_prob_diff"] < 1e-4 and serving[n]["rlcd_p50_ms"] > 0 and serving[n]["pipeline_p50_ms"] > 0
+        assert serving[n]["ratio"] == serving[n]["pipeline_p50_ms"] / serving[n]["rlcd_p50_ms"]
+    assert ev["rows"] == 12 and ev["rel_logit_diff"] < 1e-5 and ev["token_bound"] > 1.5
+    bad = CliRunner().invoke(app, ["bench", "pipeline", "--sizes", "1,x"])
+    assert bad.exit_code == 2 and "--sizes" in bad.output
