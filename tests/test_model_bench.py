@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 import torch
 
 torch.set_num_threads(1)
@@ -34,3 +36,63 @@ def test_prefix_bench_small():
     assert abs(res["ratio"] - res["speedup"] / res["bound"]) < 1e-9
     m = re.fullmatch(r"prefix: max_abs_diff=(\S+) speedup=(\S+) bound=(\S+) ratio=(\S+)", lines[-1])
     assert m and abs(float(m.group(3)) - res["bound"]) < 0.01
+
+
+def test_prefix_bench_bfloat16_is_judged_against_float32_rows():
+    """In bf16 each path is measured against full rows of a float32 copy of the same weights, and the
+    prefix path passes when it adds no error beyond bf16's own (1.5 x the full bf16 rows' error + 1e-4)."""
+    import copy
+
+    from rlcd.bench.prefix import PARITY_ATOL, PARITY_FACTOR, precision_parity
+
+    lines = []
+    dm = build_model({"model": "tiny-llama", "recipe": {}}, dtype=torch.bfloat16)
+    res = run_prefix_bench(questions=6, state_tokens=80, repeats=1, decision_model=dm, logit_std=3.0,
+                           print_fn=lines.append)
+    assert res["placement"]["dtype"] == "bfloat16"
+    # independent reference: the bench's float32 copy, rebuilt here from the bf16 weights
+    state, qs = make_state(dm.tokenizer, 80, 0), make_questions(6, 0)
+    ids = [f"q{i}" for i in range(6)]
+    ref = copy.deepcopy(dm).float().score_full(state, qs, ids=ids)
+    full = dm.score_full(state, qs, ids=ids)
+    shared = dm.score_case(state, qs, ids=ids)
+    err_full = max(float((a - r).abs().max()) for a, r in zip(full, ref))
+    err_prefix = max(float((b - r).abs().max()) for b, r in zip(shared, ref))
+    assert res["err_full"] == err_full and res["err_prefix"] == err_prefix
+    assert err_full > 1e-3, "bf16 rounding must be visible against float32 (else the test says nothing)"
+    assert res["parity_ok"] == (err_prefix <= PARITY_FACTOR * err_full + PARITY_ATOL)
+    assert res["parity_ok"], res
+    assert any("against float32 full rows" in line and line.endswith("ok") for line in lines)
+    # negative control: a prefix path off by 10x bf16's error fails
+    worse = [b + 10 * err_full for b in shared]
+    assert not precision_parity(dm, state, qs, ids, full, worse, True)["parity_ok"]
+    # float32: no reference copy, parity is the plain tolerance check
+    assert precision_parity(build_model({"model": "tiny-toy", "recipe": {}}), state, qs, ids, full, shared, True) == \
+        {"err_full": None, "err_prefix": None, "parity_ok": True}
+
+
+@pytest.mark.slow  # ~35 s on the shared 2-core machine (two model loads, the transformers pipeline)
+def test_pipeline_bench_command_small(tmp_path, monkeypatch):
+    """`rlcd bench pipeline` on tiny-llama, small: rlcd and transformers' pipeline agree, the JSON holds the
+    command, and the evaluation section's shared rows equal the full rows."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "pipe.json"
+    r = CliRunner().invoke(app, ["bench", "pipeline", "--model", "tiny-llama", "--sizes", "1,3", "--repeats", "1",
+                                 "--eval-cases", "2", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    rec = json.loads(out.read_text())
+    assert rec["bench"] == "pipeline" and "--sizes 1,3" in rec["command"]
+    serving, ev = rec["results"]["serving"], rec["results"]["evaluation"]
+    assert serving["1"]["rlcd_path"] == "full" and serving["3"]["rlcd_path"] == "prefix"
+    for n in ("1", "3"):
+        assert serving[n]["max_prob_diff"] < 1e-4 and serving[n]["rlcd_p50_ms"] > 0 and serving[n]["pipeline_p50_ms"] > 0
+        assert serving[n]["ratio"] == serving[n]["pipeline_p50_ms"] / serving[n]["rlcd_p50_ms"]
+    assert ev["rows"] == 12 and ev["rel_logit_diff"] < 1e-5 and ev["token_bound"] > 1.5
+    bad = CliRunner().invoke(app, ["bench", "pipeline", "--sizes", "1,x"])
+    assert bad.exit_code == 2 and "--sizes" in bad.output

@@ -261,7 +261,7 @@ def test_shared_prefix_decision_position_edge_cases(case):
         qs = [QS[3]]
     rows = dm.encode_case(STATE, qs)
     full = dm.score_full(STATE, qs)
-    shared, usage = dm.score_case_with_usage(STATE, qs)
+    shared, usage = dm.score_case_with_usage(STATE, qs, path="prefix")  # forced: one question plans full rows
     assert usage["prefix_tokens"] == min(r.decision_pos for r in rows)
     assert_match(shared, full)
     if case == "identical_rows":

@@ -39,33 +39,55 @@ def state_excerpt(rec: Record) -> str:
 
 @torch.no_grad()
 def predict_rows(model, records: list[Record], collator, *, device="cpu", batch_size: int = 32,
-                 split: str | None = None, progress: bool = False, features=None) -> list[dict[str, Any]]:
+                 split: str | None = None, progress: bool = False, shared: bool = True,
+                 features=None) -> list[dict[str, Any]]:
     """One prediction row per record: id, group, type, labels, target, posterior, raw logits, and for
     reading the errors the question's ``instructions`` and a ``state_excerpt`` (older prediction files
-    lack these two; every reader treats them as optional).
+    lack these two; every reader treats them as optional). Rows come back in the order of `records`.
 
-    `progress`: show rows done / total ("score <split>") on stderr while scoring. `features`: a
-    `rlcd.features.FeatureCache` whose key matches this model, read instead of running the backbone.
+    `shared` (default): each case's state runs once and its questions as suffixes on its cache, several
+    cases per call of at most max(`batch_size`, 64) rows (`rlcd.model.case_scoring.score_records`; logits
+    equal the full-row ones up to float32 noise); `shared=False`: every record as a full row,
+    `batch_size` rows per forward (the reference). `features`: a `rlcd.features.FeatureCache` whose key
+    matches this model, read instead of running the backbone. `progress`: show rows done / total
+    ("score <split>") on stderr while scoring.
     """
-    rows = []
     with Progress(f"score {split or 'rows'}", len(records), enabled=progress and bool(records)) as bar:
-        for i in range(0, len(records), batch_size):
-            chunk = records[i:i + batch_size]
-            if features is not None:
-                logits = model(features.batch(split, chunk, [0] * len(chunk)).to(device)).float().cpu()
-            else:
-                logits = model(collator(chunk).to(device)).float().cpu()
-            for j, rec in enumerate(chunk):
-                k = rec.question.k
-                row = {"id": rec.id, "group": rec.group, "type": rec.question.type, "labels": rec.question.labels,
-                       "target": rec.target, "posterior": rec.posterior, "logits": logits[j, :k].tolist(),
-                       "instructions": rec.question.instructions, "state_excerpt": state_excerpt(rec)}
-                if split is not None:
-                    row["split"] = split
-                if rec.case_id is not None:
-                    row["case_id"] = rec.case_id
-                rows.append(row)
-            bar.update(len(rows))
+        if features is not None:
+            logits = []
+            for i in range(0, len(records), 256):
+                chunk = records[i:i + 256]
+                lg = model(features.batch(split, chunk, [0] * len(chunk)).to(device)).float().cpu()
+                logits += [lg[j, :rec.question.k] for j, rec in enumerate(chunk)]
+                bar.update(len(logits))
+        elif shared:
+            from rlcd.model.case_scoring import score_records
+
+            done = [0]
+
+            def advance(n: int) -> None:
+                done[0] += n
+                bar.update(done[0])
+
+            logits = score_records(model, records, image_root=collator.image_root, max_rows=max(batch_size, 64),
+                                   on_rows=advance)
+        else:
+            logits = []
+            for i in range(0, len(records), batch_size):
+                chunk = records[i:i + batch_size]
+                lg = model(collator(chunk).to(device)).float().cpu()
+                logits += [lg[j, :rec.question.k] for j, rec in enumerate(chunk)]
+                bar.update(len(logits))
+    rows = []
+    for rec, lg in zip(records, logits):
+        row = {"id": rec.id, "group": rec.group, "type": rec.question.type, "labels": rec.question.labels,
+               "target": rec.target, "posterior": rec.posterior, "logits": lg.tolist(),
+               "instructions": rec.question.instructions, "state_excerpt": state_excerpt(rec)}
+        if split is not None:
+            row["split"] = split
+        if rec.case_id is not None:
+            row["case_id"] = rec.case_id
+        rows.append(row)
     # round-trip through JSON so in-memory rows equal what the files hold, bit for bit
     return json.loads(json.dumps(rows))
 

@@ -329,31 +329,42 @@ def reduce_stats(stats: dict[str, Any], d: Dist) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def dev_accuracy(model, dev: dict[str, list[Record]], collator, device, batch_size: int = 16,
-                 features=None) -> dict[str, Any]:
+def dev_accuracy(model, dev: dict[str, list[Record]], collator, device, batch_size: int = 16, *,
+                 shared: bool = True, features=None) -> dict[str, Any]:
     """Top-1 accuracy per sampling group and the unweighted group macro (the selection score), plus the
     dev scoring rules of `rlcd.diagnostics.dev_scores` (NLL, Brier, ECE overall and per type) from the same
-    forward. `features`: a `FeatureCache` holding the dev rows, read instead of running the (frozen) backbone."""
+    forward. `shared` (default): every dev case's state runs once, its questions as suffixes on its cache
+    (`rlcd.model.case_scoring.score_records`, logits equal to full rows up to float32 noise); False: full
+    rows, `batch_size` per forward. `features`: a `FeatureCache` holding the dev rows, read instead of running
+    the (frozen) backbone."""
     was_training = model.training
     model.eval()
-    per_group = {}
-    scored = []
-    for group in sorted(dev):
-        rows = dev[group]
-        correct = 0
-        for i in range(0, len(rows), batch_size):
-            chunk = rows[i:i + batch_size]
-            batch = (features.batch("dev", chunk, [0] * len(chunk)) if features is not None else collator(chunk))
-            batch = batch.to(device)
-            logits = model(batch)
-            pred = logits.argmax(-1)
-            tgt = batch.target.masked_fill(~batch.cand_mask, -1.0).argmax(-1)
-            correct += int((pred == tgt).sum())
-            host = logits.float().cpu()
-            scored += [{"id": rec.id, "group": group, "type": rec.question.type, "target": rec.target,
-                        "logits": host[j, :rec.question.k].tolist()} for j, rec in enumerate(chunk)]
-        per_group[group] = correct / max(1, len(rows))
+    flat = [(group, rec) for group in sorted(dev) for rec in dev[group]]
+    if features is not None:
+        recs = [rec for _, rec in flat]
+        logits = []
+        for i in range(0, len(recs), 256):
+            chunk = recs[i:i + 256]
+            host = model(features.batch("dev", chunk, [0] * len(chunk)).to(device)).float().cpu()
+            logits += [host[j, :rec.question.k] for j, rec in enumerate(chunk)]
+    elif shared:
+        from rlcd.model.case_scoring import score_records
+
+        logits = score_records(model, [rec for _, rec in flat], image_root=collator.image_root)
+    else:
+        logits = []
+        for i in range(0, len(flat), batch_size):
+            chunk = [rec for _, rec in flat[i:i + batch_size]]
+            host = model(collator(chunk).to(device)).float().cpu()
+            logits += [host[j, :rec.question.k] for j, rec in enumerate(chunk)]
     model.train(was_training)
+    correct: dict[str, int] = {group: 0 for group in dev}
+    scored = []
+    for (group, rec), lg in zip(flat, logits):
+        correct[group] += int(int(lg.argmax()) == int(torch.tensor(rec.target).argmax()))
+        scored.append({"id": rec.id, "group": group, "type": rec.question.type, "target": rec.target,
+                       "logits": lg.tolist()})
+    per_group = {group: correct[group] / max(1, len(dev[group])) for group in sorted(dev)}
     macro = sum(per_group.values()) / max(1, len(per_group))
     return {"dev_accuracy": per_group, "dev_macro_accuracy": macro, **dev_scores(scored)}
 

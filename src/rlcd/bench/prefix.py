@@ -8,6 +8,13 @@ bound `(B*L) / (P + B*(L-P))` (B rows, L mean row length, P shared prefix length
 ratio = speedup / bound. The last printed line is machine-readable:
 
     prefix: max_abs_diff=... speedup=... bound=... ratio=...
+
+Parity. In float32 the two paths must agree within atol 1e-4 + rtol 1e-5 (`tol_ok`). In a lower
+precision (bfloat16) both paths round differently, so their mutual difference says little: the
+bench also scores the rows with a float32 copy of the same weights (full rows) and reports each
+path's error against it (`err_full`: the full low-precision rows, `err_prefix`: the shared-prefix
+path); the prefix path passes (`parity_ok`) when err_prefix <= PARITY_FACTOR * err_full +
+PARITY_ATOL, i.e. it adds no error beyond the precision's own. In float32 `parity_ok` = `tol_ok`.
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ from typing import Any, Callable
 import torch
 
 from ..schema import Question
+
+PARITY_FACTOR = 1.5  # the prefix path may be this much further from float32 than full rows in the same dtype
+PARITY_ATOL = 1e-4  # plus this (float32 noise of the reference itself)
 
 _WORDS = (
     "order ticket customer account payment refund delivery parcel address invoice warehouse late damaged "
@@ -113,6 +123,7 @@ def run_prefix_bench(model: str = "tiny", questions: int = 32, state_tokens: int
     diff = max(float((a - b).abs().max()) for a, b in zip(full, shared))
     max_logit = max(float(a.abs().max()) for a in full)
     tol_ok = all(bool(torch.allclose(b_, a_, atol=1e-4, rtol=1e-5)) for a_, b_ in zip(full, shared))
+    parity = precision_parity(dm, state, qs, qids, full, shared, tol_ok)
     b = len(qs)
     p = usage["prefix_tokens"]
     mean_len = usage["full_tokens"] / b
@@ -133,6 +144,7 @@ def run_prefix_bench(model: str = "tiny", questions: int = 32, state_tokens: int
         "max_abs_diff": diff,
         "rel_diff": diff / max_logit if max_logit > 0 else 0.0,
         "tol_ok": tol_ok,
+        **parity,
         "logit_std": logit_std,
         "exact": exact,
         "time_full_s": t_full,
@@ -150,8 +162,30 @@ def run_prefix_bench(model: str = "tiny", questions: int = 32, state_tokens: int
                  f"{t_shared * 1000:.1f} ms ({usage['calls']} calls)")
         print_fn(f"max |logit| {max_logit:.3g}; max |diff| / max |logit| {res['rel_diff']:.2g}; "
                  f"within atol 1e-4 + rtol 1e-5: {tol_ok}")
+        if parity["err_full"] is not None:
+            print_fn(f"{res['placement']['dtype']} against float32 full rows: full rows {parity['err_full']:.3g}, "
+                     f"shared prefix {parity['err_prefix']:.3g} (pass when <= {PARITY_FACTOR} x full + "
+                     f"{PARITY_ATOL:g}): {'ok' if parity['parity_ok'] else 'FAIL'}")
         print_fn(f"prefix: max_abs_diff={diff:.3g} speedup={speedup:.2f} bound={bound:.2f} ratio={speedup / bound:.2f}")
     return res
+
+
+def precision_parity(dm: Any, state: Any, qs: list[Question], qids: list[str], full: list[torch.Tensor],
+                     shared: list[torch.Tensor], tol_ok: bool) -> dict:
+    """{err_full, err_prefix, parity_ok}: each path's max abs logit error against full rows of a float32
+    copy of the same weights (None in float32, where parity_ok is `tol_ok`); see the module docstring."""
+    import copy
+
+    dtype = next(dm.backbone.parameters()).dtype
+    if dtype == torch.float32:
+        return {"err_full": None, "err_prefix": None, "parity_ok": bool(tol_ok)}
+    ref_model = copy.deepcopy(dm).to(torch.float32).eval()
+    ref = ref_model.score_full(state, qs, ids=qids, batch_size=1)
+    del ref_model
+    err_full = max(float((a - r).abs().max()) for a, r in zip(full, ref))
+    err_prefix = max(float((b - r).abs().max()) for b, r in zip(shared, ref))
+    return {"err_full": err_full, "err_prefix": err_prefix,
+            "parity_ok": bool(err_prefix <= PARITY_FACTOR * err_full + PARITY_ATOL)}
 
 
 def _centre_on_request(dm: Any, seed: int, logit_std: float | None = None) -> None:

@@ -26,11 +26,12 @@ from typing import Any
 
 RESULTS_DIR = Path("benchmarks/results")
 BENCHMARKS_MD = Path("benchmarks/BENCHMARKS.md")
-ORDER = ("prefix", "train", "serve", "gpu")
+ORDER = ("prefix", "pipeline", "train", "serve", "gpu")
 
 # how to produce each known bench (shown when its JSON is missing)
 HOW = {
     "prefix": "rlcd bench prefix --json benchmarks/results/prefix.json",
+    "pipeline": "rlcd bench pipeline --model tiny-llama --json benchmarks/results/pipeline-tiny-llama.json",
     "train": "rlcd bench train --model tiny --json benchmarks/results/train.json",
     "serve": "rlcd bench serve RUN --json benchmarks/results/serve.json",
     "gpu": "bash benchmarks/gpu.sh",
@@ -43,7 +44,11 @@ HOW_NOTE = {
 # headline fields per bench (dotted paths into "results"); every field is listed below them anyway
 HEADLINE = {
     "prefix": ("model", "hidden", "questions", "state_tokens", "prefix_tokens", "mean_row_tokens", "max_abs_diff",
-               "rel_diff", "tol_ok", "time_full_s", "time_shared_s", "speedup", "bound", "ratio"),
+               "rel_diff", "tol_ok", "err_full", "err_prefix", "parity_ok", "time_full_s", "time_shared_s", "speedup", "bound", "ratio"),
+    "pipeline": ("model", *(f"serving.{n}.{k}" for n in (1, 5, 50)
+                            for k in ("rlcd_p50_ms", "pipeline_p50_ms", "ratio", "max_prob_diff")),
+                 "serving.rlcd_at_least_as_fast", "evaluation.full_rows_per_s", "evaluation.shared_rows_per_s",
+                 "evaluation.speedup", "evaluation.token_bound", "evaluation.max_abs_logit_diff"),
     "train": ("model", "hidden", "device", "batch_size", "grad_accum", "updates", "warmup_updates", "mean_row_tokens",
               "step_ms", "examples_per_s", "tokens_per_s", "objective_share", "objective_pass",
               "sampler_rows_per_s", "sampler_pass"),

@@ -1,4 +1,4 @@
-"""`rlcd bench data|prefix|train|serve|report`: ratios measured in one run, saved as result JSON."""
+"""`rlcd bench data|prefix|pipeline|train|serve|report`: ratios measured in one run, saved as result JSON."""
 
 from __future__ import annotations
 
@@ -43,8 +43,42 @@ def prefix(
     _threads(threads)
     res = run_prefix_bench(model=model, questions=questions, state_tokens=state_tokens, repeats=repeats, seed=seed,
                            placement=pl)
-    save_result("prefix", invocation(shlex.join(["rlcd", "bench", "prefix", "--model", model, "--json", str(json_out)])),
-                res, path=json_out)
+    extra = [] if dtype == DType.auto else ["--dtype", dtype.value]
+    save_result("prefix", invocation(shlex.join(["rlcd", "bench", "prefix", "--model", model, *extra,
+                                                 "--json", str(json_out)])), res, path=json_out)
+
+
+@app.command("pipeline")
+def pipeline_cmd(
+    model: Annotated[str, typer.Option(help="backbone preset (tiny, tiny-llama, smollm2-135m, ...) or local dir")] = "tiny",
+    sizes: Annotated[str, typer.Option(help="questions per request, comma-separated")] = "1,5,50",
+    repeats: Annotated[int, typer.Option(min=1, help="timed repeats per size (median)")] = 5,
+    state_tokens: Annotated[int, typer.Option(min=1, help="approximate state length in tokens")] = 150,
+    eval_cases: Annotated[int, typer.Option(min=1, help="six-question synth cases of the evaluation section")] = 20,
+    seed: Annotated[int, typer.Option()] = 0,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads (default: torch's)")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the result JSON (bench format) here")] = None,
+) -> None:
+    """rlcd's Predictor vs transformers' pipeline("decision") on one export (p50, ratio, max |dp|); evaluation
+    rows/s through shared prefixes vs full rows."""
+    from rlcd.bench.pipeline import run_pipeline_bench
+    from rlcd.bench.report import invocation, save_result
+    from rlcd.model.backbone import check_backbone_spec
+
+    check_backbone_spec(model)
+    try:
+        size_t = tuple(int(x) for x in sizes.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter("--sizes is comma-separated integers, e.g. 1,5,50", param_hint="--sizes") from None
+    if not size_t or min(size_t) < 1:
+        raise typer.BadParameter("--sizes needs at least one size, each >= 1", param_hint="--sizes")
+    _threads(threads)
+    res = run_pipeline_bench(model=model, sizes=size_t, repeats=repeats, state_tokens=state_tokens,
+                             eval_cases=eval_cases, seed=seed)
+    if json_out is not None:
+        cmd = ["rlcd", "bench", "pipeline", "--model", model, "--sizes", sizes, "--repeats", str(repeats),
+               "--eval-cases", str(eval_cases)] + (["--threads", str(threads)] if threads else []) + ["--json", str(json_out)]
+        save_result("pipeline", invocation(shlex.join(cmd)), res, path=json_out)
 
 
 @app.command("train")

@@ -115,7 +115,7 @@ class Collator:
         self.image_root = Path(image_root) if image_root is not None else None
         self.merge_size = int(getattr(image_processor, "merge_size", 2) or 2) if image_processor is not None else 2
 
-    def _load_image(self, rec: Record) -> Any:
+    def load_image(self, rec: Record) -> Any:
         from PIL import Image
 
         path = Path(rec.image)  # type: ignore[arg-type]
@@ -140,7 +140,7 @@ class Collator:
                 self.encoder.refuse_image(rec.id)
                 if self.image_processor is None:
                     raise RecordError(rec.id, "image", "this collator has no image processor")
-                images.append(self._load_image(rec))
+                images.append(self.load_image(rec))
                 owners.append(i)
         pixel_values = grid = None
         n_img = [0] * len(records)

@@ -8,8 +8,11 @@ M-RoPE position ids (the vision tower runs once per image occurrence, without gr
 decoder gets `input_ids` and `position_ids`.
 
 `score_case(state, questions, image)` is the inference path for one request, `score_cases(cases)` for
-several (the server's batches; `prepare_case` does the tokenising and image preprocessing first, off
-the model thread): the common token prefix of each case's rows is run once (capped at the smallest
+several (the server's batches, evaluation; `prepare_case` / `case_inputs_from_records` do the
+tokenising and image preprocessing first, off the model thread). `score_cases` is `case_features`
+(the last hidden states at each row's decision and marker positions) followed by the head. The
+planner (`plan_paths`) sends a case through full forwards when sharing saves less than one call's
+overhead (a single question, or a short shared prefix); otherwise the common token prefix of each case's rows is run once (capped at the smallest
 decision position, so every row's decision token is computed in its own suffix; several cases'
 prefixes left-padded into one forward), and the suffixes run batched: one call when their lengths
 are similar, otherwise a few calls of similar-length rows (`plan_suffix_groups`: fewest padded tokens
@@ -328,7 +331,8 @@ class DecisionModel(nn.Module):
 
     def score_case_with_usage(self, state: Any, questions: Sequence[Question], image: Any = None,
                               ids: Sequence[str] | None = None, *, max_rows: int = 64,
-                              case_id: str | None = None, exact: bool = False) -> tuple[list[torch.Tensor], dict]:
+                              case_id: str | None = None, exact: bool = False,
+                              path: str = "auto") -> tuple[list[torch.Tensor], dict]:
         """`score_case` plus usage: {input_tokens (processed), prefix_tokens, rows, full_tokens, calls, ...}.
 
         `exact=True` (Qwen3.5; a no-op for text decoders) moves the cut down to a multiple of the DeltaNet chunk (64) and runs the suffixes
@@ -340,96 +344,176 @@ class DecisionModel(nn.Module):
         questions = list(questions)
         if not questions:
             return [], {"input_tokens": 0, "prefix_tokens": 0, "rows": 0, "full_tokens": 0, "image_tokens": 0,
-                        "calls": 0}
+                        "calls": 0, "path": "full"}
         case = self.prepare_case(state, questions, image, ids, case_id=case_id)
-        logits, usage = self.score_cases([case], max_rows=max_rows, exact=exact)[0]
+        logits, usage = self.score_cases([case], max_rows=max_rows, exact=exact, path=path)[0]
         self.last_usage = usage
         return logits, usage
 
-    def score_cases(self, cases: Sequence[CaseInputs], *, max_rows: int = 64,
-                    exact: bool = False) -> list[tuple[list[torch.Tensor], dict]]:
-        """Several requests in one go: their prefixes in one left-padded forward, all their question rows
-        as suffix calls from that cache (rows of any request in one call, grouped by suffix length).
+    def score_cases(self, cases: Sequence[CaseInputs], *, max_rows: int = 64, exact: bool = False,
+                    path: str = "auto") -> list[tuple[list[torch.Tensor], dict]]:
+        """Several requests in one go: `case_features` (prefixes in one left-padded forward, all question
+        rows as suffix calls from that cache; or full forwards where the planner finds them cheaper),
+        then the head on every row at once. Returns [(logits per question [k] float32 CPU, usage)].
 
         Each request's logits equal those it gets alone up to float noise: a prefix's left padding is
         masked (attention) and zeroed (the linear-attention inputs, so its recurrent and conv states stay
         at their initial zeros), positions are each request's own, and every suffix row reads its own
         request's cache row (`Family.select_cache_rows`).
         """
-        dev, family = self.device, self.family
+        feats, usages = self.case_features_with_usage(cases, max_rows=max_rows, exact=exact, path=path)
+        flat = [f for fs in feats for f in fs]
+        if not flat:
+            return [([], u) for u in usages]
         with torch.inference_mode():
-            cuts = []
-            for c in cases:
-                cut = self._cut(c.rows, c.n_img, exact)
-                if c.n_img and cut < c.n_img + 2:  # the image is encoded once, so it must lie inside the prefix
-                    raise RuntimeError("shared prefix does not cover the image")
-                cuts.append(cut)
-            width = max(cuts)
-            padded = any(cut != width for cut in cuts)
-            if padded:  # few distinct shapes keep the allocator's and kernels' caches small under serving load
-                width = -(-width // SHAPE_GRANULE) * SHAPE_GRANULE
-            pids = torch.full((len(cases), width), self.encoder.pad_id, dtype=torch.long, device=dev)
-            pmask = torch.zeros((len(cases), width), dtype=torch.long, device=dev)
-            positions, next_pos, feats = [], [], []
-            for i, (c, cut) in enumerate(zip(cases, cuts)):
-                ids = torch.tensor([c.rows[0].ids[:cut]], dtype=torch.long, device=dev)
-                pids[i, width - cut:] = ids[0]
-                pmask[i, width - cut:] = 1
-                img_mask = ids == self.image_token_id if self.image_token_id is not None else None
-                pos = family.full_positions(ids, img_mask, c.grid, self.merge_size)
-                next_pos.append(int(pos.max()) + 1)
-                positions.append(torch.nn.functional.pad(pos, (width - cut, 0)))  # left pads at position 0
-                if c.pixel_values is not None:
-                    feats.append(self.image_features(c.pixel_values, c.grid))  # once per request
-            out = self._lm(pids, torch.cat(feats) if feats else None, pmask if padded else None,
-                           torch.cat(positions, dim=-2), use_cache=True)
-            prefix_cache = out_cache(out)
-            if prefix_cache is None:
-                raise RuntimeError("the language model returned no cache")
-            flat = [(ci, ri) for ci, c in enumerate(cases) for ri in range(len(c.rows))]
-            logits: list[list[torch.Tensor | None]] = [[None] * len(c.rows) for c in cases]
-            groups = plan_suffix_groups([len(cases[ci].rows[ri]) - cuts[ci] for ci, ri in flat], max_rows=max_rows,
-                                        granule=family.suffix_chunk or 1)
-            for gi, group in enumerate(groups):
-                members = [flat[j] for j in group]
-                chunk = [cases[ci].rows[ri] for ci, ri in members]
-                owner = torch.tensor([ci for ci, _ in members], dtype=torch.long, device=dev)
-                n = len(chunk)
-                # the linear-attention states are advanced in place: every call but the last gets its own rows
-                if gi == len(groups) - 1:
-                    cache = family.select_cache_rows(prefix_cache, owner, dev)
-                else:
-                    cache = fork_cache_rows(prefix_cache, owner)
-                suf = [r.ids[cuts[ci]:] for r, (ci, _) in zip(chunk, members)]
-                s_max = max(len(x) for x in suf)
-                if len(cases) > 1:
-                    s_max = -(-s_max // SHAPE_GRANULE) * SHAPE_GRANULE
-                sids = torch.full((n, s_max), self.encoder.pad_id, dtype=torch.long, device=dev)
-                attn = torch.zeros((n, width + s_max), dtype=torch.long, device=dev)
-                attn[:, :width] = pmask[owner]
-                for i, x in enumerate(suf):
-                    sids[i, : len(x)] = torch.tensor(x, dtype=torch.long, device=dev)
-                    attn[i, width: width + len(x)] = 1
-                pos = torch.cat([family.suffix_positions(1, s_max, next_pos[ci], dev) for ci, _ in members], dim=-2)
-                h = self._lm(sids, None, attn, pos, cache=cache, use_cache=True,
-                             chunk_size=None if exact else family.suffix_chunk).last_hidden_state
-                kmax = max(r.k for r in chunk)
-                mpos = torch.zeros((n, kmax), dtype=torch.long, device=dev)
-                cmask = torch.zeros((n, kmax), dtype=torch.bool, device=dev)
-                for i, (r, (ci, _)) in enumerate(zip(chunk, members)):
-                    mpos[i, : r.k] = torch.tensor([m - cuts[ci] for m in r.marker_pos], device=dev)
-                    cmask[i, : r.k] = True
-                ridx = torch.arange(n, device=dev)
-                dpos = torch.tensor([r.decision_pos - cuts[ci] for r, (ci, _) in zip(chunk, members)],
-                                    dtype=torch.long, device=dev)
-                lg = self.head(h[ridx, dpos], h[ridx[:, None], mpos], cmask, update=False).float().cpu()
-                for i, (r, (ci, ri)) in enumerate(zip(chunk, members)):
-                    logits[ci][ri] = lg[i, : r.k]
-        calls = 1 + len(groups)
-        return [(logits[i], {"input_tokens": cut + sum(len(r) - cut for r in c.rows), "prefix_tokens": cut,
-                             "rows": len(c.rows), "full_tokens": sum(len(r) for r in c.rows),
-                             "image_tokens": c.n_img, "calls": calls, "batched_requests": len(cases)})
-                for i, (c, cut) in enumerate(zip(cases, cuts))]
+            dev = self.device
+            kmax = max(hc.shape[0] for _, hc in flat)
+            n, hidden = len(flat), flat[0][0].shape[-1]
+            h_cand = flat[0][1].new_zeros((n, kmax, hidden))
+            cmask = torch.zeros((n, kmax), dtype=torch.bool, device=dev)
+            for i, (_, hc) in enumerate(flat):
+                h_cand[i, : hc.shape[0]] = hc
+                cmask[i, : hc.shape[0]] = True
+            lg = self.head(torch.stack([hd for hd, _ in flat]), h_cand, cmask, update=False).float().cpu()
+        out, i = [], 0
+        for fs, u in zip(feats, usages):
+            out.append(([lg[i + j, : hc.shape[0]] for j, (_, hc) in enumerate(fs)], u))
+            i += len(fs)
+        return out
+
+    def case_features(self, cases: Sequence[CaseInputs], *, max_rows: int = 64, exact: bool = False,
+                      path: str = "auto") -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Per case, per row: (h_dec [H], h_cand [k, H]), the last hidden states at the decision and marker
+        positions (backbone dtype, on the model's device, inference mode), computed as `score_cases` does
+        (one batched prefix forward + suffix calls, or full forwards where cheaper); the head is not run."""
+        return self.case_features_with_usage(cases, max_rows=max_rows, exact=exact, path=path)[0]
+
+    def plan_paths(self, cases: Sequence[CaseInputs], *, exact: bool = False, path: str = "auto",
+                   overhead: int = 48) -> list[int | None]:
+        """Per case: the shared-prefix cut, or None for full forwards.
+
+        `path="auto"`: a case takes the prefix path only when it saves more than one call's overhead
+        (`overhead` token equivalents, as in `plan_suffix_groups`): the shared prefix computed once
+        instead of once per row saves (rows - 1) * cut tokens, while the prefix path costs one extra
+        call. So a single-question case, or one whose suffixes dominate (a short shared prefix), runs as
+        full rows. `"prefix"` / `"full"` force a path (benchmarks, tests).
+        """
+        if path not in ("auto", "prefix", "full"):
+            raise ValueError(f"path must be 'auto', 'prefix' or 'full', not {path!r}")
+        out: list[int | None] = []
+        for c in cases:
+            if path == "full" or not c.rows:
+                out.append(None)
+                continue
+            cut = self._cut(c.rows, c.n_img, exact)
+            if path == "auto" and (len(c.rows) - 1) * cut <= overhead:
+                out.append(None)
+                continue
+            if c.n_img and cut < c.n_img + 2:  # the image is encoded once, so it must lie inside the prefix
+                raise RuntimeError("shared prefix does not cover the image")
+            out.append(cut)
+        return out
+
+    def case_features_with_usage(self, cases: Sequence[CaseInputs], *, max_rows: int = 64, exact: bool = False,
+                                 path: str = "auto") -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], list[dict]]:
+        """`case_features` plus per-case usage: {input_tokens (processed), prefix_tokens (0 on the full
+        path), rows, full_tokens, image_tokens, calls (of the whole batch), batched_requests, path}."""
+        plan = self.plan_paths(cases, exact=exact, path=path)
+        feats: list[list[Any]] = [[None] * len(c.rows) for c in cases]
+        with torch.inference_mode():
+            pre = [i for i, cut in enumerate(plan) if cut is not None and cases[i].rows]
+            full = [i for i, cut in enumerate(plan) if cut is None and cases[i].rows]
+            calls = 0
+            if pre:
+                calls += self._prefix_features([cases[i] for i in pre], [plan[i] for i in pre],
+                                               [feats[i] for i in pre], max_rows=max_rows, exact=exact)
+            if full:
+                calls += self._full_features([cases[i] for i in full], [feats[i] for i in full], max_rows=max_rows)
+        usages = []
+        for c, cut in zip(cases, plan):
+            full_tokens = sum(len(r) for r in c.rows)
+            p = cut or 0
+            usages.append({"input_tokens": p + sum(len(r) - p for r in c.rows) if cut is not None else full_tokens,
+                           "prefix_tokens": p, "rows": len(c.rows), "full_tokens": full_tokens,
+                           "image_tokens": c.n_img, "calls": calls, "batched_requests": len(cases),
+                           "path": "prefix" if cut is not None else "full"})
+        return feats, usages
+
+    def _full_features(self, cases: Sequence[CaseInputs], out: list[list[Any]], *, max_rows: int) -> int:
+        """Full forwards of the cases' rows (right padded, grouped by length); fills `out`; returns the call count."""
+        flat = [(ci, ri) for ci, c in enumerate(cases) for ri in range(len(c.rows))]
+        groups = plan_suffix_groups([len(cases[ci].rows[ri]) for ci, ri in flat], max_rows=max_rows,
+                                    granule=self.family.exact_align or 1)
+        for group in groups:
+            members = [flat[j] for j in group]
+            chunk = [cases[ci].rows[ri] for ci, ri in members]
+            pvs = [cases[ci].pixel_values for ci, _ in members if cases[ci].pixel_values is not None]
+            grids = [cases[ci].grid for ci, _ in members if cases[ci].pixel_values is not None]
+            b = pad_rows(chunk, pad_id=self.encoder.pad_id, image_pad_id=self.encoder.image_pad_id,
+                         pixel_values=torch.cat(pvs) if pvs else None, image_grid_thw=torch.cat(grids) if grids else None)
+            h_dec, h_cand = self.features(b)
+            for i, (r, (ci, ri)) in enumerate(zip(chunk, members)):
+                out[ci][ri] = (h_dec[i], h_cand[i, : r.k])
+        return len(groups)
+
+    def _prefix_features(self, cases: Sequence[CaseInputs], cuts: Sequence[int], out: list[list[Any]], *,
+                         max_rows: int, exact: bool) -> int:
+        """One left-padded prefix forward for `cases` (cut at `cuts`), then the suffix calls; fills `out`
+        with each row's (h_dec, h_cand); returns the call count."""
+        dev, family = self.device, self.family
+        width = max(cuts)
+        padded = any(cut != width for cut in cuts)
+        if padded:  # few distinct shapes keep the allocator's and kernels' caches small under serving load
+            width = -(-width // SHAPE_GRANULE) * SHAPE_GRANULE
+        pids = torch.full((len(cases), width), self.encoder.pad_id, dtype=torch.long, device=dev)
+        pmask = torch.zeros((len(cases), width), dtype=torch.long, device=dev)
+        positions, next_pos, feats = [], [], []
+        for i, (c, cut) in enumerate(zip(cases, cuts)):
+            ids = torch.tensor([c.rows[0].ids[:cut]], dtype=torch.long, device=dev)
+            pids[i, width - cut:] = ids[0]
+            pmask[i, width - cut:] = 1
+            img_mask = ids == self.image_token_id if self.image_token_id is not None else None
+            pos = family.full_positions(ids, img_mask, c.grid, self.merge_size)
+            next_pos.append(int(pos.max()) + 1)
+            positions.append(torch.nn.functional.pad(pos, (width - cut, 0)))  # left pads at position 0
+            if c.pixel_values is not None:
+                feats.append(self.image_features(c.pixel_values, c.grid))  # once per request
+        o = self._lm(pids, torch.cat(feats) if feats else None, pmask if padded else None,
+                     torch.cat(positions, dim=-2), use_cache=True)
+        prefix_cache = out_cache(o)
+        if prefix_cache is None:
+            raise RuntimeError("the language model returned no cache")
+        flat = [(ci, ri) for ci, c in enumerate(cases) for ri in range(len(c.rows))]
+        groups = plan_suffix_groups([len(cases[ci].rows[ri]) - cuts[ci] for ci, ri in flat], max_rows=max_rows,
+                                    granule=family.suffix_chunk or 1)
+        for gi, group in enumerate(groups):
+            members = [flat[j] for j in group]
+            chunk = [cases[ci].rows[ri] for ci, ri in members]
+            owner = torch.tensor([ci for ci, _ in members], dtype=torch.long, device=dev)
+            n = len(chunk)
+            # the linear-attention states are advanced in place: every call but the last gets its own rows
+            if gi == len(groups) - 1:
+                cache = family.select_cache_rows(prefix_cache, owner, dev)
+            else:
+                cache = fork_cache_rows(prefix_cache, owner)
+            suf = [r.ids[cuts[ci]:] for r, (ci, _) in zip(chunk, members)]
+            s_max = max(len(x) for x in suf)
+            if len(cases) > 1:
+                s_max = -(-s_max // SHAPE_GRANULE) * SHAPE_GRANULE
+            sids = torch.full((n, s_max), self.encoder.pad_id, dtype=torch.long, device=dev)
+            attn = torch.zeros((n, width + s_max), dtype=torch.long, device=dev)
+            attn[:, :width] = pmask[owner]
+            for i, x in enumerate(suf):
+                sids[i, : len(x)] = torch.tensor(x, dtype=torch.long, device=dev)
+                attn[i, width: width + len(x)] = 1
+            pos = torch.cat([family.suffix_positions(1, s_max, next_pos[ci], dev) for ci, _ in members], dim=-2)
+            h = self._lm(sids, None, attn, pos, cache=cache, use_cache=True,
+                         chunk_size=None if exact else family.suffix_chunk).last_hidden_state
+            for i, (r, (ci, ri)) in enumerate(zip(chunk, members)):
+                cut = cuts[ci]
+                out[ci][ri] = (h[i, r.decision_pos - cut],
+                               h[i, torch.tensor([m - cut for m in r.marker_pos], dtype=torch.long, device=dev)])
+        return 1 + len(groups)
 
     def _cut(self, rows: Sequence[EncodedRow], n_img: int, exact: bool) -> int:
         """Shared-prefix length: the common token prefix, never past any row's decision position."""
@@ -466,11 +550,33 @@ class DecisionModel(nn.Module):
         return out
 
     def n_tokens(self, state: Any, questions: Sequence[Question], image_tokens: int = 0) -> dict:
-        """Token counts of a request without running the model: {input_tokens, full_tokens, prefix_tokens}."""
+        """Token counts of a request without running the model: {input_tokens, full_tokens, prefix_tokens, rows,
+        path} (`path`: the one `score_case` takes; prefix_tokens is 0 on the full path)."""
         rows = self.encode_case(state, list(questions), n_image_tokens=image_tokens)
-        cut = self._cut(rows, image_tokens, False)
-        return {"input_tokens": cut + sum(len(r) - cut for r in rows), "prefix_tokens": cut,
-                "full_tokens": sum(len(r) for r in rows), "rows": len(rows)}
+        cut = self.plan_paths([CaseInputs(rows, n_img=image_tokens)])[0]
+        full = sum(len(r) for r in rows)
+        p = cut or 0
+        return {"input_tokens": p + sum(len(r) - p for r in rows) if cut is not None else full, "prefix_tokens": p,
+                "full_tokens": full, "rows": len(rows), "path": "prefix" if cut is not None else "full"}
+
+    # ------------------------------------------------------------------ records -> cases
+    def case_inputs_from_records(self, records: Sequence[Any], image_root: Any = None) -> CaseInputs:
+        """One `CaseInputs` for records of one case (one state, one image or none; `Record.case_id`):
+        their questions as the rows, in order, each row named by its record id. Records that do not
+        share the first one's state and image are refused (ValueError): they are not one case."""
+        records = list(records)
+        if not records:
+            raise ValueError("case_inputs_from_records needs at least one record")
+        first = records[0]
+        for r in records[1:]:
+            if r.state != first.state or r.image != first.image:
+                raise ValueError(f"records {first.id!r} and {r.id!r} do not share one state and image")
+        image = None
+        if first.image:
+            self.encoder.refuse_image(first.id)
+            image = self.collator(image_root=image_root).load_image(first)
+        return self.prepare_case(first.state, [r.question for r in records], image, [r.id for r in records],
+                                 case_id=first.case_id)
 
 
 def num_params(module: nn.Module, trainable: bool | None = None) -> int:
