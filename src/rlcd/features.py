@@ -172,32 +172,29 @@ class FeatureCache:
         return all((i, 0) in idx for i in ids)
 
     def rows(self, split: str, keys: Sequence[tuple[str, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(h_dec [B,H], h_cand [B,Kmax,H], cand_mask [B,Kmax]) of entries `(id, order)` of `split`."""
+        """(h_dec [B,H], h_cand [B,Kmax,H], cand_mask [B,Kmax]) of entries `(id, order)` of `split` (one gather)."""
         t = self.tensors[split]
         idx = self.index[split]
         try:
-            js = [idx[(i, o)] for i, o in keys]
+            js = torch.tensor([idx[key] for key in keys], dtype=torch.long)
         except KeyError as e:
             raise KeyError(f"feature cache {self.root} has no entry {e.args[0]} in {split}") from None
-        ks = [int(t["k"][j]) for j in js]
-        kmax = max(ks)
-        h_dec = t["h_dec"][js]
-        h_cand = torch.zeros((len(js), kmax, h_dec.shape[1]), dtype=t["h_cand"].dtype)
-        mask = torch.zeros((len(js), kmax), dtype=torch.bool)
-        for b, (j, k) in enumerate(zip(js, ks)):
-            s = int(t["cand_start"][j])
-            h_cand[b, :k] = t["h_cand"][s:s + k]
-            mask[b, :k] = True
-        return h_dec, h_cand, mask
+        ks = t["k"][js]
+        kmax = int(ks.max())
+        offs = torch.arange(kmax)
+        mask = offs[None, :] < ks[:, None]
+        pos = torch.where(mask, t["cand_start"][js][:, None] + offs[None, :], 0)
+        h_cand = t["h_cand"][pos] * mask[..., None].to(t["h_cand"].dtype)
+        return t["h_dec"][js], h_cand, mask
 
     def batch(self, split: str, records: Sequence[Record], orders: Sequence[int]) -> FeatureBatch:
         """A FeatureBatch of `records` (already in their fixed orders `orders`: targets are read from them)."""
-        h_dec, h_cand, mask = self.rows(split, [(r.id, o) for r, o in zip(records, orders)])
-        t = self.tensors[split]
-        n_tok = sum(int(t["n_tokens"][self.index[split][(r.id, o)]]) for r, o in zip(records, orders))
-        target = torch.zeros(mask.shape, dtype=torch.float32)
-        for b, r in enumerate(records):
-            target[b, : len(r.target)] = torch.tensor(r.target, dtype=torch.float32)
+        keys = [(r.id, o) for r, o in zip(records, orders)]
+        h_dec, h_cand, mask = self.rows(split, keys)
+        idx = self.index[split]
+        n_tok = int(self.tensors[split]["n_tokens"][[idx[key] for key in keys]].sum())
+        kmax = mask.shape[1]
+        target = torch.tensor([list(r.target) + [0.0] * (kmax - len(r.target)) for r in records], dtype=torch.float32)
         types = [r.question.type for r in records]
         return FeatureBatch(h_dec=h_dec, h_cand=h_cand, cand_mask=mask, target=target,
                             ordinal=torch.tensor([ty == "score" for ty in types], dtype=torch.bool),
@@ -232,11 +229,13 @@ def _by_case(entries: list[tuple[Record, int]]) -> list[list[int]]:
 
 @torch.no_grad()
 def extract_split(model, records: Sequence[Record], collator, split: str, *, rows_per_call: int = 64,
-                  progress: Callable[[int], None] | None = None) -> tuple[dict[str, torch.Tensor], list]:
+                  progress: Callable[[int], None] | None = None,
+                  shared: bool = True) -> tuple[dict[str, torch.Tensor], list]:
     """The tensors and index of one split: every entry's (h_dec, h_cand) from the frozen backbone.
 
     Rows of one case (one state) share a prefix forward (`model.case_features`) when the model has it;
-    otherwise (or for a case of one row) full rows are run, `rows_per_call` at a time.
+    otherwise (or `shared=False`, the per-row reference of `rlcd bench features`) full rows are run,
+    `rows_per_call` at a time.
     """
     entries = _entries(split, records)
     n = len(entries)
@@ -246,7 +245,7 @@ def extract_split(model, records: Sequence[Record], collator, split: str, *, row
     was = model.training
     model.eval()
     done = 0
-    shared = getattr(model, "case_features", None)
+    shared = getattr(model, "case_features", None) if shared else None
     groups = _by_case(entries) if shared is not None else [[j] for j in range(n)]
     call: list[list[int]] = []
 

@@ -166,6 +166,7 @@ class Session:
     consumed: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     objective_fn: Callable | None = None
     features: Any = None            # rlcd.features.FeatureCache read while the backbone is frozen, or None (live)
+    _fixed: dict = field(default_factory=dict)  # (id, order) -> the row in that fixed candidate order
 
     def objective(self, logits, batch, index):
         r = self.recipe
@@ -208,7 +209,12 @@ class Session:
         if not head_phase:
             return self.collator([shuffle_choice(self.records[d.id], d.perm_seed) for d in draws]).to(self.device)
         orders = [order_of_draw(self.records[d.id], d.perm_seed) for d in draws]
-        rows = [with_fixed_order(self.records[d.id], o) for d, o in zip(draws, orders)]
+        rows = []
+        for d, o in zip(draws, orders):
+            key = (d.id, o)
+            if key not in self._fixed:  # a pure function of the row: built once per run
+                self._fixed[key] = with_fixed_order(self.records[d.id], o)
+            rows.append(self._fixed[key])
         if self.features is not None:
             return self.features.batch("train", rows, orders).to(self.device)
         return self.collator(rows).to(self.device)

@@ -110,6 +110,33 @@ def train(
         save_result("train", cmd, res, path=json_out)
 
 
+@app.command("features")
+def features(
+    model: Annotated[str, typer.Option(help="backbone preset (tiny, tiny-llama, smollm2-135m, ...) or local dir")] = "tiny",
+    cases: Annotated[int, typer.Option(min=2, help="generated synth cases (six questions each)")] = 24,
+    head_updates: Annotated[int, typer.Option(min=1, help="measured head-only updates on the cache")] = 200,
+    lora_updates: Annotated[int, typer.Option(min=1, help="measured LoRA updates on the live backbone")] = 3,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads (default: torch's)")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the result JSON (bench format) here")] = None,
+    device: DeviceOpt = "cpu",
+    dtype: DTypeOpt = DType.auto,
+) -> None:
+    """Feature extraction with vs without prefix sharing; head-only updates on the cache vs LoRA updates live."""
+    from rlcd.bench.features import run_features_bench
+    from rlcd.bench.report import invocation, save_result
+    from rlcd.model.backbone import check_backbone_spec
+    from rlcd.progress import echo
+
+    check_backbone_spec(model)
+    _threads(threads)
+    res = run_features_bench(model, cases=cases, head_updates=head_updates, lora_updates=lora_updates,
+                             placement=placement(device, dtype), threads=threads, say=echo)
+    if json_out is not None:
+        cmd = invocation(shlex.join(["rlcd", "bench", "features", "--model", model, "--cases", str(cases),
+                                     "--json", str(json_out)]))
+        save_result("features", cmd, res, path=json_out)
+
+
 @app.command("serve")
 def serve(
     run: RunArg = None,
