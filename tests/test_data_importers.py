@@ -360,3 +360,22 @@ def test_native_jsonl_validates_and_rebases_images(tmp_path):
     assert (out_dir / records[0].image).resolve() == (src_dir / "pics" / "a.png").resolve()
     assert _reasons(excluded) == {"a": "duplicate_id", "c": "missing_image", "d": "invalid", 6: "unparsable"}
     assert parse_record(json.loads(records[0].model_dump_json())).image == records[0].image
+
+
+def test_the_documented_typed_decisions_example_imports_as_documented(tmp_path):
+    """docs/DATA.md's row (one question per type) gives the targets the page describes."""
+    import re
+
+    doc = (Path(__file__).parents[1] / "docs" / "DATA.md").read_text()
+    row = json.loads(re.search(r"```json\n(.*?)```", doc, re.S).group(1))
+    write_jsonl(tmp_path / "doc.jsonl", [row])
+    records, excluded = importers.import_typed_decisions(tmp_path / "doc.jsonl")
+    assert not excluded
+    got = {r.id: (r.question.type, r.question.labels, r.target) for r in records}
+    assert got == {
+        "t-1042:action": ("choice", ["refund", "replace", "escalate"], pytest.approx([0.7, 0.2, 0.1])),
+        "t-1042:team": ("choice", ["billing", "shipping"], pytest.approx([0.4, 0.6])),
+        "t-1042:urgent": ("noul", ["false", "true"], pytest.approx([0.2, 0.8])),
+        "t-1042:severity": ("score", ["0", "1", "2", "3"], pytest.approx([0.1, 0.6, 0.3, 0.0])),
+    }
+    assert {(r.task, r.split, r.case_id) for r in records} == {("customer_service", "train", "t-1042")}
