@@ -245,9 +245,9 @@ def _hub_unavailable(name: str, hub_id: str, revision: str | None, cache_dir: st
     if isinstance(try_to_load_from_cache(hub_id, "config.json", cache_dir=cache_dir, revision=revision), str):
         return None  # cached: from_pretrained reads it (and the weights) from there
     if constants.HF_HUB_OFFLINE:
-        why = "HF_HUB_OFFLINE is set"
+        why = "there is no network (HF_HUB_OFFLINE is set)"
     elif not hub_reachable():
-        why = f"the hub ({constants.ENDPOINT}) cannot be reached from here"
+        why = f"there is no network (the hub, {constants.ENDPOINT}, cannot be reached from here)"
     else:
         return None
     rev = f" --revision {revision}" if revision else ""
@@ -255,9 +255,9 @@ def _hub_unavailable(name: str, hub_id: str, revision: str | None, cache_dir: st
     random = ", ".join(k for k, v in PRESETS.items() if v["kind"] == "random")
     return BackboneError(
         f"cannot load backbone {name!r} ({hub_id}{'@' + revision[:12] if revision else ''}): it is not in the local "
-        f"hub cache and {why}; pass --model /path/to/local/copy (a save_pretrained directory or a .gguf file, e.g. "
-        f"from `huggingface-cli download {hub_id}{rev} --local-dir DIR` on a machine with network) or a preset "
-        f"that needs no network ({real}; {random} have random weights)")
+        f"hub cache and {why}; pass --model /path/to/local/copy (a local directory written by save_pretrained, "
+        f"or a .gguf file: e.g. from `huggingface-cli download {hub_id}{rev} --local-dir DIR` on a machine with "
+        f"network) or a preset that needs no network ({real}; {random} have random weights)")
 
 
 def _load_hub(name: str, hub_id: str, revision: str | None, *, dtype: torch.dtype, device: Any,
