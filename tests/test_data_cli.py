@@ -101,6 +101,9 @@ def test_text_import_asks_the_given_question(tmp_path):
     assert {r["question"]["instructions"] for r in lines(out)} == {"What is the tone of this review?"}
     invoke("import", "--kind", "text", "--input", FIX / "text.csv", "--out", out)
     assert {r["question"]["instructions"] for r in lines(out)} == {"Which label fits this text?"}
+    from rlcd.data.importers import TEXT_QUESTION
+
+    assert data_cli.TEXT_QUESTION == TEXT_QUESTION  # --help spells the importer's default without importing it
     res = invoke_root("data", "import", "--kind", "text", "--input", FIX / "text.csv", "--question", " ", "--out", out)
     assert res.exit_code == 2 and "the question is empty" in res.stderr
 
