@@ -182,7 +182,7 @@ def test_data_commands_strict_and_errors(tmp_path):
     res = runner.invoke(app, ["data", "validate", str(bad)])
     assert res.exit_code == 0 and "unparsable" in res.stdout
     res = runner.invoke(app, ["data", "validate", str(bad), "--strict"])
-    assert res.exit_code == 1 and "1 row(s) excluded" in res.stdout
+    assert res.exit_code == 1 and "1 row(s) excluded" in res.stderr  # the verdict is a notice, not the result
     res = runner.invoke(app, ["data", "prepare", str(bad), "--out", str(tmp_path / "p"), "--strict"])
     assert res.exit_code == 1 and (tmp_path / "p" / "manifest.json").is_file()
     user_error(["data", "validate", tmp_path / "missing.jsonl"], contains="no such file")
@@ -195,9 +195,9 @@ def test_prepare_warns_on_an_empty_split(tmp_path):
     one = tmp_path / "one.jsonl"
     runner.invoke(app, ["data", "synth", "--out", str(one), "--cases", "1"])
     res = runner.invoke(app, ["data", "prepare", str(one), "--out", str(tmp_path / "p")])
-    assert res.exit_code == 0 and "split is empty" in res.stdout
+    assert res.exit_code == 0 and "split is empty" in res.stderr and "split is empty" not in res.stdout
     res = runner.invoke(app, ["data", "prepare", str(one), "--out", str(tmp_path / "p2"), "--strict"])
-    assert res.exit_code == 1 and "empty split" in res.stdout
+    assert res.exit_code == 1 and "empty split" in res.stderr
 
 
 def test_hub_import_without_datasets_is_one_line(tmp_path, monkeypatch):

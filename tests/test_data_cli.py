@@ -72,3 +72,69 @@ def test_demo_data_is_complete(tmp_path):
     for name, digest in manifest["outputs"].items():
         assert sha256_file(processed / name) == digest
     assert any(name.startswith("images/") for name in manifest["outputs"])
+
+
+# --- the first hour of a new user (issue 25): one-line errors, the text question, streams --------------------
+
+
+def invoke_root(*args, env=None):
+    """The whole `rlcd` app (its error policy: one line on stderr, exit 2), stdout and stderr apart."""
+    from rlcd.cli import app
+
+    return runner.invoke(app, [str(a) for a in args], env=env)
+
+
+def test_text_csv_without_the_label_column_is_one_line_naming_it(tmp_path):
+    csv_path = tmp_path / "tickets.csv"
+    csv_path.write_text("text,category\nMy parcel is late,shipping\nRefund please,billing\n")
+    res = invoke_root("data", "import", "--kind", "text", "--input", csv_path, "--out", tmp_path / "t.jsonl")
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip() == (f"rlcd: error: {csv_path}: no column 'label' (columns: text, category); name the "
+                                  "column with --label-column")
+    assert res.stdout == "" and not (tmp_path / "t.jsonl").exists()
+
+
+def test_text_import_asks_the_given_question(tmp_path):
+    out = tmp_path / "t.jsonl"
+    invoke("import", "--kind", "text", "--input", FIX / "text.csv", "--question", "What is the tone of this review?",
+           "--out", out)
+    assert {r["question"]["instructions"] for r in lines(out)} == {"What is the tone of this review?"}
+    invoke("import", "--kind", "text", "--input", FIX / "text.csv", "--out", out)
+    assert {r["question"]["instructions"] for r in lines(out)} == {"Which label fits this text?"}
+    from rlcd.data.importers import TEXT_QUESTION
+
+    assert data_cli.TEXT_QUESTION == TEXT_QUESTION  # --help spells the importer's default without importing it
+    res = invoke_root("data", "import", "--kind", "text", "--input", FIX / "text.csv", "--question", " ", "--out", out)
+    assert res.exit_code == 2 and "the question is empty" in res.stderr
+
+
+def test_prepare_out_naming_a_file_is_one_line_suggesting_a_new_directory(tmp_path):
+    records = tmp_path / "tickets.jsonl"
+    invoke("synth", "--out", records, "--cases", 6)
+    (tmp_path / "tickets-processed").mkdir()  # taken: the suggestion must be a directory that does not exist
+    before = records.read_bytes()
+    res = invoke_root("data", "prepare", records, "--out", records)
+    assert res.exit_code == 2, res.output
+    assert f"{records} is a file, not a directory" in res.stderr and "Traceback" not in res.output
+    assert f"--out {tmp_path / 'tickets-processed-2'}" in res.stderr
+    assert len(res.stderr.strip().splitlines()) <= 2 and records.read_bytes() == before
+    # following the suggestion works
+    invoke("prepare", records, "--out", tmp_path / "tickets-processed-2")
+    assert (tmp_path / "tickets-processed-2" / "manifest.json").is_file()
+
+
+def test_prepare_warnings_go_to_stderr_and_the_tables_to_stdout(tmp_path):
+    invoke("synth", "--out", tmp_path / "s.jsonl", "--cases", 2)  # too few cases: some split stays empty
+    res = invoke_root("data", "prepare", tmp_path / "s.jsonl", "--out", tmp_path / "p")
+    assert res.exit_code == 0, res.output
+    assert "warning: the" in res.stderr and "split is empty" in res.stderr
+    assert "warning:" not in res.stdout and "rows per group and split" in res.stdout
+
+
+def test_tables_in_a_pipe_keep_every_cell(tmp_path):
+    """Off a terminal (here COLUMNS=80, as a pipe gets) a result table is laid out at full width, not cut."""
+    task = "customer-support-tickets-" + "x" * 240  # wider than any COLUMNS an earlier test may have fixed
+    res = invoke_root("data", "import", "--kind", "text", "--input", FIX / "text.csv", "--task", task,
+                      "--out", tmp_path / "t.jsonl", env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    assert f"text/en/{task}" in res.stdout and "mean max posterior" in res.stdout and "…" not in res.stdout

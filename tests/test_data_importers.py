@@ -12,6 +12,7 @@ import pytest
 
 from rlcd.data import importers
 from rlcd.data.io import read_jsonl, sha256_file, write_jsonl
+from rlcd.errors import UserError
 from rlcd.schema import RecordError, parse_record
 
 FIX = Path(__file__).parent / "fixtures" / "data"
@@ -80,6 +81,57 @@ def test_typed_decisions_parquet_matches_jsonl(tmp_path):
 def test_typed_decisions_split_argument_overrides_column():
     records, _ = importers.import_typed_decisions(FIX / "typed_decisions.jsonl", split="validation")
     assert {r.split for r in records} == {"dev"}
+
+
+def _score_row(criteria, probabilities, rid="s-1"):
+    questions = {"severity": {"type": "score", "instructions": "How severe is it?", "criteria": criteria}}
+    return {"id": rid, "state": {"ticket": "The server room is flooded."}, "questions": questions,
+            "gold": {"severity": {"probabilities": probabilities}}}
+
+
+def test_score_gold_keyed_by_level_name_equals_gold_keyed_by_index(tmp_path):
+    """README/docs/DATA.md: score gold may name its levels by index ("0".."K-1") or by the criteria text."""
+    levels = ["none", "minor", "major", "critical"]
+    rows = [_score_row(levels, {"0": 0.1, "1": 0.6, "2": 0.3}, "by-index"),
+            _score_row(levels, {"none": 0.1, "minor": 0.6, "major": 0.3}, "by-name"),
+            _score_row(levels, [0.1, 0.6, 0.3, 0.0], "as-list"),
+            _score_row(levels, {"none": 0.5, "2": 0.5}, "mixed"),
+            _score_row(levels, {"fatal": 1.0}, "unknown")]
+    write_jsonl(tmp_path / "score.jsonl", rows)
+    records, excluded = importers.import_typed_decisions(tmp_path / "score.jsonl")
+    recs = _by_id(records)
+    assert set(recs) == {"by-index:severity", "by-name:severity", "as-list:severity"}
+    for rid in recs:
+        assert recs[rid].target == pytest.approx([0.1, 0.6, 0.3, 0.0], abs=1e-12), rid
+    details = {e["row"]: e["detail"] for e in excluded}
+    assert set(details) == {"mixed:severity", "unknown:severity"}
+    assert "or by level name ['none', 'minor', 'major', 'critical']" in details["unknown:severity"]
+    assert "'fatal'" in details["unknown:severity"]
+
+
+def test_score_gold_with_numeral_level_names_is_refused_when_ambiguous(tmp_path):
+    """Levels named "1".."5": keys {"1", "2"} read as indices mean levels 2-3, as names levels 1-2 -- refused;
+    keys only one reading fits are taken by that reading."""
+    likert = ["1", "2", "3", "4", "5"]
+    rows = [_score_row(likert, {"1": 0.5, "2": 0.5}, "ambiguous"),
+            _score_row(likert, {"4": 0.2, "5": 0.8}, "names-only"),  # "5" is no index of 5 levels
+            _score_row(likert, {"0": 1.0}, "index-only"),
+            _score_row(likert, [0.5, 0.5, 0, 0, 0], "list")]
+    write_jsonl(tmp_path / "likert.jsonl", rows)
+    records, excluded = importers.import_typed_decisions(tmp_path / "likert.jsonl")
+    recs = _by_id(records)
+    assert recs["names-only:severity"].target == pytest.approx([0, 0, 0, 0.2, 0.8], abs=1e-12)
+    assert recs["index-only:severity"].target == pytest.approx([1, 0, 0, 0, 0], abs=1e-12)
+    assert recs["list:severity"].target == pytest.approx([0.5, 0.5, 0, 0, 0], abs=1e-12)
+    (only,) = excluded
+    assert only["row"] == "ambiguous:severity" and "list in level order" in only["detail"]
+
+
+def test_gold_as_a_list_needs_one_entry_per_candidate(tmp_path):
+    row = _score_row(["low", "high"], [0.2, 0.3, 0.5])
+    write_jsonl(tmp_path / "short.jsonl", [row])
+    records, excluded = importers.import_typed_decisions(tmp_path / "short.jsonl")
+    assert not records and "has 3 entries but the question has 2 candidates" in excluded[0]["detail"]
 
 
 THREE = FIX / "typed_decisions_three_columns.jsonl"  # rows with only state, questions, gold (+ one workflow)
@@ -229,8 +281,33 @@ def test_text_jsonl_custom_columns_and_given_labels():
 
 def test_text_with_a_single_label_is_refused(tmp_path):
     (tmp_path / "one.csv").write_text("text,label\na,x\nb,x\n")
-    with pytest.raises(ValueError, match="at least 2 labels"):
+    with pytest.raises(UserError, match="at least 2 labels, found \\['x'\\] \\(in column 'label'\\)"):
         importers.import_text(tmp_path / "one.csv")
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_text_without_the_label_column_names_it_and_the_columns_there_are(tmp_path, suffix):
+    path = tmp_path / f"tickets{suffix}"
+    if suffix == ".csv":
+        path.write_text("text,category\nMy parcel is late,shipping\nRefund please,billing\n")
+    else:
+        write_jsonl(path, [{"text": "My parcel is late", "category": "shipping"},
+                           {"text": "Refund please", "category": "billing"}])
+    with pytest.raises(UserError) as err:
+        importers.import_text(path)
+    assert str(err.value) == (f"{path}: no column 'label' (columns: text, category); name the column with "
+                              "--label-column")
+    with pytest.raises(UserError, match="no column 'body' \\(columns: text, category\\).*--text-column"):
+        importers.import_text(path, text_column="body", label_column="category")
+    records, excluded = importers.import_text(path, label_column="category")
+    assert len(records) == 2 and not excluded
+
+
+def test_text_question_is_the_given_one():
+    records, _ = importers.import_text(FIX / "text.csv")
+    assert {r.question.instructions for r in records} == {importers.TEXT_QUESTION}
+    records, _ = importers.import_text(FIX / "text.csv", instructions="What is the tone of this review?")
+    assert {r.question.instructions for r in records} == {"What is the tone of this review?"}
 
 
 # --- easy-vqa -------------------------------------------------------------------------------
@@ -283,3 +360,22 @@ def test_native_jsonl_validates_and_rebases_images(tmp_path):
     assert (out_dir / records[0].image).resolve() == (src_dir / "pics" / "a.png").resolve()
     assert _reasons(excluded) == {"a": "duplicate_id", "c": "missing_image", "d": "invalid", 6: "unparsable"}
     assert parse_record(json.loads(records[0].model_dump_json())).image == records[0].image
+
+
+def test_the_documented_typed_decisions_example_imports_as_documented(tmp_path):
+    """docs/DATA.md's row (one question per type) gives the targets the page describes."""
+    import re
+
+    doc = (Path(__file__).parents[1] / "docs" / "DATA.md").read_text()
+    row = json.loads(re.search(r"```json\n(.*?)```", doc, re.S).group(1))
+    write_jsonl(tmp_path / "doc.jsonl", [row])
+    records, excluded = importers.import_typed_decisions(tmp_path / "doc.jsonl")
+    assert not excluded
+    got = {r.id: (r.question.type, r.question.labels, r.target) for r in records}
+    assert got == {
+        "t-1042:action": ("choice", ["refund", "replace", "escalate"], pytest.approx([0.7, 0.2, 0.1])),
+        "t-1042:team": ("choice", ["billing", "shipping"], pytest.approx([0.4, 0.6])),
+        "t-1042:urgent": ("noul", ["false", "true"], pytest.approx([0.2, 0.8])),
+        "t-1042:severity": ("score", ["0", "1", "2", "3"], pytest.approx([0.1, 0.6, 0.3, 0.0])),
+    }
+    assert {(r.task, r.split, r.case_id) for r in records} == {("customer_service", "train", "t-1042")}

@@ -532,6 +532,11 @@ def check_data_dir(data_dir: Path) -> Path:
     from rlcd.errors import RunError
 
     data_dir = Path(data_dir).expanduser()
+    if data_dir.is_file():
+        from rlcd.data.io import suggest_processed_dir
+
+        raise RunError(f"--data {data_dir} is a file; --data takes a processed data directory: make one with "
+                       f"`rlcd data prepare {data_dir} --out {suggest_processed_dir(data_dir)}` and pass that")
     if not data_dir.is_dir():
         raise RunError(f"--data {data_dir}: no such directory; make one with `rlcd data prepare FILES --out {data_dir}`")
     missing = [f for f in ("train.jsonl", "dev.jsonl") if not (data_dir / f).is_file()]
@@ -678,9 +683,9 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
                    "tokens_per_s": window_tokens / dt, "consumed": dict(sorted(s.consumed.items()))}
             writer.log(row)
             t_last, window_examples, window_tokens = now, 0, 0
-        bar.update(done, _progress_info(stats, state["score"]))
         if done % r.eval_every == 0 or done == r.steps:
             evaluate_and_select(done)
+        bar.update(done, _progress_info(stats, state["score"]))  # after the evaluation: its dev score shows
         if done % r.checkpoint_every == 0 or done == r.steps:
             writer.checkpoint("last", s, snapshot())
     bar.close()

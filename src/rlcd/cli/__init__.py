@@ -25,7 +25,7 @@ from typer._click import exceptions as cx  # typer vendors click (typer._click) 
 from typer.core import TyperGroup
 
 from rlcd.cli import analysis, bench, data, demo, evaluate, features, serve, train
-from rlcd.cli._common import show_status
+from rlcd.cli._common import quiet_progress_bars, show_status
 from rlcd.errors import UserError
 
 
@@ -78,6 +78,7 @@ def _root(version: bool = typer.Option(False, "--version", is_eager=True, callba
                                        help="Print the version and exit.")) -> None:
     """Train, calibrate, evaluate, analyse and serve calibrated typed-decision models."""
     show_status()
+    quiet_progress_bars()
 
 
 # the command table -------------------------------------------------------------------------------

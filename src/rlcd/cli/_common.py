@@ -44,6 +44,13 @@ def run_path(arg: Optional[Path], alias: Optional[Path], *, what: str = "RUN") -
     return Path(path)
 
 
+def is_main_process() -> bool:
+    """False on the ranks > 0 of a torchrun launch (RANK set by torchrun), whose results rank 0 prints."""
+    import os
+
+    return int(os.environ.get("RANK", "0") or 0) == 0
+
+
 def echo_json(obj: Any) -> None:
     import json
 
@@ -65,8 +72,19 @@ def show_status() -> None:
     """Show the library's INFO messages (what model is loaded, from where) on stderr, stdout staying the result.
 
     Library code logs to the `rlcd` loggers and prints nothing on its own; the CLI turns them on here, once.
+    Under torchrun only rank 0 tells (the other ranks load the same model): they show warnings alone.
     """
     logger = logging.getLogger("rlcd")
     if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
         logger.addHandler(_StderrHandler())
-    logger.setLevel(logging.INFO)
+    logger.setLevel(logging.INFO if is_main_process() else logging.WARNING)
+
+
+def quiet_progress_bars() -> None:
+    """No transformers / hub tqdm bars (`Writing model shards`, `Loading weights`) when stderr is not a terminal:
+    in a pipe or a log they are carriage-return noise between rlcd's own progress lines. Set before either
+    library is imported (huggingface_hub reads it once); an explicit HF_HUB_DISABLE_PROGRESS_BARS wins."""
+    import os
+
+    if not sys.stderr.isatty():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -44,10 +44,10 @@ def toy_bias(
     Reports the noise-free max probability of softmax(z*) and KL(t || softmax(z*)) per sigma.
     """
     from rich import box
-    from rich.console import Console
     from rich.table import Table
 
     from rlcd.analysis.toy_bias import plot_toy_bias, run_toy_bias
+    from rlcd.consoles import result_console
 
     sigma_list = _floats(sigmas, "--sigmas")
     reward_list = [r.strip() for r in rewards.split(",") if r.strip()]
@@ -58,7 +58,7 @@ def toy_bias(
     cells: dict[tuple[str, str], dict[float, dict[str, Any]]] = {}
     for row in result["rows"]:
         cells.setdefault((row["name"], row["reward"]), {})[row["sigma"]] = row
-    console = Console()
+    console = result_console()
     for field, title, fmt in (
         ("max_prob", "noise-free max probability of softmax(z*)", lambda v: f"{v:.3f}"),
         ("kl", "KL(t || softmax(z*)) [nats]", lambda v: "0" if v < 1e-12 else f"{v:.1e}"),
@@ -194,8 +194,9 @@ def sweep(
             typer.echo(cmd)
         return
     from rich import box
-    from rich.console import Console
     from rich.table import Table
+
+    from rlcd.consoles import result_console
 
     rk = summary["ranking"]
     beside = f"{rk['beside']} (not for choosing)" if rk["beside"] == "test" else rk["beside"]
@@ -216,7 +217,7 @@ def sweep(
                       cell(a, "raw.overall.sharpness_gap"), cell(a, "temperature.choice", 2),
                       cell(a, "temperature.noul", 2), cell(a, "temperature.score", 2),
                       cell(a, "raw.overall.posterior.bayes_gap"), cell(a, rk["metric"], source="metrics_beside"))
-    Console().print(table)
+    result_console().print(table)
     if rk["best"] is not None:
         typer.echo(f"best on {rk['split']} by {rk['metric']}: {rk['best']} (ranking: {', '.join(rk['order'])}); "
                    f"the last column is {beside}")
@@ -251,10 +252,10 @@ def probe_order(
     """Re-score choice questions under candidate reversal and cyclic shifts: top-label flip rate and
     mean total-variation distance of the label-aligned distributions, per type."""
     from rich import box
-    from rich.console import Console
     from rich.table import Table
 
     from rlcd.analysis.probes import probe_order_run
+    from rlcd.consoles import result_console
 
     try:
         result = probe_order_run(run, split=split, limit=limit, data_dir=data, max_perms=max_perms,
@@ -274,7 +275,7 @@ def probe_order(
             table.add_row(t, str(b["n_rows"]), str(b["n_comparisons"]), _num(b["flip_rate"]),
                           _num(b["rows_with_flip"]), _num(b["mean_tv"], 4), _num(b["max_tv"], 4),
                           _num(b["top_at_first"]), _num(b["top_at_first_uniform"]))
-    console = Console()
+    console = result_console()
     console.print(table)
     console.print("noul/score: not permuted (their candidate order is fixed and carries meaning).", highlight=False)
     _write_json(out, result)
@@ -294,10 +295,10 @@ def probe_noise(
     """Noise-free softmax(z) vs noise-averaged E[softmax(z + eps)] from the raw prediction logits:
     mean max-prob of each, mean KL, argmax change rate (the over-sharpening diagnostic)."""
     from rich import box
-    from rich.console import Console
     from rich.table import Table
 
     from rlcd.analysis.probes import probe_noise_run
+    from rlcd.consoles import result_console
 
     try:
         result = probe_noise_run(run, sigma, split=split, samples=samples, seed=seed, symmetrize=symmetrize)
@@ -312,7 +313,7 @@ def probe_noise(
         table.add_row(name, str(b["n"]), _num(b["mean_max_prob_noise_free"]), _num(b["mean_max_prob_noise_averaged"]),
                       _num(b.get("sharpening")), _num(b["mean_kl_averaged_to_free"], 4), _num(b["argmax_change_rate"]),
                       _num(b["nll_noise_free"]), _num(b["nll_noise_averaged"]), _num(b["mean_target_max"]))
-    console = Console()
+    console = result_console()
     console.print(table)
     if result.get("trained_sigma") is not None:
         console.print(f"run trained with objective {result.get('trained_objective')}, sigma "

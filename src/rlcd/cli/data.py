@@ -19,6 +19,7 @@ class Kind(str, Enum):
     jsonl = "jsonl"
 
 
+TEXT_QUESTION = "Which label fits this text?"  # the default of importers.import_text, spelled here for --help
 StrictOpt = Annotated[bool, typer.Option("--strict", help="exit 1 when any row is excluded (or a split is empty)")]
 
 
@@ -33,6 +34,7 @@ def import_cmd(
     text_column: Annotated[str, typer.Option(help="text: column holding the text")] = "text",
     label_column: Annotated[str, typer.Option(help="text: column holding the label")] = "label",
     labels: Annotated[Optional[str], typer.Option(help="text: comma-separated label set (default: inferred)")] = None,
+    question: Annotated[str, typer.Option(help="text: the question every record asks about its text")] = TEXT_QUESTION,
     task: Annotated[Optional[str], typer.Option(help="text: task name (default: the input file's stem)")] = None,
     limit: Annotated[Optional[int], typer.Option(help="easy-vqa: keep this many questions in total")] = None,
     strict: StrictOpt = False,
@@ -55,8 +57,10 @@ def import_cmd(
         records, excluded = importers.import_vqav2(input_, images, out_dir, split=split)
     elif kind is Kind.text:
         label_set = [x.strip() for x in labels.split(",")] if labels else None
+        if not question.strip():
+            raise typer.BadParameter("the question is empty", param_hint="--question")
         records, excluded = importers.import_text(input_, text_column=text_column, label_column=label_column,
-                                                  labels=label_set, task=task, split=split)
+                                                  labels=label_set, task=task, split=split, instructions=question)
     elif kind is Kind.easy_vqa:
         records, excluded = importers.import_easy_vqa(out_dir, limit=limit)
     else:
@@ -88,8 +92,8 @@ def synth_cmd(
 
 
 def _verdict(manifest: dict, strict: bool) -> None:
-    """Warn on empty splits; with --strict, exit 1 when rows were excluded or a split is empty."""
-    from rlcd.data.summary import console
+    """Warn on empty splits (stderr); with --strict, exit 1 when rows were excluded or a split is empty."""
+    from rlcd.data.summary import notices as console
 
     empty = [s for s, n in manifest["splits"].items() if n == 0]
     for split in empty:
@@ -109,6 +113,18 @@ def _inputs_exist(inputs: list[Path]) -> None:
             raise typer.BadParameter(f"{p}: no such file", param_hint="INPUTS")
 
 
+def _out_is_a_directory(out: Path) -> None:
+    """--out names a directory to write; a file there (or above it) is refused before anything is read."""
+    from rlcd.data.io import suggest_processed_dir
+
+    for path in (out, *out.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise typer.BadParameter(f"{path} is a file, not a directory; give a directory to write the splits "
+                                         f"to, e.g. --out {suggest_processed_dir(path)}", param_hint="--out")
+            return
+
+
 @app.command("prepare")
 def prepare_cmd(
     inputs: Annotated[list[Path], typer.Argument(help="record files (JSONL)")],
@@ -121,6 +137,7 @@ def prepare_cmd(
     from rlcd.data.summary import console, print_manifest
 
     _inputs_exist(inputs)
+    _out_is_a_directory(out)
     manifest = prepare(inputs, out, seed=seed)
     print_manifest(manifest)
     console.print(f"wrote {out}")

@@ -100,9 +100,35 @@ def serve(
     find_export(path)
     if image_root is not None and not image_root.is_dir():
         raise typer.BadParameter(f"{image_root}: not a directory", param_hint="--image-root")
+    check_port(host, port)  # before the model loads
     batching = BatchingConfig(window_ms=batch_window_ms, max_batch_questions=max_batch_questions,
                               max_batch_tokens=max_batch_tokens, max_queue=max_queue, timeout_s=request_timeout)
     run_server(path, host=host, port=port, image_root=image_root, placement=placement(device, dtype),
                served_model_name=served_model_name, strict_model=strict_model, batching=batching, workers=workers,
                max_questions=max_questions, max_candidates=max_candidates, max_tokens=max_tokens,
                max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels)
+
+
+def check_port(host: str, port: int) -> None:
+    """Bind (host, port) once, as uvicorn will (SO_REUSEADDR), and let it go: a port in use, a privileged
+    port or an unknown host is a one-line UserError before the seconds of loading a model, not a uvicorn
+    traceback after them. (Another process can still take the port in between; uvicorn then reports it.)"""
+    import errno
+    import socket
+
+    from rlcd.errors import UserError
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError, OverflowError) as e:
+        raise UserError(f"cannot serve on --host {host} --port {port}: {e}") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UserError(f"port {port} on {host} is already in use (another server?); stop it or choose "
+                                "another --port") from None
+            raise UserError(f"cannot serve on --host {host} --port {port}: {e.strerror or e}") from None

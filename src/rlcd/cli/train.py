@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from rlcd.cli._common import DeviceOpt, DType, DTypeOpt, RunAlias, RunArg, echo_json
+from rlcd.cli._common import DeviceOpt, DType, DTypeOpt, RunAlias, RunArg, echo_json, is_main_process
 
 
 class Objective(str, Enum):
@@ -40,7 +40,7 @@ def train(
                                                 "recorded in config.json")] = None,
     log: Annotated[Optional[Tracker], typer.Option(
         help="experiment tracking: tensorboard writes every metrics.jsonl scalar to RUN/tb/ (open it with "
-             "`tensorboard --logdir RUN/tb`; needs pip install 'rlcd[tracking]'); none (the default). Recorded in "
+             "`tensorboard --logdir RUN/tb`; needs pip install 'rlcd\\[tracking]'); none (the default). Recorded in "
              "config.json: a resume keeps the run's choice unless --log is given", show_default=False)] = None,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
@@ -50,7 +50,8 @@ def train(
     """Train a run with the fixed recipe, or resume one (a larger --steps extends it).
 
     New run: `rlcd train RUN --data DATA [--model M]`. Resume: `rlcd train --resume RUN [--steps N]`.
-    Under torchrun every update keeps the recipe's batch of 8 x 4 examples, split over the processes.
+    Under torchrun (`torchrun --nproc_per_node 2 -m rlcd.cli train RUN --data DATA`: RUN positional) every
+    update keeps the recipe's batch of 8 x 4 examples, split over the processes; rank 0 prints the result.
     Progress and notices go to stderr; the final state (JSON) to stdout.
     """
     from rlcd.errors import OptionError
@@ -85,4 +86,5 @@ def train(
         rec = Recipe().with_(**fields, **knobs)
         out = run_train(path, data_dir=data, model=model or "qwen3.5-0.8b", recipe=rec, steps=steps,
                         device=device, dtype=dtype.value, log=log.value if log else None, feature_cache=not no_cache)
-    echo_json({k: out[k] for k in ("step", "best_step", "best_score")})
+    if is_main_process():  # under torchrun every rank returns the same state: one JSON object on stdout
+        echo_json({k: out[k] for k in ("step", "best_step", "best_score")})

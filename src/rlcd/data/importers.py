@@ -154,7 +154,8 @@ class GoldError(RecordError):
 
 
 def gold_target(question: Question, gold: Any, *, row: str, qid: str | None = None) -> list[float]:
-    """Target from `gold[qid]["probabilities"]` keyed by label (a missing label counts 0).
+    """Target from `gold[qid]["probabilities"]` keyed by label (a missing label counts 0), or a list in
+    candidate order; score gold may be keyed by level index or by level name (`score_gold_by_index`).
 
     The dataset documents its gold as normalized within tolerance: with s = sum of the given
     probabilities, |s - 1| <= GOLD_SUM_TOL (1e-3) is accepted and renormalised, t_k = p_k / s (so
@@ -164,12 +165,21 @@ def gold_target(question: Question, gold: Any, *, row: str, qid: str | None = No
     if gold is None:
         raise GoldError(row, "gold", "no gold entry for this question", "missing_gold")
     probs = gold.get("probabilities") if isinstance(gold, dict) else None
-    if not isinstance(probs, dict):
-        raise RecordError(row, "gold.probabilities", "must be a mapping label -> probability")
     labels = question.labels
+    if isinstance(probs, list):  # one probability per candidate, in candidate order
+        if len(probs) != len(labels):
+            raise RecordError(row, "gold.probabilities", f"has {len(probs)} entries but the question has "
+                                                         f"{len(labels)} candidates {labels}")
+        probs = dict(zip(labels, probs))
+    if not isinstance(probs, dict):
+        raise RecordError(row, "gold.probabilities", "must be a mapping label -> probability (or a list in "
+                                                     "candidate order)")
+    if question.type == "score":
+        probs = score_gold_by_index(question, probs, row=row)
     unknown = sorted(set(probs) - set(labels))
     if unknown:
-        raise RecordError(row, "gold.probabilities", f"labels {unknown} are not candidates {labels}")
+        names = f" or by level name {list(question.criteria)}" if question.type == "score" else ""
+        raise RecordError(row, "gold.probabilities", f"labels {unknown} are not candidates {labels}{names}")
     values = [probs.get(label, 0.0) for label in labels]
     for v in values:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
@@ -184,6 +194,26 @@ def gold_target(question: Question, gold: Any, *, row: str, qid: str | None = No
                         "gold is normalized within tolerance); fix the row's gold or drop the row",
                         "gold_not_normalized")
     return [v / total for v in values]
+
+
+def score_gold_by_index(question: Question, probs: dict, *, row: str) -> dict:
+    """Score gold keyed by level index ("0".."K-1") or by level name (the criteria text) -> keyed by index.
+
+    Keys that read both ways with different meanings (numeral level names such as ["1", ..., "5"]) are
+    refused rather than guessed: such gold is given as a list in level order.
+    """
+    names = [str(n) for n in question.criteria]  # type: ignore[union-attr]
+    index = {name: str(i) for i, name in enumerate(names)}
+    keys = set(probs)
+    as_index = keys <= set(question.labels)
+    as_name = keys <= set(index) and len(index) == len(names)
+    if as_index and as_name and any(index[k] != k for k in keys):
+        raise RecordError(row, "gold.probabilities",
+                          f"keys {sorted(keys)} are both level indices and level names of {names}; give the "
+                          "probabilities as a list in level order instead")
+    if as_name and not as_index:
+        return {index[k]: v for k, v in probs.items()}
+    return probs
 
 
 def content_id(state: Any, questions: Any) -> str:
@@ -331,23 +361,29 @@ def import_vqav2(path: str | Path, images_dir: str | Path, out_dir: str | Path, 
 
 # --- text classification --------------------------------------------------------------------
 
+TEXT_QUESTION = "Which label fits this text?"  # the default question of a text record
+
 
 def import_text(path: str | Path, *, text_column: str = "text", label_column: str = "label",
                 labels: list[str] | None = None, task: str | None = None, source: str = "text",
                 language: str = "en", id_column: str = "id", split: str | None = None,
-                instructions: str = "Which label fits this text?") -> ImportResult:
+                instructions: str = TEXT_QUESTION) -> ImportResult:
     """Text classification (JSONL or CSV) -> one choice record per row.
 
     The label set is `labels` in the given order, or every label seen, sorted. Rows with a label
-    outside a given set are excluded as `unknown_label`.
+    outside a given set are excluded as `unknown_label`. `instructions` is the question every record
+    asks (`rlcd data import --kind text --question TEXT`). A text or label column no row has is a
+    UserError naming the columns there are.
     """
     task = task or Path(path).stem
     rows: list[tuple[str, Any, Any, str | None]] = []
     excluded: list[Exclusion] = []
+    columns: dict[str, None] = {}  # every column seen, in order
     for row_no, row in read_rows(path):
         if isinstance(row, Exception):
             excluded.append(exclusion(row_no, path, "unparsable", f"row {row_no}: {row}"))
             continue
+        columns.update(dict.fromkeys(map(str, row)))
         rid = f"{task}:{row.get(id_column) or row_no}"
         text, label = row.get(text_column), row.get(label_column)
         if not isinstance(text, str) or not text.strip():
@@ -356,9 +392,11 @@ def import_text(path: str | Path, *, text_column: str = "text", label_column: st
             excluded.append(exclusion(rid, path, "invalid", str(RecordError(rid, label_column, "label is missing"))))
         else:
             rows.append((rid, text, str(label).strip(), row.get("split")))
+    _check_columns(path, columns, {"--text-column": text_column, "--label-column": label_column})
     label_set = list(labels) if labels else sorted({label for _, _, label, _ in rows})
     if len(label_set) < 2:
-        raise ValueError(f"{path}: text classification needs at least 2 labels, found {label_set}")
+        raise UserError(f"{path}: text classification needs at least 2 labels, found {label_set} (in column "
+                        f"{label_column!r}); give the label set with --labels")
     index = {label: i for i, label in enumerate(label_set)}
     records: list[Record] = []
     for rid, text, label, row_split in rows:
@@ -378,6 +416,16 @@ def import_text(path: str | Path, *, text_column: str = "text", label_column: st
         except RecordError as exc:
             excluded.append(exclusion(rid, path, "invalid", str(exc)))
     return records, excluded
+
+
+def _check_columns(path: str | Path, columns: dict[str, None], needed: dict[str, str]) -> None:
+    """A column no row has is a wrong column name, not a file of invalid rows: one UserError naming it."""
+    if not columns:
+        return  # no readable row at all: the exclusions say why
+    for option, name in needed.items():
+        if name not in columns:
+            raise UserError(f"{path}: no column {name!r} (columns: {', '.join(columns)}); name the column with "
+                            f"{option}")
 
 
 # --- easy-vqa -------------------------------------------------------------------------------

@@ -82,3 +82,14 @@ def excluded_path(out: str | Path) -> Path:
     """Where an import writes the exclusions of records file `out`: `<stem>.excluded.jsonl` beside it."""
     out = Path(out)
     return out.with_name(f"{out.stem}.excluded.jsonl")
+
+
+def suggest_processed_dir(records_file: str | Path) -> Path:
+    """A processed-directory name beside a records file that does not exist yet (`x.jsonl` -> `x-processed`),
+    for messages that tell a user to run `rlcd data prepare` (its --out must not be an existing file)."""
+    path = Path(records_file)
+    base = path.with_name(f"{path.stem}-processed")
+    candidate, n = base, 2
+    while candidate.exists():
+        candidate, n = base.with_name(f"{base.name}-{n}"), n + 1
+    return candidate

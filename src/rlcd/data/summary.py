@@ -7,9 +7,11 @@ from collections import Counter, defaultdict
 from rich.console import Console
 from rich.table import Table
 
+from rlcd.consoles import ResultConsole, notice_console
 from rlcd.schema import SPLITS, Record
 
-console = Console()
+console = ResultConsole()  # stdout: full-width tables in a pipe
+notices = notice_console()  # stderr: warnings
 
 
 

@@ -206,8 +206,65 @@ def _hub_error(name: str, hub_id: str, revision: str | None, err: BaseException)
     )
 
 
+HUB_PROBE_TIMEOUT_S = 3.0  # how long the reachability probe of the hub waits (DNS + TCP connect)
+
+
+def hub_reachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to the hub endpoint (HF_ENDPOINT) opens within `timeout_s`, DNS included
+    (the probe runs in a daemon thread, so a resolver that hangs costs `timeout_s`, not minutes)."""
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    host, port = url.hostname, url.port or (80 if url.scheme == "http" else 443)
+    if not host:
+        return False
+    ok: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            ok.append(True)
+        except OSError:
+            pass
+
+    worker = threading.Thread(target=probe, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return bool(ok)
+
+
+def _hub_unavailable(name: str, hub_id: str, revision: str | None, cache_dir: str | None) -> BackboneError | None:
+    """A one-line BackboneError when `hub_id` is neither in the local hub cache nor downloadable (offline or
+    the hub unreachable), found at once instead of after transformers' ~50 s of retries; None otherwise."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(hub_id, "config.json", cache_dir=cache_dir, revision=revision), str):
+        return None  # cached: from_pretrained reads it (and the weights) from there
+    if constants.HF_HUB_OFFLINE:
+        why = "there is no network (HF_HUB_OFFLINE is set)"
+    elif not hub_reachable():
+        why = f"there is no network (the hub, {constants.ENDPOINT}, cannot be reached from here)"
+    else:
+        return None
+    rev = f" --revision {revision}" if revision else ""
+    real = ", ".join(k for k, v in PRESETS.items() if v["kind"] == "package-gguf")
+    random = ", ".join(k for k, v in PRESETS.items() if v["kind"] == "random")
+    return BackboneError(
+        f"cannot load backbone {name!r} ({hub_id}{'@' + revision[:12] if revision else ''}): it is not in the local "
+        f"hub cache and {why}; pass --model /path/to/local/copy (a local directory written by save_pretrained, "
+        f"or a .gguf file: e.g. from `huggingface-cli download {hub_id}{rev} --local-dir DIR` on a machine with "
+        f"network) or a preset that needs no network ({real}; {random} have random weights)")
+
+
 def _load_hub(name: str, hub_id: str, revision: str | None, *, dtype: torch.dtype, device: Any,
               cache_dir: str | None, family: Family | None = None) -> Backbone:
+    unavailable = _hub_unavailable(name, hub_id, revision, cache_dir)
+    if unavailable is not None:
+        raise unavailable
     try:
         if family is None:  # a bare hub id: its config says which family loads it
             from transformers import AutoConfig
@@ -270,6 +327,26 @@ def _is_hub_id(spec: str) -> bool:
     return spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and not spec.endswith("/")
 
 
+_KERNEL_HINT = "is falling back to its reference PyTorch implementation"
+
+
+class _CpuKernelHint(logging.Filter):
+    """Drops transformers' hint to install CUDA kernels (causal-conv1d, flash-linear-attention): those run on
+    GPUs only, so on a CPU backbone the hint names nothing a user can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _KERNEL_HINT not in record.getMessage()
+
+
+def quiet_cpu_kernel_hints(device: str | torch.device) -> None:
+    """Silence the CUDA-kernel install hints when the backbone runs on the CPU (once per process)."""
+    if torch.device(device).type != "cpu":
+        return
+    hub_kernels = logging.getLogger("transformers.integrations.hub_kernels")
+    if not any(isinstance(f, _CpuKernelHint) for f in hub_kernels.filters):
+        hub_kernels.addFilter(_CpuKernelHint())
+
+
 def load_backbone(spec: str | Path = DEFAULT_PRESET, *, dtype: torch.dtype = torch.float32,
                   device: str | torch.device = "cpu", seed: int = 0, hidden: int | None = None,
                   cache_dir: str | None = None) -> Backbone:
@@ -278,6 +355,7 @@ def load_backbone(spec: str | Path = DEFAULT_PRESET, *, dtype: torch.dtype = tor
     `seed` (and `hidden`) only apply to the random presets; `cache_dir` only to hub loads.
     """
     onto = f"{device} {str(dtype).removeprefix('torch.')}"
+    quiet_cpu_kernel_hints(device)
     if isinstance(spec, str) and spec in PRESETS:
         p = PRESETS[spec]
         if p["kind"] == "random":
