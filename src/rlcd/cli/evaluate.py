@@ -15,12 +15,14 @@ class Which(str, Enum):
     last = "last"
 
 
+AllowDataChangeOpt = Annotated[bool, typer.Option("--allow-data-change", help="score even though the run's data "
+                                                   "files changed since it started (recorded in the outputs)")]
 CheckpointOpt = Annotated[Which, typer.Option("--checkpoint", help="best: the dev-selected checkpoint (the "
                                               "recipe); last: the one the final update left")]
 
 
 def calibrate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = DType.auto,
-              checkpoint: CheckpointOpt = Which.best) -> None:
+              checkpoint: CheckpointOpt = Which.best, allow_data_change: AllowDataChangeOpt = False) -> None:
     """Fit one temperature per decision type on the calibration split (merged best or last checkpoint).
 
     Writes eval/temperatures.json; `rlcd evaluate` and the export use these temperatures when they
@@ -31,11 +33,12 @@ def calibrate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = 
     from rlcd.run import Run
 
     r = Run.open(run_path(run, None))
-    echo_json(calibrate_run(r, placement=placement(device, dtype), which=checkpoint.value))
+    echo_json(calibrate_run(r, placement=placement(device, dtype), which=checkpoint.value,
+                            allow_data_change=allow_data_change))
 
 
 def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = DType.auto,
-             checkpoint: CheckpointOpt = Which.best) -> None:
+             checkpoint: CheckpointOpt = Which.best, allow_data_change: AllowDataChangeOpt = False) -> None:
     """Score dev/calibration/test with the merged best (or last) checkpoint, calibrate, write eval/ and export/.
 
     Progress (rows done / total per split, rows/s, time left) and model loading go to stderr, the
@@ -47,7 +50,8 @@ def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = D
     from rlcd.run import Run
 
     r = Run.open(run_path(run, None))
-    print_summary(evaluate_run(r, placement=placement(device, dtype), print_fn=echo, which=checkpoint.value))
+    print_summary(evaluate_run(r, placement=placement(device, dtype), print_fn=echo, which=checkpoint.value,
+                               allow_data_change=allow_data_change))
 
 
 def report(run: RunArg = None) -> None:
@@ -70,4 +74,12 @@ def export(run: RunArg = None) -> None:
     from rlcd.evaluate import export_run
     from rlcd.run import Run
 
-    typer.echo(str(export_run(Run.open(run_path(run, None)))))
+    from rlcd.export import read_export_meta
+    from rlcd.report.notes import result_notes
+
+    r = Run.open(run_path(run, None))
+    out = export_run(r)
+    meta = {**read_export_meta(r.export_dir), "run": str(r.root), "training_progress": r.training_progress()}
+    for note in result_notes(meta):
+        typer.echo(f"note: {note}", err=True)
+    typer.echo(str(out))
