@@ -318,3 +318,19 @@ def test_in_process_sweep_resumes_an_interrupted_run(tmp_path):
     # continued from the checkpoint (the pre-kill line is kept), not restarted
     assert [(r["step"], r.get("before_kill", False)) for r in train_rows] == [(1, True), (2, False)]
     assert spec.evaluation_path.is_file() and (out / "summary.md").is_file()
+
+
+def test_summary_names_runs_that_selected_the_untrained_step_0(tmp_path):
+    arms, notes = expand_grid({"sigma": [0.5], "objective": ["rlcd"]})
+    specs = plan_runs(tmp_path / "data", "tiny-toy", arms, [0, 1], 10, tmp_path / "out")
+    _write_fake_runs(specs, {s.name: (1.0, 0.5, 1.1) for s in specs})
+    for spec, step in zip(specs, (0, 7)):
+        ev = json.loads(spec.evaluation_path.read_text())
+        ev.setdefault("meta", {})["selected_step"] = step
+        spec.evaluation_path.write_text(json.dumps(ev))
+    summary = summarize_runs(arms, specs, notes=notes)
+    assert summary["arms"][0]["selected_step_0"] == [specs[0].name]
+    md = write_summary(tmp_path / "out", summary)["md"].read_text()
+    assert "## Runs that selected the untrained step 0" in md
+    assert f"`{specs[0].name}`" in md.split("## Runs that selected the untrained step 0")[1].split("## Runs\n")[0]
+    assert f"`{specs[1].name}`" not in md.split("## Runs that selected the untrained step 0")[1].split("## Runs\n")[0]
