@@ -40,6 +40,12 @@ def _fake_run(root: Path) -> Path:
     from rlcd.data.io import sha256_file
 
     (run / "samples.json").write_text(json.dumps({"files": {"test.jsonl": sha256_file(data / "test.jsonl")}}))
+    from rlcd import checkpoint as ckpt
+
+    for which in ("best", "last"):  # present (never loaded: every check here comes first)
+        (run / "checkpoints" / which).mkdir(parents=True)
+        (run / "checkpoints" / which / ckpt.STATE).write_text(json.dumps({"step": 1}))
+        (run / "checkpoints" / which / ckpt.WEIGHTS).write_bytes(b"")
     return run
 
 
@@ -165,6 +171,8 @@ def test_an_unfinished_run_says_so_and_changed_data_is_recorded(stopped, tmp_pat
         assert "data files changed since the run started (test.jsonl)" in text
         assert ("the selected checkpoint is the untrained step 0" in text) == (meta["selected_step"] == 0)
     assert any("data files changed" in s for s in said)
+    res = _rlcd("export", run)  # exporting it says so too (stderr; stdout keeps the path)
+    assert res.returncode == 0 and "note: the run stopped at update 1 of 3" in res.stderr, res.stderr
     # small data: warnings computed from the prediction files independently
     n_test = len(test_lines) - 1
     assert any("test split has" in s for s in said) == (n_test < MIN_TEST_ROWS)

@@ -126,8 +126,8 @@ def frozen_data_changes(run: Run, allow: bool = False, say: Callable[[str], None
     from rlcd.errors import DataChanged
     from rlcd.train import data_hashes
 
-    frozen = run.samples().get("files")
-    if frozen is None:  # a run from before the hashes were frozen: nothing to compare with
+    frozen = run.samples().get("files") if run.samples_path.is_file() else None
+    if frozen is None:  # no hashes were frozen (an incomplete or hand-made run): nothing to compare with
         return []
     now = data_hashes(run.data_dir)
     changed = sorted(k for k in set(now) | set(frozen) if now.get(k) != frozen.get(k))
@@ -145,6 +145,7 @@ def calibrate_run(run: Run | Path, *, placement: Placement | None = None, which:
     """Fit per-type temperatures on the calibration partition with the merged `which` checkpoint
     (holding the run's lock; refused when the run's frozen data changed, unless `allow_data_change`)."""
     run = run if isinstance(run, Run) else Run.open(run)
+    run.require_checkpoint(which)
     changed = frozen_data_changes(run, allow_data_change, _stderr)
     with run.lock("calibrate"):
         out = _calibrate_run(run, placement=placement, which=which, progress=progress)
@@ -174,6 +175,7 @@ def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
     `_evaluate_run`), holding the run's lock; refused when the data the run froze at its start changed,
     unless `allow_data_change` (then the changed files are recorded in evaluation.json's meta)."""
     run = run if isinstance(run, Run) else Run.open(run)
+    run.require_checkpoint(which)
     changed = frozen_data_changes(run, allow_data_change, print_fn or _stderr)
     with run.lock("evaluate"):
         return _evaluate_run(run, placement=placement, print_fn=print_fn, which=which, progress=progress,
