@@ -129,3 +129,50 @@ def test_fit_per_type_uses_only_the_rows_given():
     assert fit_per_type(cal + other)[0]["choice"] != pytest.approx(temps["choice"], rel=0.02)
     with pytest.raises(ValueError, match="calibration rows only"):
         fit_per_type(cal + _rows("noul", 3, 1.0, 7, split="test"))
+
+
+def _grid_best(z, targets, t_min=0.1, t_max=10.0, points=20001):
+    """Independent float64 reference: the minimum over a dense log-spaced grid of T (numpy only)."""
+    best = np.inf
+    for x, t in zip(z, targets):
+        assert len(x) == len(t)
+    temps = np.exp(np.linspace(np.log(t_min), np.log(t_max), points))[:, None]
+    total = np.zeros(points)
+    for x, t in zip(z, targets):
+        s = np.asarray(x, dtype=np.float64)[None, :] / temps  # [points, k]
+        m = s.max(axis=1, keepdims=True)
+        logp = s - (m + np.log(np.exp(s - m).sum(axis=1, keepdims=True)))
+        total -= logp @ np.asarray(t, dtype=np.float64)
+    best = float(np.min(total / len(z)))
+    return best
+
+
+def _fit_cases():
+    rng = np.random.default_rng(2024)
+    cases = {}
+    # near-uniform logits (flat loss in log T over most of the box) with one-hot labels weakly tied to them
+    z = [rng.normal(0, 0.02, size=3) for _ in range(60)]
+    cases["flat"] = (z, [np.eye(3)[int(np.argmax(x + rng.normal(0, 0.02, size=3)))] for x in z])
+    z = [rng.normal(0, 0.01, size=2) for _ in range(40)]
+    cases["flat_noul"] = (z, [np.eye(2)[int(rng.integers(0, 2))] for _ in z])
+    # sharp logits, labels mostly agree: optimum at small T
+    z = [rng.normal(0, 8.0, size=4) for _ in range(50)]
+    cases["sharp"] = (z, [np.eye(4)[int(np.argmax(x)) if rng.random() < 0.9 else int(rng.integers(0, 4))] for x in z])
+    z = [rng.normal(0, 1.0, size=4) for _ in range(50)]
+    cases["lower_bound"] = (z, [_softmax(x, 0.02) for x in z])
+    cases["upper_bound"] = (z, [_softmax(x, 50.0) for x in z])
+    for i in range(4):
+        k = int(rng.integers(2, 6))
+        z = [rng.normal(0, rng.uniform(0.05, 5.0), size=k) for _ in range(int(rng.integers(10, 60)))]
+        cases[f"random{i}"] = (z, [np.eye(k)[int(rng.integers(0, k))] for _ in z])
+    return cases
+
+
+@pytest.mark.parametrize("name", list(_fit_cases()))
+def test_fit_reaches_the_grid_minimum(name):
+    z, targets = _fit_cases()[name]
+    temperature, info = fit_temperature(z, targets)
+    best = _grid_best(z, targets)
+    assert 0.1 <= temperature <= 10.0
+    assert info["loss_after"] <= best + 1e-6, (temperature, info["loss_after"], best)
+    assert info["converged"], info

@@ -138,3 +138,67 @@ def test_tables_in_a_pipe_keep_every_cell(tmp_path):
                       "--out", tmp_path / "t.jsonl", env={"COLUMNS": "80"})
     assert res.exit_code == 0, res.output
     assert f"text/en/{task}" in res.stdout and "mean max posterior" in res.stdout and "…" not in res.stdout
+
+
+def _rlcd(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "rlcd.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_prepare_refuses_a_used_directory_unless_forced(tmp_path):
+    invoke("synth", "--out", tmp_path / "s.jsonl", "--cases", 12, "--seed", 3)
+    invoke("prepare", tmp_path / "s.jsonl", "--out", tmp_path / "out")
+    before = {p.name: sha256_file(p) for p in (tmp_path / "out").iterdir() if p.is_file()}
+    invoke("synth", "--out", tmp_path / "t.jsonl", "--cases", 15, "--seed", 4)
+    res = _rlcd("data", "prepare", tmp_path / "t.jsonl", "--out", tmp_path / "out")
+    assert res.returncode == 2, res.stderr
+    assert "--force" in res.stderr and "not empty" in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) <= 2
+    assert {p.name: sha256_file(p) for p in (tmp_path / "out").iterdir() if p.is_file()} == before
+    invoke("prepare", tmp_path / "t.jsonl", "--out", tmp_path / "out", "--force")
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["read"] == 15 * 6
+    (tmp_path / "empty").mkdir()  # an existing empty directory is fine
+    invoke("prepare", tmp_path / "t.jsonl", "--out", tmp_path / "empty")
+
+
+def test_prepare_splits_sets_and_records_the_fractions(tmp_path):
+    invoke("synth", "--out", tmp_path / "s.jsonl", "--cases", 200, "--seed", 5)
+    invoke("prepare", tmp_path / "s.jsonl", "--out", tmp_path / "default")
+    default = json.loads((tmp_path / "default" / "manifest.json").read_text())
+    assert default["split_fractions"] == {"train": 0.8, "dev": 0.05, "calibration": 0.05, "test": 0.1}
+    invoke("prepare", tmp_path / "s.jsonl", "--out", tmp_path / "wide", "--splits", "0.4,0.2,0.2,0.2")
+    wide = json.loads((tmp_path / "wide" / "manifest.json").read_text())
+    assert wide["split_fractions"] == {"train": 0.4, "dev": 0.2, "calibration": 0.2, "test": 0.2}
+    # every case is one isolation group of 6 rows placed by the same hash: the shares follow the bands
+    # the fractions give, so the independent count from hash_unit must match
+    from rlcd.data.prepare import hash_unit
+
+    ids = {}
+    for obj in lines(tmp_path / "s.jsonl"):
+        ids.setdefault(obj["case_id"], []).append(obj["id"])
+    want = {"train": 0, "dev": 0, "calibration": 0, "test": 0}
+    for members in ids.values():
+        u = hash_unit(0, min(members))
+        split = "test" if u < 0.2 else "dev" if u < 0.4 else "calibration" if u < 0.6 else "train"
+        want[split] += len(members)
+    assert wide["splits"] == want
+    assert wide["splits"]["test"] > 1.3 * default["splits"]["test"]
+    for bad in ("0.8,0.1,0.1", "0.8,0.1,0.1,0.1", "1.2,-0.1,-0.05,-0.05", "a,b,c,d"):
+        res = _rlcd("data", "prepare", tmp_path / "s.jsonl", "--out", tmp_path / "bad", "--splits", bad)
+        assert res.returncode == 2 and "--splits" in res.stderr and "Traceback" not in res.stderr, (bad, res.stderr)
+        assert not (tmp_path / "bad").exists()
+
+
+def test_an_import_that_keeps_no_rows_exits_1_with_the_reasons(tmp_path):
+    src = tmp_path / "bad.jsonl"
+    src.write_text(json.dumps({"id": "x1", "state": "s", "questions": []}) + "\n{broken\n")
+    res = _rlcd("data", "import", "--kind", "typed-decisions", "--input", src, "--out", tmp_path / "out" / "td.jsonl")
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert "imported 0 records" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "out" / "td.jsonl").exists()
+    excluded = lines(tmp_path / "out" / "td.excluded.jsonl")
+    for reason in {e["reason"] for e in excluded}:
+        assert reason in res.stderr

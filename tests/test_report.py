@@ -241,3 +241,20 @@ def test_wilson_interval_holds_the_proportion_and_known_values():
         for p in (0.0, 1.0, 1 / 3):
             lo, hi = wilson(p, n)
             assert 0.0 <= lo <= p <= hi <= 1.0, (p, n)  # at 0 and 1 rounding put p outside before
+
+
+def test_summary_says_which_temperature_fits_did_not_converge_or_were_skipped(tmp_path):
+    from rlcd.report import format_summary
+
+    run, preds, temps, meta, mb = make_run(tmp_path, with_log=False)
+    infos = {t: dict(i) for t, i in meta["calibration"].items()}
+    assert all(i["converged"] for i in infos.values())
+    ev = evaluation_from_predictions(preds, temps, meta, majority_baseline=mb)
+    assert "did not converge" not in format_summary(ev) and "not fitted" not in format_summary(ev)
+    infos["noul"]["converged"] = False
+    infos["score"] = {"temperature": 1.0, "n": 4, "converged": False, "reason": "4 calibration rows < 10: T = 1"}
+    ev = evaluation_from_predictions(preds, temps, {**meta, "calibration": infos}, majority_baseline=mb)
+    summary = format_summary(ev)
+    assert "warning: the noul temperature fit did not converge" in summary
+    assert "note: score temperature not fitted: 4 calibration rows < 10: T = 1" in summary
+    assert "choice temperature" not in summary

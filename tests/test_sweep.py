@@ -469,3 +469,19 @@ def test_sweep_cli_chooses_on_dev_and_refuses_a_bad_rank_key(tmp_path):
     for bad, needle in ((["--rank-by", "nll"], "--rank-by"), (["--choose-on", "calibration"], "--choose-on")):
         res = CliRunner().invoke(app, base + bad)
         assert res.exit_code == 2 and needle in res.stderr and "Traceback" not in res.output, res.output
+
+
+def test_summary_names_runs_that_selected_the_untrained_step_0(tmp_path):
+    arms, notes = expand_grid({"sigma": [0.5], "objective": ["rlcd"]})
+    specs = plan_runs(tmp_path / "data", "tiny-toy", arms, [0, 1], 10, tmp_path / "out")
+    _write_fake_runs(specs, {s.name: (1.0, 0.5, 1.1) for s in specs})
+    for spec, step in zip(specs, (0, 7)):
+        ev = json.loads(spec.evaluation_path.read_text())
+        ev.setdefault("meta", {})["selected_step"] = step
+        spec.evaluation_path.write_text(json.dumps(ev))
+    summary = summarize_runs(arms, specs, notes=notes)
+    assert summary["arms"][0]["selected_step_0"] == [specs[0].name]
+    md = write_summary(tmp_path / "out", summary)["md"].read_text()
+    assert "## Runs that selected the untrained step 0" in md
+    assert f"`{specs[0].name}`" in md.split("## Runs that selected the untrained step 0")[1].split("## Runs\n")[0]
+    assert f"`{specs[1].name}`" not in md.split("## Runs that selected the untrained step 0")[1].split("## Runs\n")[0]

@@ -327,3 +327,22 @@ def test_arm_flags_train_and_are_recorded(tmp_path, data_dir):
     assert config["recipe"]["sigma_end"] == 0.1 and config["recipe"]["n_perturbations"] == 8
     assert config["recipe_deviations"]["n_perturbations"] == {"value": 8, "pinned": 4}
     _check_diagnostics(run)
+
+
+def test_selection_compares_dev_accuracy_exactly_not_by_ulp():
+    from rlcd.train import improves_on
+
+    dev = {"a": [None] * 6, "b": [None] * 9, "c": [None] * 4}
+
+    def evaluation(correct):
+        per_group = {g: c / len(dev[g]) for g, c in zip("abc", correct)}
+        return per_group, sum(per_group.values()) / len(per_group)
+
+    first, best = evaluation((0, 6, 2))  # macro 7/18
+    same, macro = evaluation((1, 0, 4))  # also exactly 7/18, one ulp above as a float
+    assert macro > best  # what the float comparison used to select
+    assert improves_on(first, dev, None)
+    assert not improves_on(same, dev, best)
+    assert not improves_on(first, dev, best)
+    assert improves_on(evaluation((1, 6, 2))[0], dev, best)
+    assert not improves_on(evaluation((0, 5, 2))[0], dev, best)

@@ -124,3 +124,21 @@ def test_calibration_effect_flags_a_harmful_temperature_only():
     assert eff["delta"] > 0 and eff["ci95"][0] > 0
     neutral = U.split_intervals(rows, None, resamples=300)["calibration_effect"]["per_type"]["choice"]["ece"]
     assert neutral == {"delta": 0.0, "ci95": [0.0, 0.0]}
+
+
+def test_the_fitted_temperature_lies_in_its_interval_on_flat_logits():
+    """Near-uniform logits whose argmax is right 3 times in 4: the loss in log T is flat near T = 1 and the
+    optimum is small. The fit must reach it (LBFGS alone used to stop near T = 0.9, outside the interval)."""
+    from rlcd.calibrate import fit_temperature
+
+    rng = np.random.default_rng(3)
+    rows = []
+    for i in range(200):
+        z = rng.normal(0, 0.05, size=2)
+        y = int(np.argmax(z)) if rng.random() < 0.75 else int(np.argmin(z))
+        rows.append({"id": f"r{i}", "group": "g", "type": "noul", "labels": ["false", "true"],
+                     "target": np.eye(2)[y].tolist(), "posterior": None, "logits": z.tolist()})
+    fitted, info = fit_temperature([r["logits"] for r in rows], [r["target"] for r in rows])
+    lo, hi = U.temperature_intervals(rows, resamples=200)["noul"]
+    assert info["converged"] and lo <= fitted <= hi, (fitted, lo, hi)
+    assert fitted == pytest.approx(best_temperature(rows), rel=1e-6)

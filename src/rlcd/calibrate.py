@@ -11,11 +11,15 @@ scale of a temperature; T = 0.1 and T = 10 are symmetric about the start T = 1).
 so the gradient at (and beyond) a bound is the true gradient of the loss at that bound, never zero.
 A smooth squashing map (``t_min + (t_max - t_min) * sigmoid(u)``) would have a vanishing derivative
 near the bounds, so an optimum at or close to 0.1 or 10 would be approached ever more slowly.
-The loss is convex in 1/T, so: if the optimum lies inside the box LBFGS converges to it; if it lies
-outside, u walks past the bound, the (clamped) loss stops changing and LBFGS stops on its
-loss-change tolerance; the returned T is projected into the box. ``converged`` reports the KKT
-condition at the returned T: a remaining Newton step below 0.1 % of T inside the box, or a gradient
-pushing outward at a bound.
+LBFGS runs with a strong-Wolfe line search. The loss is convex in 1/T, hence unimodal in log T;
+but in log T it can be very flat (near-uniform logits) or sharply curved, where LBFGS alone may stop
+short. So the fit is finished by a bracketed 1-D search: the loss on a coarse grid of ``SEARCH_GRID``
+log-spaced T over the box brackets the minimiser between two grid neighbours, a golden-section
+search narrows that bracket to ``SEARCH_TOL`` in log T, and the returned T is the best of the LBFGS
+point, the golden-section point and the two bounds (a bound wins when the optimum lies outside the
+box). ``converged`` reports the KKT condition at the returned T: a remaining Newton step below
+0.1 % of T (or a predicted further loss decrease below 1e-10) inside the box, or a gradient pushing
+outward at a bound; and the returned loss no higher than the coarse grid's best.
 
 ``fit_per_type`` fits one temperature per decision type (choice, noul, score) from the rows it is
 given and nothing else; a type with fewer than ``min_rows`` (10) rows keeps T = 1 with a reason.
@@ -35,6 +39,10 @@ T_MIN, T_MAX = 0.1, 10.0
 ITERS, LR = 100, 0.1
 MIN_ROWS = 10
 STEP_TOL = 1e-3  # converged when the remaining Newton step in log T is below 0.1 % of T
+DECREASE_TOL = 1e-10  # ... or the loss decrease that step predicts is below this (flat losses)
+SEARCH_GRID = 61  # coarse grid in log T that brackets the minimiser for the golden-section finish
+SEARCH_TOL = 1e-9  # width in log T the golden-section search narrows the bracket to
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 
 
 def padded(logits: Any, targets: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -93,8 +101,9 @@ def fit_temperature(logits: Sequence[np.ndarray] | np.ndarray, targets: Sequence
     ``{loss_before, loss_after, iterations, n, converged, grad, newton_step, at_bound, temperature}``
     (loss_before at T = 1; grad = d loss / d log T at the returned T; newton_step = |grad| / curvature
     in log T, i.e. the estimated relative distance of T from the optimum; at_bound
-    "lower"/"upper"/None; converged = newton_step < 0.1 % inside the box, or the gradient pushing
-    outward at a bound).
+    "lower"/"upper"/None; search_evaluations = loss evaluations of the bracketed finish; converged =
+    newton_step < 0.1 % (or a predicted further decrease < 1e-10) inside the box, or the gradient
+    pushing outward at a bound, and a loss no higher than the coarse grid's best).
     """
     if not 0 < t_min < t_max:
         raise ValueError("need 0 < t_min < t_max")
@@ -112,7 +121,7 @@ def fit_temperature(logits: Sequence[np.ndarray] | np.ndarray, targets: Sequence
 
     with torch.no_grad():
         loss_before = float(soft_ce(z, t, mask, 1.0))
-    opt = torch.optim.LBFGS([u], lr=lr, max_iter=iters)
+    opt = torch.optim.LBFGS([u], lr=lr, max_iter=iters, line_search_fn="strong_wolfe")
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
@@ -124,36 +133,111 @@ def fit_temperature(logits: Sequence[np.ndarray] | np.ndarray, targets: Sequence
     state = opt.state[opt._params[0]]
     iterations = int(state.get("n_iter", 0))
 
-    u_final = min(max(float(u.detach()[0]), lo), hi)
-    if not math.isfinite(u_final):
-        u_final = u0
+    u_lbfgs = min(max(float(u.detach()[0]), lo), hi)
+    if not math.isfinite(u_lbfgs):
+        u_lbfgs = u0
+    u_final, grid_best, evaluations = _finish_in_log_t(z, t, mask, lo, hi, u_lbfgs)
     ue = torch.tensor([u_final], dtype=torch.float64, requires_grad=True)
     loss = soft_ce(z, t, mask, torch.exp(ue))
     (g,) = torch.autograd.grad(loss, ue, create_graph=True)
     (h,) = torch.autograd.grad(g.sum(), ue)
     grad, hess = float(g.detach()[0]), float(h[0])
     loss_after = float(loss.detach())
-    temperature = float(math.exp(u_final))
+    temperature = t_min if u_final <= lo else t_max if u_final >= hi else float(math.exp(u_final))
     at_bound = "lower" if u_final <= lo + 1e-12 else "upper" if u_final >= hi - 1e-12 else None
     # remaining Newton step in log T = relative distance of T from the optimum (inf if not convex here)
     newton = abs(grad) / hess if hess > 0 else (0.0 if grad == 0 else math.inf)
+    flat = hess > 0 and 0.5 * grad * grad / hess <= DECREASE_TOL  # nothing left to gain along log T
     if at_bound == "lower":
-        converged = grad >= 0 or newton <= STEP_TOL  # the loss would only go down below t_min
+        kkt = grad >= 0 or newton <= STEP_TOL or flat  # the loss would only go down below t_min
     elif at_bound == "upper":
-        converged = grad <= 0 or newton <= STEP_TOL  # ... only above t_max
+        kkt = grad <= 0 or newton <= STEP_TOL or flat  # ... only above t_max
     else:
-        converged = newton <= STEP_TOL
+        kkt = newton <= STEP_TOL or flat
+    converged = kkt and loss_after <= grid_best + 1e-12
     return temperature, {
         "temperature": temperature,
         "loss_before": loss_before,
         "loss_after": loss_after,
         "iterations": iterations,
+        "search_evaluations": evaluations,
         "n": n,
         "converged": bool(converged),
         "grad": grad,
         "newton_step": newton,
         "at_bound": at_bound,
     }
+
+
+def _finish_in_log_t(z: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, lo: float, hi: float,
+                     u_start: float) -> tuple[float, float, int]:
+    """(u, coarse-grid best loss, loss evaluations): the minimiser in u = log T over [lo, hi].
+
+    The loss is unimodal in u (convex in 1/T), so the best of a coarse grid brackets the minimiser
+    between its neighbours; golden section narrows the bracket; the candidates (``u_start``, the
+    golden-section point, the bounds) are compared and the lowest loss wins, earlier ones on ties.
+    """
+    grid = torch.linspace(lo, hi, SEARCH_GRID, dtype=torch.float64)
+    with torch.no_grad():
+        temps = torch.exp(grid).reshape(-1, 1, 1)
+        step = max(1, 4_000_000 // max(1, z.numel()))  # [step, N, K] cells per call stay bounded
+        curve = torch.cat([soft_ce(z, t, mask, temps[i:i + step]) for i in range(0, SEARCH_GRID, step)])
+        curve = torch.where(torch.isfinite(curve), curve, torch.full_like(curve, math.inf))
+
+        def f(x: float) -> float:
+            v = float(soft_ce(z, t, mask, math.exp(x)))
+            return v if math.isfinite(v) else math.inf
+
+        j = int(torch.argmin(curve))
+        a, b = float(grid[max(j - 1, 0)]), float(grid[min(j + 1, SEARCH_GRID - 1)])
+        c, d = b - _GOLDEN * (b - a), a + _GOLDEN * (b - a)
+        fc, fd = f(c), f(d)
+        evaluations = SEARCH_GRID + 2
+        while b - a > SEARCH_TOL:
+            if fc <= fd:
+                b, d, fd = d, c, fc
+                c = b - _GOLDEN * (b - a)
+                fc = f(c)
+            else:
+                a, c, fc = c, d, fd
+                d = a + _GOLDEN * (b - a)
+                fd = f(d)
+            evaluations += 1
+        best_u = _newton_polish(z, t, mask, 0.5 * (a + b), lo, hi)
+        best_f = f(best_u)
+        for cand in (u_start, lo, hi):  # another candidate wins only by more than rounding noise
+            fv = f(cand)
+            if fv < best_f - 1e-12 * (1.0 + abs(best_f)):
+                best_u, best_f = cand, fv
+        evaluations += 4
+    return best_u, float(curve.min()), evaluations
+
+
+def _newton_polish(z: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, u: float, lo: float, hi: float,
+                   steps: int = 3) -> float:
+    """A few Newton steps in u from a golden-section point, kept in [lo, hi] and only while they lower the loss.
+
+    Golden section locates the minimiser only to ~sqrt(machine eps) (loss values tie there); the
+    gradient's root is located to ~eps, so the result no longer depends on the order rows are summed in.
+    """
+    def value_grad_hess(x: float) -> tuple[float, float, float]:
+        ux = torch.tensor([x], dtype=torch.float64, requires_grad=True)
+        loss = soft_ce(z, t, mask, torch.exp(ux))
+        (g,) = torch.autograd.grad(loss, ux, create_graph=True)
+        (h,) = torch.autograd.grad(g.sum(), ux)
+        return float(loss.detach()), float(g.detach()[0]), float(h[0])
+
+    with torch.enable_grad():
+        f, g, h = value_grad_hess(u)
+        for _ in range(steps):
+            if not (h > 0 and math.isfinite(g)) or g == 0:
+                break
+            nxt = min(max(u - g / h, lo), hi)
+            fn, gn, hn = value_grad_hess(nxt)
+            if not fn <= f + 1e-15 * (1.0 + abs(f)):
+                break
+            u, f, g, h = nxt, fn, gn, hn
+    return u
 
 
 def fit_per_type(rows: Iterable[Mapping[str, Any]], *, min_rows: int = MIN_ROWS, iters: int = ITERS,

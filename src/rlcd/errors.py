@@ -30,3 +30,7 @@ class OptionError(UserError, ValueError):
 
 class BackboneError(UserError, ValueError, RuntimeError):
     """A backbone that cannot be found or loaded as named (unknown preset, missing dir or package, hub offline)."""
+
+
+class DataChanged(UserError, ValueError):
+    """A run's data files no longer match the sha256s frozen at its start (`rlcd evaluate` / `calibrate`)."""

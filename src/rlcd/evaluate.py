@@ -156,10 +156,54 @@ def stored_temperatures(run: Run, placement: Placement, which: str = "best") -> 
     return stored if all(stored.get(k) == v for k, v in key.items()) else None
 
 
+def frozen_data_changes(run: Run, allow: bool = False, say: Callable[[str], None] | None = None) -> list[str]:
+    """The data files (train/dev/calibration/test) whose sha256 differs from what the run froze at its start.
+
+    Scoring a run on data it was not trained, selected and calibrated with silently mixes two data
+    sets (rows may even have moved between splits), so a change is refused (`DataChanged`, exit 2)
+    unless `allow` (`--allow-data-change`); then it is only reported through `say` and recorded.
+    """
+    from rlcd.errors import DataChanged
+    from rlcd.train import data_hashes
+
+    frozen = run.samples().get("files") if run.samples_path.is_file() else None
+    if frozen is None:  # no hashes were frozen (an incomplete or hand-made run): nothing to compare with
+        return []
+    now = data_hashes(run.data_dir)
+    changed = sorted(k for k in set(now) | set(frozen) if now.get(k) != frozen.get(k))
+    if changed and not allow:
+        raise DataChanged(f"{run.root}: data files changed since the run started ({', '.join(changed)} in "
+                          f"{run.data_dir}); restore them, or pass --allow-data-change to score on the new data")
+    if changed and say is not None:
+        say(f"warning: data files changed since the run started ({', '.join(changed)}); scoring on the new data "
+            "as --allow-data-change asks (recorded in evaluation.json)")
+    return changed
+
+
 def calibrate_run(run: Run | Path, *, placement: Placement | None = None, which: str = "best",
-                  progress: bool = True, feature_cache: bool = True) -> dict[str, Any]:
-    """Fit per-type temperatures on the calibration partition with the merged `which` checkpoint."""
+                  progress: bool = True, allow_data_change: bool = False,
+                  feature_cache: bool = True) -> dict[str, Any]:
+    """Fit per-type temperatures on the calibration partition with the merged `which` checkpoint
+    (holding the run's lock; refused when the run's frozen data changed, unless `allow_data_change`)."""
     run = run if isinstance(run, Run) else Run.open(run)
+    run.require_checkpoint(which)
+    changed = frozen_data_changes(run, allow_data_change, _stderr)
+    with run.lock("calibrate"):
+        out = _calibrate_run(run, placement=placement, which=which, progress=progress, feature_cache=feature_cache)
+        if changed:
+            out["data_changed"] = changed
+            write_json(run.temperatures_path, out)
+        return out
+
+
+def _stderr(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr)
+
+
+def _calibrate_run(run: Run, *, placement: Placement | None, which: str, progress: bool,
+                   feature_cache: bool = True) -> dict[str, Any]:
     placement = placement or resolve_placement("cpu")
     model, config, _ = load_checkpoint_model(run, which, placement=placement)
     rows = _score(model, config, "calibration", _records(config, "calibration"), placement, progress,
@@ -169,7 +213,22 @@ def calibrate_run(run: Run | Path, *, placement: Placement | None = None, which:
 
 def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
                  print_fn: Callable[[str], None] | None = None, which: str = "best",
-                 progress: bool = True, feature_cache: bool = True) -> dict[str, Any]:
+                 progress: bool = True, allow_data_change: bool = False,
+                 feature_cache: bool = True) -> dict[str, Any]:
+    """Score every held-out split, calibrate, write eval/ and export/, and render the report (see
+    `_evaluate_run`), holding the run's lock; refused when the data the run froze at its start changed,
+    unless `allow_data_change` (then the changed files are recorded in evaluation.json's meta)."""
+    run = run if isinstance(run, Run) else Run.open(run)
+    run.require_checkpoint(which)
+    changed = frozen_data_changes(run, allow_data_change, print_fn or _stderr)
+    with run.lock("evaluate"):
+        return _evaluate_run(run, placement=placement, print_fn=print_fn, which=which, progress=progress,
+                             data_changed=changed, feature_cache=feature_cache)
+
+
+def _evaluate_run(run: Run, *, placement: Placement | None, print_fn: Callable[[str], None] | None,
+                  which: str, progress: bool, data_changed: list[str],
+                  feature_cache: bool = True) -> dict[str, Any]:
     """Score every held-out split, calibrate, write eval/ and export/, and render the report.
 
     `which`: the dev-selected checkpoint ("best", the recipe) or the "last" one (what the final
@@ -216,7 +275,11 @@ def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
         "calibration": infos,
         "temperatures_source": str(run.temperatures_path.relative_to(run.root)),
         "placement": placement.to_dict(),
+        "training_progress": run.training_progress(),
+        **({"data_changed": {"files": data_changed, "allowed": True}} if data_changed else {}),
     }
+    for line in small_data_warnings(preds, infos):
+        say(line)
     ev = evaluation_from_predictions(preds, temps, meta, majority_baseline=baseline)
     write_evaluation(run, ev)
     write_export(run, temperatures=temps, model=model, config=config, state=state, which=which)
@@ -244,9 +307,14 @@ def export_run(run: Run | Path, *, placement: Placement | None = None) -> Path:
     """`rlcd export RUN`: export/ from the checkpoint the stored temperatures were fitted on (best, or
     last after `--checkpoint last`), then export/hf/. Temperatures fitted for weights the run no longer
     holds are refused: they would calibrate a different model."""
+    run = run if isinstance(run, Run) else Run.open(run)
+    with run.lock("export"):
+        return _export_run(run, placement=placement)
+
+
+def _export_run(run: Run, *, placement: Placement | None) -> Path:
     from rlcd.errors import RunError
 
-    run = run if isinstance(run, Run) else Run.open(run)
     placement = placement or resolve_placement("cpu")
     if not (run.export_dir / "model.json").is_file():
         if not run.temperatures_path.is_file():
@@ -262,6 +330,30 @@ def export_run(run: Run | Path, *, placement: Placement | None = None) -> Path:
         model, config, state = load_checkpoint_model(run, which, placement=placement)
         write_export(run, temperatures=stored["temperatures"], model=model, config=config, state=state, which=which)
     return write_hf(run)
+
+
+MIN_TEST_ROWS = 30  # below this a split's metrics and intervals say little
+MIN_CALIBRATION_ROWS = 30  # per fitted type: below this a temperature is a noisy estimate
+
+
+def small_data_warnings(preds: dict[str, list[dict]], infos: dict[str, dict]) -> list[str]:
+    """Warnings for sizes too small to trust: a test split below MIN_TEST_ROWS rows, a type fitted on
+    fewer than MIN_CALIBRATION_ROWS calibration rows (or left at T = 1 for lack of rows)."""
+    out = []
+    n_test = len(preds.get("test") or [])
+    if n_test < MIN_TEST_ROWS:
+        out.append(f"warning: the test split has {n_test} rows (< {MIN_TEST_ROWS}); its metrics and intervals "
+                   "say little; prepare more data or larger --splits fractions")
+    n_cal = {t: 0 for t in infos}
+    for r in preds.get("calibration") or []:
+        n_cal[r["type"]] = n_cal.get(r["type"], 0) + 1
+    for t, n in n_cal.items():
+        if 0 < n < MIN_CALIBRATION_ROWS:
+            out.append(f"warning: {t}: {n} calibration rows (< {MIN_CALIBRATION_ROWS}); its temperature "
+                       + ("is noisy" if (infos.get(t) or {}).get("reason") is None else "stays T = 1 (not fitted)"))
+    if not preds.get("calibration"):
+        out.append("warning: no calibration rows: every temperature stays T = 1")
+    return out
 
 
 def print_summary(ev: dict[str, Any]) -> None:

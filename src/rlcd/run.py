@@ -1,6 +1,7 @@
 """`Run`: the run directory, the one place that knows its layout.
 
     RUN/
+      .lock                the writer lock (`Run.lock`: flock, holder's pid inside)
       config.json          resolved recipe + model + data + versions (frozen at the first start)
       samples.json         frozen training pool and dev subset ids, data file sha256s
       metrics.jsonl        one JSON object per logged update / evaluation
@@ -18,14 +19,21 @@ nothing behind; opening an existing run checks that it is one and says how to ma
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from rlcd.errors import RunError
 
 SPLITS = ("dev", "calibration", "test")
+LOCK = ".lock"
+_HELD: dict[str, int] = {}  # resolved run root -> nesting depth of this process's lock on it
+
+
+class RunBusy(RunError):
+    """Another process holds the run's lock (a trainer, evaluate, calibrate or export still writing it)."""
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -142,6 +150,48 @@ class Run:
         run.metrics_path.write_text("")
         return run
 
+    # ------------------------------------------------------------------ one writer at a time
+    @contextlib.contextmanager
+    def lock(self, what: str = "write") -> Iterator["Run"]:
+        """Hold an exclusive OS lock (``flock`` on RUN/.lock) while this process writes the run.
+
+        The kernel drops the lock when the process exits or crashes, so there is no stale marker to
+        clean up; the file only carries the holder's pid (and command) for the refusal message. A
+        second writer gets a one-line `RunBusy` (exit 2) at once instead of waiting. Re-entrant within
+        one process (evaluate calling calibrate code, tests calling commands in turn).
+        """
+        import fcntl
+
+        key = str(self.root.resolve())
+        if _HELD.get(key):
+            _HELD[key] += 1
+            try:
+                yield self
+            finally:
+                _HELD[key] -= 1
+            return
+        fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").split()
+                pid = holder[0] if holder else "unknown"
+                doing = f" ({' '.join(holder[1:])})" if len(holder) > 1 else ""
+                raise RunBusy(f"{self.root} is in use by process {pid}{doing}; wait for it to finish (or stop it) "
+                              f"before running `{what}` on this run") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {what}\n".encode(), 0)
+            _HELD[key] = 1
+            try:
+                yield self
+            finally:
+                _HELD.pop(key, None)
+                os.ftruncate(fd, 0)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
     # ------------------------------------------------------------------ contents
     def config(self) -> dict:
         if self._config is None:
@@ -187,6 +237,14 @@ class Run:
         order = [s for s in SPLITS if s in found] + sorted(s for s in found if s not in SPLITS)
         return {s: found[s] for s in order}
 
+    def training_progress(self) -> dict[str, Any]:
+        """{"step": updates checkpoints/last holds, "steps": the run's budget} (None where unknown)."""
+        from rlcd import checkpoint as ckpt
+
+        found = ckpt.resolve(self.checkpoint("last"))
+        step = json.loads((found / ckpt.STATE).read_text()).get("step") if found is not None else None
+        return {"step": step, "steps": (self.config().get("recipe") or {}).get("steps")}
+
     # ------------------------------------------------------------------ the metrics log
     def log(self, row: dict) -> None:
         with open(self.metrics_path, "a", encoding="utf-8") as f:
@@ -227,6 +285,6 @@ def write_json(path: Path, obj: Any) -> Path:
     return path
 
 
-__all__ = ["Run", "SPLITS", "write_json", "find_export"]
+__all__ = ["Run", "RunBusy", "SPLITS", "write_json", "find_export"]
 
 

@@ -21,6 +21,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable
 
@@ -375,6 +376,25 @@ def dev_accuracy(model, dev: dict[str, list[Record]], collator, device, batch_si
     return {"dev_accuracy": per_group, "dev_macro_accuracy": macro, **dev_scores(scored)}
 
 
+def improves_on(per_group: dict[str, float], dev: dict[str, list], best_score: float | None) -> bool:
+    """Whether this dev evaluation beats the best so far, compared as exact rationals, not floats.
+
+    Float macro averages of the same counts can differ by an ulp (0.3611111111111111 vs
+    0.36111111111111116), which must not select a new checkpoint. Each group's accuracy is
+    correct / n with n = its frozen dev size, so the macro is a fraction with denominator at most
+    D = groups * lcm(n); the stored best (a float) is read back as the nearest such fraction.
+    """
+    if best_score is None:
+        return True
+    sizes = {g: max(1, len(dev.get(g, ()))) for g in per_group}
+    new = sum((Fraction(round(acc * sizes[g]), sizes[g]) for g, acc in per_group.items()), Fraction(0))
+    new /= max(1, len(per_group))
+    denom = max(1, len(per_group)) * math.lcm(*sizes.values(), 1)
+    if denom > 10**7:  # too fine to recover exactly from a float: compare at 12 decimals
+        return round(float(new), 12) > round(best_score, 12)
+    return new > Fraction(best_score).limit_denominator(denom)
+
+
 # ----------------------------------------------------------------------------------------------
 # building a session from a run's config
 
@@ -558,7 +578,7 @@ def deviation_notice(recipe: Recipe) -> str | None:
 # the loop
 
 
-def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-0.8b",
+def _train(run_dir: Path, *, held: contextlib.ExitStack, data_dir: Path | None = None, model: str = "qwen3.5-0.8b",
           recipe: Recipe | None = None, resume: bool = False, steps: int | None = None,
           stop_after: int | None = None, progress: bool = True, model_seed: int = 0,
           objective_fn: Callable | None = None, device: str = "auto", dtype: str = "auto",
@@ -583,6 +603,8 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
         if not run.exists():
             raise ResumeRefused(f"refusing to resume {run.root}: no config.json there (start it with "
                                 f"`rlcd train {run.root} --data DATA`)")
+        if d.main:  # one writer per run (rank 0 writes; the other ranks never touch the directory)
+            held.enter_context(run.lock("train --resume"))
         config = run.config()
         samples = run.samples()
         config = _check_resume(run, config, samples, steps)
@@ -635,6 +657,7 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
         init_centring(s)
         if d.main:
             Run.create(run.root, config, samples)
+            held.enter_context(run.lock("train"))
     tracker = None
     if d.main:
         tracker = open_tracker(config.get("log", "none"), run, resume_step=state["step"] if resume else None)
@@ -653,7 +676,7 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
             ev = dev_accuracy(s.model, s.dev, s.collator, s.device, features=s.features if frozen else None)
             state["score"] = ev["dev_macro_accuracy"]
             writer.log({"event": "eval", "step": step, **ev})
-            if state["best_score"] is None or ev["dev_macro_accuracy"] > state["best_score"]:
+            if improves_on(ev["dev_accuracy"], s.dev, state["best_score"]):
                 state["best_score"], state["best_step"] = ev["dev_macro_accuracy"], step
                 writer.checkpoint("best", s, snapshot())
         if d.active:
@@ -693,6 +716,12 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
     if d.active:
         dist.barrier()
     return snapshot()
+
+
+def train(run_dir: Path, **kwargs: Any) -> dict:
+    """Train (or resume) the run at `run_dir` holding its lock (`Run.lock`, rank 0) until the end; see `_train`."""
+    with contextlib.ExitStack() as held:
+        return _train(run_dir, held=held, **kwargs)
 
 
 def _progress_info(stats: dict[str, Any], score: float | None) -> str:

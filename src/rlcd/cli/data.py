@@ -65,6 +65,8 @@ def import_cmd(
         records, excluded = importers.import_easy_vqa(out_dir, limit=limit)
     else:
         records, excluded = importers.import_jsonl(Path(input_), out_dir)
+    if not records:
+        _nothing_imported(excluded, out)
     write_jsonl(out, records)
     write_jsonl(excluded_path(out), excluded)
     console.print(records_table(records, f"imported {len(records)} records -> {out}"))
@@ -72,6 +74,22 @@ def import_cmd(
         console.print(exclusions_table(excluded, f"excluded -> {excluded_path(out)}"))
         if strict:
             raise typer.Exit(1)
+
+
+def _nothing_imported(excluded: list[dict], out: Path) -> None:
+    """An import that keeps no row is a failure: exit 1 with the exclusion reasons on stderr (no records file)."""
+    from collections import Counter
+
+    from rlcd.data.io import excluded_path, write_jsonl
+
+    reasons = Counter(e.get("reason", "?") for e in excluded)
+    why = ", ".join(f"{n} {r}" for r, n in reasons.most_common()) or "the input holds no rows"
+    first = next((e.get("detail") for e in excluded if e.get("detail")), None)
+    if excluded:
+        write_jsonl(excluded_path(out), excluded)
+    typer.echo(f"error: imported 0 records ({why}); nothing written to {out}"
+               + (f"\n  first exclusion: {first} (all: {excluded_path(out)})" if first else ""), err=True)
+    raise typer.Exit(1)
 
 
 @app.command("synth")
@@ -131,14 +149,25 @@ def prepare_cmd(
     out: Annotated[Path, typer.Option("--out", help="processed directory to write")],
     seed: Annotated[int, typer.Option(help="seed of the hash that places groups without official splits")] = 0,
     strict: StrictOpt = False,
+    splits: Annotated[Optional[str], typer.Option(
+        "--splits", metavar="TRAIN,DEV,CAL,TEST", help="shares of the hash-placed groups, e.g. 0.8,0.05,0.05,0.1 "
+        "(the default); recorded in the manifest")] = None,
+    force: Annotated[bool, typer.Option("--force", help="overwrite a non-empty --out directory")] = False,
 ) -> None:
     """Validate, isolate and split records into a processed directory with a manifest."""
-    from rlcd.data.prepare import prepare
+    from rlcd.data.prepare import parse_fractions, prepare
     from rlcd.data.summary import console, print_manifest
 
     _inputs_exist(inputs)
+    try:
+        fractions = parse_fractions(splits) if splits is not None else None
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--splits") from None
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise typer.BadParameter(f"{out} already exists and is not empty (runs may have been trained on it); "
+                                 "choose a new directory or pass --force to overwrite it", param_hint="--out")
     _out_is_a_directory(out)
-    manifest = prepare(inputs, out, seed=seed)
+    manifest = prepare(inputs, out, seed=seed, fractions=fractions)
     print_manifest(manifest)
     console.print(f"wrote {out}")
     _verdict(manifest, strict)

@@ -17,12 +17,15 @@ class Which(str, Enum):
 
 NoCacheOpt = Annotated[bool, typer.Option("--no-cache", help="run the backbone even when the data directory's "
                                            "feature cache matches the model (a head-only run reads it by default)")]
+AllowDataChangeOpt = Annotated[bool, typer.Option("--allow-data-change", help="score even though the run's data "
+                                                   "files changed since it started (recorded in the outputs)")]
 CheckpointOpt = Annotated[Which, typer.Option("--checkpoint", help="best: the dev-selected checkpoint (the "
                                               "recipe); last: the one the final update left")]
 
 
 def calibrate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = DType.auto,
-              checkpoint: CheckpointOpt = Which.best, no_cache: NoCacheOpt = False) -> None:
+              checkpoint: CheckpointOpt = Which.best, allow_data_change: AllowDataChangeOpt = False,
+              no_cache: NoCacheOpt = False) -> None:
     """Fit one temperature per decision type on the calibration split (merged best or last checkpoint).
 
     Writes eval/temperatures.json; `rlcd evaluate` and the export use these temperatures when they
@@ -33,11 +36,13 @@ def calibrate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = 
     from rlcd.run import Run
 
     r = Run.open(run_path(run, None))
-    echo_json(calibrate_run(r, placement=placement(device, dtype), which=checkpoint.value, feature_cache=not no_cache))
+    echo_json(calibrate_run(r, placement=placement(device, dtype), which=checkpoint.value,
+                            allow_data_change=allow_data_change, feature_cache=not no_cache))
 
 
 def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = DType.auto,
-             checkpoint: CheckpointOpt = Which.best, no_cache: NoCacheOpt = False) -> None:
+             checkpoint: CheckpointOpt = Which.best, allow_data_change: AllowDataChangeOpt = False,
+             no_cache: NoCacheOpt = False) -> None:
     """Score dev/calibration/test with the merged best (or last) checkpoint, calibrate, write eval/ and export/.
 
     Progress (rows done / total per split, rows/s, time left) and model loading go to stderr, the
@@ -50,7 +55,7 @@ def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = D
 
     r = Run.open(run_path(run, None))
     print_summary(evaluate_run(r, placement=placement(device, dtype), print_fn=echo, which=checkpoint.value,
-                               feature_cache=not no_cache))
+                               allow_data_change=allow_data_change, feature_cache=not no_cache))
 
 
 def report(run: RunArg = None) -> None:
@@ -73,4 +78,12 @@ def export(run: RunArg = None) -> None:
     from rlcd.evaluate import export_run
     from rlcd.run import Run
 
-    typer.echo(str(export_run(Run.open(run_path(run, None)))))
+    from rlcd.export import read_export_meta
+    from rlcd.report.notes import result_notes
+
+    r = Run.open(run_path(run, None))
+    out = export_run(r)
+    meta = {**read_export_meta(r.export_dir), "run": str(r.root), "training_progress": r.training_progress()}
+    for note in result_notes(meta):
+        typer.echo(f"note: {note}", err=True)
+    typer.echo(str(out))

@@ -13,7 +13,7 @@ Rules, in order:
    (test > dev > calibration > train); rows with a lower official split are excluded
    `cross_split_group` (never moved). A group without official splits is placed by
    u = sha256(seed, smallest id in the group): u < 0.10 test, < 0.15 dev, < 0.20 calibration,
-   else train. A group whose official split is train gets the same dev/calibration bands (never
+   else train (other shares: `fractions`, `rlcd data prepare --splits`, recorded in the manifest). A group whose official split is train gets the same dev/calibration bands (never
    test), unless one of its sources already ships its own dev/calibration rows; so calibration
    is always carved from training groups.
 4. Exact duplicates (same state, image bytes and question) are excluded `duplicate`, keeping the
@@ -39,6 +39,28 @@ from rlcd.schema import SPLITS, Record, RecordError, parse_record, text_of
 
 PRIORITY = {"train": 0, "calibration": 1, "dev": 2, "test": 3}
 BANDS = (("test", 0.10), ("dev", 0.15), ("calibration", 0.20))  # cumulative upper bounds of u
+FRACTIONS = (0.8, 0.05, 0.05, 0.1)  # train, dev, calibration, test: the shares BANDS give (`--splits`)
+
+
+def bands_of(fractions: tuple[float, float, float, float] | None) -> tuple[tuple[str, float], ...]:
+    """Cumulative bands (test, dev, calibration) from train/dev/calibration/test fractions (None: BANDS)."""
+    if fractions is None:
+        return BANDS
+    _, dev, cal, test = fractions
+    return (("test", test), ("dev", test + dev), ("calibration", test + dev + cal))
+
+
+def parse_fractions(text: str) -> tuple[float, float, float, float]:
+    """`0.8,0.05,0.05,0.1` -> (train, dev, calibration, test); 4 numbers >= 0 summing to 1, else ValueError."""
+    try:
+        parts = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{text!r}: expected four numbers train,dev,calibration,test (e.g. 0.8,0.05,0.05,0.1)") from None
+    if len(parts) != 4:
+        raise ValueError(f"{text!r}: expected four fractions train,dev,calibration,test, got {len(parts)}")
+    if any(not (x >= 0) for x in parts) or abs(sum(parts) - 1.0) > 1e-9:
+        raise ValueError(f"{text!r}: the four fractions must be >= 0 and sum to 1 (they sum to {sum(parts):g})")
+    return parts  # type: ignore[return-value]
 REASONS = ("unparsable", "invalid", "duplicate_id", "cross_split_group", "duplicate")
 
 
@@ -152,15 +174,16 @@ def hash_unit(seed: int, key: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def banded_split(u: float, allowed: set[str]) -> str:
+def banded_split(u: float, allowed: set[str], bands: tuple[tuple[str, float], ...] = BANDS) -> str:
     """The band of u (test, dev, calibration, else train); a band not in `allowed` falls to train."""
-    for split, upper in BANDS:
+    for split, upper in bands:
         if u < upper:
             return split if split in allowed else "train"
     return "train"
 
 
-def assign_splits(rows: list[Row], groups: list[list[int]], seed: int) -> tuple[dict[int, str], list[dict]]:
+def assign_splits(rows: list[Row], groups: list[list[int]], seed: int,
+                  bands: tuple[tuple[str, float], ...] = BANDS) -> tuple[dict[int, str], list[dict]]:
     """Split per kept row index, and the `cross_split_group` exclusions."""
     official = defaultdict(set)  # source -> official splits it ships
     for row in rows:
@@ -174,10 +197,10 @@ def assign_splits(rows: list[Row], groups: list[list[int]], seed: int) -> tuple[
         u = hash_unit(seed, min(r.id for r in recs))
         winner = max(given, key=PRIORITY.__getitem__) if given else None
         if winner is None:
-            split = banded_split(u, {"test", "dev", "calibration"})
+            split = banded_split(u, {"test", "dev", "calibration"}, bands)
         elif winner == "train":
             shipped = set().union(*(official[r.source] for r in recs))
-            split = banded_split(u, {"dev", "calibration"} - shipped)
+            split = banded_split(u, {"dev", "calibration"} - shipped, bands)
         else:
             split = winner
         for i, r in zip(members, recs):
@@ -268,19 +291,20 @@ class Plan:
     by_split: dict[str, list[Record]]
     excluded: list[dict]
     read: int
+    fractions: tuple[float, float, float, float] | None = None
 
     @property
     def used(self) -> int:
         return sum(len(v) for v in self.by_split.values())
 
 
-def plan(inputs: list[Path], seed: int = 0) -> Plan:
+def plan(inputs: list[Path], seed: int = 0, fractions: tuple[float, float, float, float] | None = None) -> Plan:
     """Read, isolate, split and deduplicate; check `read == used + excluded`."""
     inputs = [Path(p) for p in inputs]
     rows, excluded, read = read_inputs(inputs)
-    assigned, cross = assign_splits(rows, isolation_groups(rows), seed)
+    assigned, cross = assign_splits(rows, isolation_groups(rows), seed, bands_of(fractions))
     kept, dups = drop_duplicates(rows, assigned)
-    result = Plan(inputs, seed, rows, kept, _output_records(rows, kept), excluded + cross + dups, read)
+    result = Plan(inputs, seed, rows, kept, _output_records(rows, kept), excluded + cross + dups, read, fractions)
     if result.read != result.used + len(result.excluded):
         raise InvariantError(f"read {result.read} rows but used {result.used} + excluded {len(result.excluded)}")
     return result
@@ -289,6 +313,7 @@ def plan(inputs: list[Path], seed: int = 0) -> Plan:
 def manifest_of(p: Plan) -> dict:
     return {
         "seed": p.seed,
+        "split_fractions": dict(zip(("train", "dev", "calibration", "test"), p.fractions or FRACTIONS)),
         "inputs": [{"path": str(f), "sha256": sha256_file(f)} for f in p.inputs],
         "read": p.read, "used": p.used, "excluded": len(p.excluded),
         "splits": {s: len(p.by_split[s]) for s in SPLITS},
@@ -298,9 +323,13 @@ def manifest_of(p: Plan) -> dict:
     }
 
 
-def prepare(inputs: list[Path], out_dir: Path, seed: int = 0, dry_run: bool = False) -> dict:
-    """Validate, isolate, split and (unless `dry_run`) write a processed directory; return the manifest."""
-    p = plan(inputs, seed)
+def prepare(inputs: list[Path], out_dir: Path, seed: int = 0, dry_run: bool = False,
+            fractions: tuple[float, float, float, float] | None = None) -> dict:
+    """Validate, isolate, split and (unless `dry_run`) write a processed directory; return the manifest.
+
+    `fractions`: (train, dev, calibration, test) shares of the hash-placed groups (default FRACTIONS).
+    """
+    p = plan(inputs, seed, fractions)
     manifest = manifest_of(p)
     if not dry_run:
         out_dir = Path(out_dir)

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 from rlcd.errors import RunError
 from rlcd.report import error_sections, metrics_sections, run_sections, verdict
+from rlcd.report.notes import result_notes
 from rlcd.report.context import Context, FigureWriter, read_config
 from rlcd.report.document import Section, Text, to_html, to_markdown
 from rlcd.report.evaluation import as_run, evaluation_from_predictions, load_predictions
@@ -79,6 +80,7 @@ def write_report(run: Run | str | Path, *, ev: Mapping[str, Any] | None = None) 
     temps, meta, majority, notes, stored = _stored_inputs(run, preds)
     if ev is None:
         ev = evaluation_from_predictions(preds, temps, meta, majority_baseline=majority)
+    notes = [*(f"**Note:** {n}." for n in result_notes(ev.get("meta"))), *notes]
     log = run.metrics_path
     ctx = Context(run=run, preds=preds, ev=dict(ev), notes=notes, stored=stored, figures=FigureWriter(run.plots_dir),
                   training=read_training_log(log) if log.exists() else None, config=read_config(run))

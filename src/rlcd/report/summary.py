@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from rlcd.report.document import fmt, fmt_interval
+from rlcd.report.notes import result_notes
 from rlcd.uncertainty import worsened_by_calibration
 
 
@@ -32,6 +33,20 @@ def format_summary(ev: Mapping[str, Any]) -> str:
                      f"  (floor {fmt(post_r['bayes_nll'])}, n={post_r['n']})")
     else:
         lines.append("gap to Bayes floor: no rows carry a posterior")
+    lines += [f"note: {n}" for n in result_notes(ev.get("meta"))]
+    lines += fit_notes(ev)
     for t, m, delta, ci in worsened_by_calibration(ev.get("calibration_effect") or {}):
         lines.append(f"warning: calibration made {t} {m} worse beyond noise (delta {delta:+.4f}, 95% CI {fmt_interval(ci)})")
     return "\n".join(lines)
+
+
+def fit_notes(ev: Mapping[str, Any]) -> list[str]:
+    """One line per temperature that was not fitted (too few rows) or whose fit did not converge."""
+    out = []
+    for qtype, info in ((ev.get("meta") or {}).get("calibration") or {}).items():
+        if info.get("reason"):
+            out.append(f"note: {qtype} temperature not fitted: {info['reason']}")
+        elif info.get("converged") is False:
+            out.append(f"warning: the {qtype} temperature fit did not converge (T {fmt(info.get('temperature'), 3)}, "
+                       f"remaining step {fmt(info.get('newton_step'), 3)} in log T); treat its calibrated numbers with care")
+    return out

@@ -109,6 +109,7 @@ def _run_entry(spec: RunSpec, res: RunResult | None) -> tuple[dict[str, Any], di
         ev = json.loads(spec.evaluation_path.read_text())
         entry["status"] = res.status if res is not None else "found"
         entry["headline_split"] = ev.get("headline_split")
+        entry["selected_step"] = (ev.get("meta") or {}).get("selected_step")
     else:
         entry["status"] = "failed"
         entry["error"] = (res.error if res else None) or "no eval/evaluation.json"
@@ -152,6 +153,7 @@ def _arm_summary(arm: Arm, specs: Sequence[RunSpec], by_result: Mapping[str, Run
         "headline_split": sorted(x for x in splits if x) or None,
         "runs": runs,
         "temperature_fit_notes": fit,
+        "selected_step_0": [r["name"] for r in runs if r.get("selected_step") == 0],  # no dev eval beat the start
         "metrics": {k: mean_std(v) for k, v in sorted(per_metric.items())},
         "metrics_beside": {k: mean_std(v) for k, v in sorted(per_beside.items())},
     }
@@ -292,6 +294,11 @@ def _runs_section(summary: Mapping[str, Any]) -> list[str]:
         for runs in fit.values():
             md += [f"- `{run}`: " + "; ".join(f"{t}: {r}" for t, r in by_type.items()) for run, by_type in runs.items()]
         md += [""]
+    untrained = [(a["name"], run) for a in arms for run in a.get("selected_step_0") or []]
+    if untrained:
+        md += ["## Runs that selected the untrained step 0", "",
+               "No dev evaluation beat the starting model: these runs' numbers are the untrained model's.", ""]
+        md += [f"- `{arm}`: `{run}`" for arm, run in untrained] + [""]
     md += ["## Runs", "", "| arm | run | status | seconds |", "|---|---|---|---|"]
     for a in arms:
         for r in a["runs"]:

@@ -1,0 +1,24 @@
+"""What a reader must know before trusting the numbers: an unfinished run, an untrained selected
+checkpoint, data that changed under the run. The CLI summary and the report both print these lines."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+
+def result_notes(meta: Mapping[str, Any] | None) -> list[str]:
+    """Plain sentences (no markup) from an evaluation's metadata; empty when there is nothing to say."""
+    meta = meta or {}
+    out = []
+    prog = meta.get("training_progress") or {}
+    step, steps = prog.get("step"), prog.get("steps")
+    if isinstance(step, int) and isinstance(steps, int) and step < steps:
+        out.append(f"the run stopped at update {step} of {steps}: these numbers are from an unfinished run "
+                   f"(finish it with `rlcd train --resume {meta.get('run', 'RUN')}`)")
+    if meta.get("selected_step") == 0:
+        out.append("the selected checkpoint is the untrained step 0: no dev evaluation beat the starting model")
+    changed = meta.get("data_changed") or {}
+    if changed.get("files"):
+        out.append(f"data files changed since the run started ({', '.join(changed['files'])}); scored on the new "
+                   "data as --allow-data-change asked")
+    return out
