@@ -175,7 +175,7 @@ class Session:
         """The RLCD arm of micro-batch `index`: its update's sigma, G, reward weights, advantage groups."""
         r = self.recipe
         return {"sigma": r.sigma_at(index // r.grad_accum, self.horizon), "n_perturbations": r.n_perturbations,
-                "w_spherical": r.w_spherical, "w_rps": r.w_rps,
+                "w_spherical": r.w_spherical, "w_rps": r.w_rps, "w_log": r.w_log,
                 "norm_groups": batch.type_id if r.advantage_norm == "type" else None}
 
     def set_lr(self, step: int) -> dict[str, float]:
@@ -556,14 +556,20 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
             print_fn(notice)
         print_fn(f"train: {run.root} on {describe(placement)}, {d.world} process(es), "
                  f"{r.grad_accum // d.world} x {r.batch_size} examples per process per update")
-    state = {"step": 0, "best_score": None, "best_step": None, "score": None, "consumed": {}}
+    state = {"step": 0, "best_score": None, "best_step": None, "score": None, "consumed": {},
+             "evals_since_best": 0, "stopped_early": None}
     if resume:
         loaded = ckpt.load(run.checkpoint("last"), map_location=str(s.device))
         s.model.load_trainable_state_dict(loaded["weights"])
         s.optimizer.load_state_dict(loaded["optimizer"])
         ckpt.set_rng_state(loaded["rng"])
         state.update({k: loaded["state"][k] for k in ("step", "best_score", "best_step", "score", "consumed")})
+        state.update({k: loaded["state"].get(k, state[k]) for k in ("evals_since_best", "stopped_early")})
         s.consumed.update(state["consumed"])
+        if state["stopped_early"] is not None:
+            if d.main:
+                print_fn(early_stop_notice(run, state, r))
+            return {**loaded["state"], "stopped_early": state["stopped_early"]}
         if d.main:
             if config != run.config():
                 run.write_config(config)
@@ -590,9 +596,16 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
             writer.log({"event": "eval", "step": step, **ev})
             if state["best_score"] is None or ev["dev_macro_accuracy"] > state["best_score"]:
                 state["best_score"], state["best_step"] = ev["dev_macro_accuracy"], step
+                state["evals_since_best"] = 0
                 writer.checkpoint("best", s, snapshot())
+            else:
+                state["evals_since_best"] += 1
         if d.active:
             dist.barrier()
+        if patience_exhausted(r.patience, state["evals_since_best"], d):
+            state["stopped_early"] = step
+            writer.log({"event": "stopped_early", "step": step, "patience": r.patience,
+                        "best_step": state["best_step"], "best_score": state["best_score"]})
 
     if state["step"] == 0:
         evaluate_and_select(0)
@@ -621,13 +634,39 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
         bar.update(done, _progress_info(stats, state["score"]))
         if done % r.eval_every == 0 or done == r.steps:
             evaluate_and_select(done)
-        if done % r.checkpoint_every == 0 or done == r.steps:
+        if done % r.checkpoint_every == 0 or done == r.steps or state["stopped_early"] is not None:
             writer.checkpoint("last", s, snapshot())
+        if state["stopped_early"] is not None:
+            break
     bar.close()
+    if d.main and state["stopped_early"] is not None:
+        print_fn(early_stop_notice(run, state, r))
     writer.close()
     if d.active:
         dist.barrier()
     return snapshot()
+
+
+def patience_exhausted(patience: int | None, evals_since_best: int, d: Dist) -> bool:
+    """Whether `patience` dev evaluations in a row brought no strict improvement (rank 0 decides, every
+    rank gets its answer); None is the recipe's fixed budget: never."""
+    if patience is None:
+        return False
+    stop = evals_since_best >= patience
+    if d.active:
+        flag = torch.tensor([1.0 if stop else 0.0])
+        if dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        dist.broadcast(flag, src=0)
+        stop = bool(flag.item())
+    return stop
+
+
+def early_stop_notice(run: Run, state: dict, r: Recipe) -> str:
+    return (f"train: {run.root} stopped early at update {state['stopped_early']}: {r.patience} dev evaluation(s) "
+            f"without strict improvement (patience {r.patience}); best update {state['best_step']} "
+            f"(dev macro accuracy {state['best_score']}). A resume has nothing left to do; start a new run "
+            "(e.g. with --init) to train further")
 
 
 def _progress_info(stats: dict[str, Any], score: float | None) -> str:
