@@ -10,6 +10,8 @@
                            report.md, report.html, plots/
       export/              model.json + trainable.safetensors (rlcd's predictor), hf/ (transformers)
       tb/                  TensorBoard event files (`rlcd train --log tensorboard`)
+      dev-evals/           step-N.jsonl.gz: dev-subset logits at every evaluation (rlcd.dev_evals)
+      eval-NAME/           `rlcd evaluate RUN --data OTHER [--out NAME]`: the eval/ files for another data set
 
 Every other module asks a `Run` for paths instead of spelling them. A new run is written only
 after its inputs were checked and its model was built (`Run.create`), so a failed start leaves
@@ -110,6 +112,13 @@ class Run:
     @property
     def tb_dir(self) -> Path:
         return self.root / "tb"
+
+    @property
+    def dev_evals_dir(self) -> Path:
+        return self.root / "dev-evals"
+
+    def dev_eval_path(self, step: int) -> Path:
+        return self.dev_evals_dir / f"step-{int(step)}.jsonl.gz"
 
     # ------------------------------------------------------------------ opening
     def exists(self) -> bool:

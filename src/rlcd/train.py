@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from rlcd import checkpoint as ckpt
+from rlcd.dev_evals import trim_dev_evals, write_dev_eval
 from rlcd.device import Placement, describe, resolve_placement
 from rlcd.errors import OptionError, UserError
 from rlcd.diagnostics import RewardDiagnostics, TypeDiagnostics, dev_scores
@@ -309,10 +310,11 @@ def reduce_stats(stats: dict[str, Any], d: Dist) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def dev_accuracy(model, dev: dict[str, list[Record]], collator, device, batch_size: int = 16) -> dict[str, Any]:
+def dev_accuracy(model, dev: dict[str, list[Record]], collator, device, batch_size: int = 16,
+                 keep: list | None = None) -> dict[str, Any]:
     """Top-1 accuracy per sampling group and the unweighted group macro (the selection score), plus the
     dev scoring rules of `rlcd.diagnostics.dev_scores` (NLL, Brier, ECE overall and per type) from the same
-    forward."""
+    forward. `keep`: a list that receives the scored rows (id, group, type, target, logits)."""
     was_training = model.training
     model.eval()
     per_group = {}
@@ -332,6 +334,8 @@ def dev_accuracy(model, dev: dict[str, list[Record]], collator, device, batch_si
                         "logits": host[j, :rec.question.k].tolist()} for j, rec in enumerate(chunk)]
         per_group[group] = correct / max(1, len(rows))
     model.train(was_training)
+    if keep is not None:
+        keep.extend(scored)
     macro = sum(per_group.values()) / max(1, len(per_group))
     return {"dev_accuracy": per_group, "dev_macro_accuracy": macro, **dev_scores(scored)}
 
@@ -574,6 +578,7 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
             if config != run.config():
                 run.write_config(config)
             run.trim_metrics(state["step"])
+            trim_dev_evals(run, state["step"])
     else:
         init_centring(s)
         if d.main:
@@ -591,7 +596,9 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
 
     def evaluate_and_select(step: int) -> None:
         if d.main:
-            ev = dev_accuracy(s.model, s.dev, s.collator, s.device)
+            scored: list[dict] = []
+            ev = dev_accuracy(s.model, s.dev, s.collator, s.device, keep=scored)
+            write_dev_eval(run, step, scored)
             state["score"] = ev["dev_macro_accuracy"]
             writer.log({"event": "eval", "step": step, **ev})
             if state["best_score"] is None or ev["dev_macro_accuracy"] > state["best_score"]:

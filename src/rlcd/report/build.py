@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from rlcd.errors import RunError
-from rlcd.report import error_sections, metrics_sections, run_sections
+from rlcd.report import advantage_sections, error_sections, metrics_sections, run_sections
 from rlcd.report.context import Context, FigureWriter, read_config
 from rlcd.report.document import Section, Text, to_html, to_markdown
 from rlcd.report.evaluation import as_run, evaluation_from_predictions, load_predictions
@@ -41,6 +41,7 @@ SECTIONS = (
     metrics_sections.reliability,
     error_sections.error_analysis,
     run_sections.training,
+    advantage_sections.amplified,
 )
 
 
