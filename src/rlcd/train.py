@@ -490,6 +490,52 @@ def check_data_dir(data_dir: Path) -> Path:
     return data_dir.resolve()
 
 
+def init_source(path: Path, model: str, model_seed: int, recipe: Recipe) -> dict:
+    """The run `--init` names, checked before anything is built: a run with a best checkpoint, trained on
+    the same backbone (preset or path, model seed) with the same LoRA and head shapes. Returns what
+    `load_init_weights` needs and the record kept in config.json ("init")."""
+    from rlcd.model.build import MODEL_FIELDS, model_options
+
+    src = Run.open(path)
+    best = src.require_checkpoint("best")
+    cfg = src.config()
+    theirs = (str(cfg.get("model")), int(cfg.get("model_seed", 0)))
+    if theirs != (str(model), int(model_seed)) and not _same_model_path(theirs[0], model, theirs[1] == model_seed):
+        raise OptionError(f"--init {path}: that run was trained on backbone {theirs[0]} (model seed {theirs[1]}), this "
+                          f"one uses {model} (model seed {model_seed}); --init needs the same backbone")
+    mine, other = model_options(recipe.to_dict()), model_options(cfg["recipe"])
+    diff = [f"{k} {other[k]} there, {mine[k]} here" for k in MODEL_FIELDS if mine[k] != other[k]]
+    if diff:
+        raise OptionError(f"--init {path}: the trainable weights have another shape ({'; '.join(diff)}); give the "
+                          "same model fields (--recipe) as that run")
+    state = ckpt.load(best)["state"]
+    return {"path": best, "export": src.export_dir / "model.json",
+            "record": {"run": str(src.root.resolve()), "checkpoint": "best", "step": state.get("best_step"),
+                       "weights_sha256": ckpt.weights_sha256(best)}}
+
+
+def _same_model_path(theirs: str, mine: str, same_seed: bool) -> bool:
+    """Two spellings of one local backbone directory (relative vs absolute)."""
+    a, b = Path(theirs).expanduser(), Path(mine).expanduser()
+    return same_seed and a.exists() and b.exists() and a.resolve() == b.resolve()
+
+
+def load_init_weights(model, source: dict) -> str:
+    """Load the source run's best trainable weights into `model` after checking the backbone fingerprint
+    against the source's export (when it has one); returns this backbone's fingerprint."""
+    from rlcd.export import backbone_fingerprint
+
+    found = backbone_fingerprint(model)
+    if source["export"].is_file():
+        meta = json.loads(source["export"].read_text())
+        rounding = meta.get("backbone_fingerprint_rounding")
+        if meta.get("backbone_fingerprint") not in (None, backbone_fingerprint(model, rounding)):
+            raise OptionError(f"--init {source['record']['run']}: the backbone built here does not match the one that "
+                              "run was trained on (parameter fingerprint differs); point at the same weights")
+    model.load_trainable_state_dict(ckpt.load(source["path"], map_location=str(model.device))["weights"])
+    return found
+
+
 def deviation_notice(recipe: Recipe) -> str | None:
     dev = recipe.deviations()
     if not dev:
@@ -506,7 +552,8 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
           recipe: Recipe | None = None, resume: bool = False, steps: int | None = None,
           stop_after: int | None = None, progress: bool = True, model_seed: int = 0,
           objective_fn: Callable | None = None, device: str = "auto", dtype: str = "auto",
-          backbone=None, log: str | None = None, print_fn: Callable[[str], None] = echo) -> dict:
+          backbone=None, log: str | None = None, print_fn: Callable[[str], None] = echo,
+          init: Path | None = None) -> dict:
     """Train (or resume) the run at `run_dir`; returns the final state dict.
 
     Inputs are checked and the model is built before anything is written, so a failed start leaves
@@ -515,12 +562,17 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
     ready backbone (tests, benchmarks). `progress=False` silences the progress display (stderr);
     `log` is the experiment tracker (`rlcd.tracking`: "none", the default of a new run, or
     "tensorboard"); a resume keeps the run's own unless `log` is given, and records the change.
+    `init`: a new run starts from that run's dev-selected (best) trainable weights -- LoRA, head and
+    centring buffers -- with a fresh optimizer and schedule (`init_source`; same backbone required).
     """
     from rlcd.model.backbone import check_backbone_spec
 
     run = Run(run_dir)
     d = init_distributed()
     records = None
+    if resume and init is not None:
+        raise OptionError(f"--init {init} starts a new run; a resume continues {run.root} from its own checkpoint")
+    source = None
     if resume:
         if not run.exists():
             raise ResumeRefused(f"refusing to resume {run.root}: no config.json there (start it with "
@@ -544,10 +596,13 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
         if steps is not None:
             recipe = recipe.with_(steps=steps)
         local_accum(recipe.grad_accum, d.world, recipe.batch_size)
+        source = init_source(Path(init), model, model_seed, recipe) if init is not None else None
         placement = resolve_placement(device, dtype, local_rank=d.local_rank if d.active else None)
         records = _load_records(data_dir)
         config, samples = new_run(run.root, data_dir, model, recipe, model_seed=model_seed, world_size=d.world,
                                   dtype=dtype, records=records, log=log)
+        if source is not None:
+            config["init"] = source["record"]
     if resume:
         placement = resolve_placement(device, dtype if dtype != "auto" else config.get("dtype", "auto"),
                                       local_rank=d.local_rank if d.active else None)
@@ -579,6 +634,10 @@ def train(run_dir: Path, *, data_dir: Path | None = None, model: str = "qwen3.5-
                 run.write_config(config)
             run.trim_metrics(state["step"])
             trim_dev_evals(run, state["step"])
+    elif source is not None:
+        config["init"]["backbone_fingerprint"] = load_init_weights(s.model, source)  # the buffers come with it
+        if d.main:
+            Run.create(run.root, config, samples)
     else:
         init_centring(s)
         if d.main:
