@@ -43,8 +43,9 @@ class Run:
     SAMPLES = "samples.json"
     METRICS = "metrics.jsonl"
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, eval_name: str = "eval"):
         self.root = Path(root)
+        self.eval_name = eval_name  # "eval", or "eval-NAME" for another data set (`on_data`)
         self._config: dict | None = None
 
     def __repr__(self) -> str:
@@ -76,7 +77,12 @@ class Run:
 
     @property
     def eval_dir(self) -> Path:
-        return self.root / "eval"
+        return self.root / self.eval_name
+
+    def on_data(self, name: str) -> "Run":
+        """This run with `eval-NAME/` as its eval directory: where `rlcd evaluate RUN --data OTHER --out NAME`
+        writes predictions, temperatures, evaluation.json, the report and plots (eval/ and export/ untouched)."""
+        return Run(self.root, eval_name=f"eval-{name}")
 
     def predictions_path(self, split: str) -> Path:
         return self.eval_dir / f"predictions-{split}.jsonl"

@@ -64,6 +64,11 @@ def _stored_inputs(run: Run, preds: Mapping[str, list]) -> tuple[dict, dict, Any
     return {t: 1.0 for t in QUESTION_TYPES}, {}, None, notes, None
 
 
+def _out_flag(run: Run) -> str:
+    """` --out NAME` for an eval-NAME/ directory (`rlcd evaluate RUN --data OTHER`), else nothing."""
+    return f" --out {run.eval_name[len('eval-'):]}" if run.eval_name.startswith("eval-") else ""
+
+
 def write_report(run: Run | str | Path, *, ev: Mapping[str, Any] | None = None) -> Path:
     """Write ``eval/plots/*.png``, ``eval/report.md`` and ``eval/report.html``; returns the report.md path.
 
@@ -83,7 +88,7 @@ def write_report(run: Run | str | Path, *, ev: Mapping[str, Any] | None = None) 
                   training=read_training_log(log) if log.exists() else None, config=read_config(run))
     sections = [s for s in (fn(ctx) for fn in SECTIONS) if s is not None]
     intro = Section("About this report").add(Text(
-        f"Regenerate with `rlcd report {ctx.name}`; every number and plot comes from `eval/predictions-*.jsonl`, the "
+        f"Regenerate with `rlcd report {ctx.name}{_out_flag(run)}`; every number and plot comes from `eval/predictions-*.jsonl`, the "
         "temperatures, `metrics.jsonl` and `config.json`. `report.md` links the PNGs under `plots/`; `report.html` "
         "holds the same content in one file (images inline, no network)."))
     sections = [intro] + sections
