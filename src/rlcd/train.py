@@ -523,7 +523,7 @@ def _same_model_path(theirs: str, mine: str, same_seed: bool) -> bool:
 def load_init_weights(model, source: dict) -> str:
     """Load the source run's best trainable weights into `model` after checking the backbone fingerprint
     against the source's export (when it has one); returns this backbone's fingerprint."""
-    from rlcd.export import backbone_fingerprint
+    from rlcd.model.fingerprint import backbone_fingerprint
 
     found = backbone_fingerprint(model)
     if source["export"].is_file():
