@@ -109,12 +109,15 @@ def amplified_questions(run, recipe: Mapping[str, Any], horizon: int | None = No
                         top: int = 5) -> dict[str, Any] | None:
     """Per type, the `top` questions whose advantage magnitude grew most from the first to the last dev
     evaluation; None when fewer than two evaluations were kept."""
+    from dataclasses import fields
+
     from rlcd.recipe import Recipe
 
     steps = dev_eval_steps(run)
     if len(steps) < 2:
         return None
-    r = Recipe.from_dict(dict(recipe)) if recipe else Recipe()
+    known = {f.name for f in fields(Recipe)}
+    r = Recipe(**{k: v for k, v in recipe.items() if k in known})  # a config from another rlcd version reads too
     d = horizon or r.decay_horizon()
     first, last = steps[0], steps[-1]
     mags = {}
