@@ -13,7 +13,7 @@ from rlcd.report.document import Bullets, Section, Table, Text, fmt
 from rlcd.report.evaluation import evaluation_json
 from rlcd.report.training_log import has_diagnostics, last_value, reward_keys, selected_step
 
-ARM_FIELDS = ("objective", "sigma", "sigma_end", "ce_weight", "n_perturbations", "w_spherical", "w_rps",
+ARM_FIELDS = ("objective", "sigma", "sigma_end", "ce_weight", "n_perturbations", "w_log", "w_spherical", "w_rps",
               "advantage_norm", "steps", "seed")
 
 
