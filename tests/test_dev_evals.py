@@ -81,3 +81,13 @@ def test_amplified_questions_rank_the_growth_per_type(run):
         assert [q["growth"] for q in top] == pytest.approx(growth, rel=1e-9)
         assert all(q["growth"] == pytest.approx(q["last"] - q["first"]) for q in top)
     assert set(found["per_type"]) == {"choice", "noul", "score"}
+
+
+def test_resume_trim_drops_the_files_after_the_checkpoint(run, tmp_path):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    dev_evals.trim_dev_evals(Run(copy), 1)  # what a resume from update 1 does before continuing the stream
+    assert dev_evals.dev_eval_steps(Run(copy)) == [0, 1]
+    assert dev_evals.read_dev_eval(Run(copy), 1) == dev_evals.read_dev_eval(Run(run), 1)
