@@ -30,7 +30,7 @@ def _softmax(x):
 
 
 def reference(logits, mask, target, ordinal, noise, sigma, ce_weight, *, w_sph=0.75, w_rps=1.0,
-              norm_groups=None):
+              norm_groups=None, w_log=1.0):
     """Everything of issue 4 in float64: loss, stats, reward parts and d loss / d logits.
 
     G is the number of noise draws given; ``norm_groups`` (one id per row) switches the advantage
@@ -67,7 +67,7 @@ def reference(logits, mask, target, ordinal, noise, sigma, ce_weight, *, w_sph=0
                 ct += t[i]
                 acc += (cq - ct) ** 2
             rps[g, b] = acc / (max(k, 2) - 1)
-            r[g, b] = ls[g, b] + w_sph * sph[g, b] - (w_rps * rps[g, b] if ordinal[b] else 0.0)
+            r[g, b] = w_log * ls[g, b] + w_sph * sph[g, b] - (w_rps * rps[g, b] if ordinal[b] else 0.0)
     adv = np.zeros((NG, B))
     for b in range(B):
         m = sum(r[g, b] for g in range(NG)) / NG
@@ -251,6 +251,36 @@ def test_arms_match_float64_reference(G, w_sph, w_rps, per_type, ce_weight):
     rel_close(parts["a_hat"].numpy(), ref["a_hat"], rtol=1e-4)
     d = gradient_diagnostics(logits, mask, target, ordinal, sigma=0.3, noise=noise, **kw)
     rel_close(d["pg_grad"].numpy(), ref["grad_pg"])
+
+
+@pytest.mark.parametrize("w_log", [0.0, 0.5])
+def test_w_log_weighs_the_log_score_against_float64_reference(w_log):
+    """w_log scales the floored log score in the reward (0 removes it); loss, gradient and rewards follow."""
+    logits, mask, target, ordinal, noise = random_batch(41)
+    x = logits.clone().requires_grad_(True)
+    loss, stats = rlcd_loss(x, mask, target, ordinal, sigma=0.3, ce_weight=1.0, noise=noise, w_log=w_log)
+    loss.backward()
+    ref = reference(logits.numpy(), mask.numpy(), target.numpy(), ordinal.numpy(), noise.numpy(), 0.3, 1.0,
+                    w_log=w_log)
+    rel_close(x.grad.numpy(), ref["grad"])
+    rel_close(stats["reward_mean"], ref["reward_mean"], rtol=1e-5)
+    parts = obj.reward_samples(logits, mask, target, ordinal, sigma=0.3, noise=noise, w_log=w_log)
+    rel_close(parts["reward"].numpy(), ref["reward"], rtol=1e-5)
+    rel_close(parts["log"].numpy(), ref["log_score"], rtol=1e-5)  # the part itself is logged unweighted
+    without_log = 0.75 * ref["spherical"] - 1.0 * ref["rps"] * ordinal.numpy()[None, :]
+    if w_log == 0.0:  # nothing of the log score is left in the reward
+        rel_close(parts["reward"].numpy(), without_log, rtol=1e-5)
+    else:
+        assert not np.allclose(parts["reward"].numpy(), without_log)
+    d = gradient_diagnostics(logits, mask, target, ordinal, sigma=0.3, noise=noise, w_log=w_log)
+    rel_close(d["pg_grad"].numpy(), ref["grad_pg"])
+
+
+def test_pinned_w_log_is_bit_identical_to_the_default():
+    logits, mask, target, ordinal, noise = random_batch(42)
+    a = obj.reward_samples(logits, mask, target, ordinal, sigma=0.3, noise=noise)
+    b = obj.reward_samples(logits, mask, target, ordinal, sigma=0.3, noise=noise, w_log=1.0)
+    assert torch.equal(a["reward"], b["reward"]) and torch.equal(a["a_hat"], b["a_hat"])
 
 
 def test_per_type_std_differs_from_the_batch_std():
@@ -525,6 +555,7 @@ def test_bad_input_raises_clear_error(changes, pattern):
     (dict(n_perturbations=8), r"noise shape .* \(G = n_perturbations = 8\)"),
     (dict(w_spherical=-0.1), r"w_spherical must be finite and >= 0"),
     (dict(w_rps=float("inf")), r"w_rps must be finite"),
+    (dict(w_log=-1.0), r"w_log must be finite and >= 0"),
     (dict(norm_groups=torch.zeros(3, dtype=torch.long)), r"norm_groups shape"),
     (dict(norm_groups=torch.zeros(9)), r"norm_groups must be an integer"),
     (dict(sigma=0.0), r"sigma must be finite and > 0"),

@@ -3,7 +3,8 @@
 Writes `eval/predictions-{dev,calibration,test}.jsonl` (raw logits, enough to regenerate every
 number), fits one temperature per type on the calibration split only, writes
 `eval/evaluation.json` (raw and calibrated side by side, with bootstrap intervals), `export/`,
-`eval/report.md` and `eval/report.html`.
+`eval/report.md` and `eval/report.html`. `evaluate_on_data` scores the same model on another processed
+data set into `eval-NAME/` (same files, no export).
 
 Scoring a split is the long part (thousands of rows through the backbone): with `progress` on (the
 default) each split shows rows done / total, rows per second and the time left on stderr
@@ -13,6 +14,7 @@ default) each split shows rows done / total, rows per second and the time left o
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -288,6 +290,116 @@ def _evaluate_run(run: Run, *, placement: Placement | None, print_fn: Callable[[
     write_hf(run, model=model if cpu_fp32 else None, evaluation=ev)
     say(f"report: {run.report_md}, {run.report_md.with_suffix('.html')} and their plots")
     write_report(run, ev=ev)
+    return ev
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_other_data(data_dir: Path, *, recalibrate: bool) -> Path:
+    """A processed data directory to score (at least one of dev/calibration/test), else a one-line RunError."""
+    from rlcd.errors import RunError
+
+    p = Path(data_dir).expanduser()
+    hint = f"make one with `rlcd data prepare FILES --out {p}`"
+    if not p.is_dir():
+        raise RunError(f"--data {p}: no such directory; {hint}")
+    if (p / Run.CONFIG).is_file():
+        raise RunError(f"--data {p} is a run directory, not processed data; give a directory made by `rlcd data prepare`")
+    if not any((p / f"{split}.jsonl").is_file() for split in SPLITS):
+        raise RunError(f"--data {p}: not a processed data directory (no dev.jsonl, calibration.jsonl or test.jsonl); "
+                       f"{hint}")
+    if recalibrate and not (p / "calibration.jsonl").is_file():
+        raise RunError(f"--recalibrate: {p} has no calibration.jsonl to fit the temperatures on")
+    return p.resolve()
+
+
+def other_data_name(data_dir: Path, name: str | None) -> str:
+    """`--out NAME` (default: the data directory's name), checked: it names RUN/eval-NAME/."""
+    from rlcd.errors import OptionError
+
+    name = name if name is not None else Path(data_dir).resolve().name
+    if not _NAME.fullmatch(name or ""):
+        raise OptionError(f"--out {name!r}: use letters, digits, '.', '_' or '-' (it names the directory eval-NAME)")
+    return name
+
+
+def evaluate_on_data(run: Run | Path, data_dir: Path, *, name: str | None = None, recalibrate: bool = False,
+                     placement: Placement | None = None, which: str = "best", progress: bool = True,
+                     print_fn: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Score the run's model on another processed data set; write RUN/eval-NAME/ (and nothing else).
+
+    Temperatures: the run's own (eval/temperatures.json when fitted on this checkpoint and placement,
+    else fitted here on the run's calibration split without writing eval/), or with `recalibrate` fitted
+    on OTHER's calibration split. The majority baseline comes from OTHER's train split. The report is the
+    usual one, built from the files under eval-NAME/.
+    """
+    from rlcd.data.io import load_split, sha256_file, write_jsonl
+    from rlcd.errors import RunError
+    from rlcd.metrics import majority_baseline
+    from rlcd.report import evaluation_from_predictions, write_evaluation, write_report
+    from rlcd.train import data_hashes
+
+    run = run if isinstance(run, Run) else Run.open(run)
+    other = check_other_data(data_dir, recalibrate=recalibrate)
+    view = run.on_data(other_data_name(other, name))
+    run.require_checkpoint(which)
+    placement = placement or resolve_placement("cpu")
+    say = print_fn or (lambda _: None)
+    records = {split: load_split(other, split) for split in SPLITS if (other / f"{split}.jsonl").is_file()}
+    records = {split: rows for split, rows in records.items() if rows}
+    if not records or (recalibrate and not records.get("calibration")):
+        raise RunError(f"--data {other}: " + ("calibration.jsonl has no rows to fit on" if records
+                                              else "dev, calibration and test hold no rows"))
+    model, config, state = load_checkpoint_model(run, which, placement=placement)
+    collator = _collator(model, other)
+    preds = {split: predict_rows(model, rows, collator, split=split, device=placement.torch_device,
+                                 progress=progress) for split, rows in records.items()}
+    if recalibrate:
+        temps, infos = fit_per_type(preds["calibration"])
+        source = {"source": f"fitted on {other / 'calibration.jsonl'} (--recalibrate)", "n_rows": len(preds["calibration"]),
+                  "calibration_sha256": sha256_file(other / "calibration.jsonl")}
+    else:
+        stored = stored_temperatures(run, placement, which)
+        if stored is not None:
+            temps, infos = stored["temperatures"], stored["calibration"]
+            source = {"source": str(run.temperatures_path.relative_to(run.root)), "n_rows": stored.get("n_rows"),
+                      "calibration_sha256": stored.get("calibration_sha256")}
+        else:
+            own = _score(model, config, "calibration", _records(config, "calibration"), placement, progress)
+            temps, infos = fit_per_type(own)
+            source = {"source": "fitted here on the run's own calibration split (no matching eval/temperatures.json)",
+                      "n_rows": len(own), "calibration_sha256": _calibration_key(run, placement, which)["calibration_sha256"]}
+    say(f"temperatures: {source['source']}")
+    for split, rows in preds.items():
+        write_jsonl(view.predictions_path(split), rows)
+    write_json(view.temperatures_path, {"temperatures": temps, "calibration": infos, **source,
+                                        "checkpoint_sha256": ckpt.weights_sha256(run.require_checkpoint(which)),
+                                        **placement.to_dict()})
+    train_rows = load_split(other, "train") if (other / "train.jsonl").is_file() else []
+    baseline = majority_baseline(train_rows, records["test"]) if records.get("test") and train_rows else None
+    meta = {
+        "run": str(run.root),
+        "model": config["model"],
+        "objective": config["recipe"]["objective"],
+        "seed": config["recipe"]["seed"],
+        "steps": config["recipe"]["steps"],
+        "recipe_deviations": config.get("recipe_deviations", {}),
+        **checkpoint_identity(state, which),
+        "checkpoint_sha256": ckpt.weights_sha256(run.require_checkpoint(which)),
+        "trained_on": str(config["data_dir"]),
+        "evaluated_on": str(other),
+        "data_hashes": data_hashes(other),
+        "calibration": infos,
+        "recalibrated": recalibrate,
+        "temperatures_source": source["source"],
+        "majority_baseline_from": str(other / "train.jsonl") if baseline is not None else None,
+        "placement": placement.to_dict(),
+    }
+    ev = evaluation_from_predictions(preds, temps, meta, majority_baseline=baseline)
+    write_evaluation(view, ev)
+    say(f"report: {view.report_md}, {view.report_html} and their plots")
+    write_report(view, ev=ev)
     return ev
 
 

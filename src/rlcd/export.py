@@ -9,7 +9,6 @@ parameter fingerprint is recorded and checked at load so a silent mismatch canno
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -17,13 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import load_file
 
 from rlcd import checkpoint as ckpt
 from rlcd.device import Placement, resolve_placement
 from rlcd.errors import RunError
 from rlcd.model.build import build_model
+from rlcd.model.fingerprint import FINGERPRINT_DTYPE, backbone_fingerprint  # noqa: F401 (public API here too)
 from rlcd.run import Run, find_export  # noqa: F401 (find_export: public API here too)
 
 FORMAT = "rlcd.export/1"
@@ -34,29 +33,7 @@ LABEL_CONVENTIONS = {
 }
 
 
-FINGERPRINT_DTYPE = "bfloat16"
-
 log = logging.getLogger(__name__)  # what is loaded from where, before the seconds it takes (the CLI shows INFO)
-
-
-def backbone_fingerprint(model, rounding: str | None = FINGERPRINT_DTYPE) -> str:
-    """sha256 over a few tensors neither LoRA nor merging touches (embeddings, vision tower if any).
-
-    Catches a different random init or base model; identical before and after `merge()`. The values
-    are rounded to bfloat16 first, so a model evaluated on a GPU in bfloat16 and served on a CPU in
-    float32 has one fingerprint (`rounding=None`: the float32 bytes of exports written before that).
-    """
-    h = hashlib.sha256()
-    named = [(n, p) for n, p in model.backbone.named_parameters()
-             if "lora_" not in n and ("embed_tokens" in n or "visual" in n)]
-    if not named:  # a decoder that names its embeddings otherwise (wte, word_embeddings, ...)
-        named = [("input_embeddings", model.backbone.get_input_embeddings().weight)]
-    for _, p in named[:4]:  # names differ with and without the peft wrapper; bytes do not
-        t = p.detach()
-        if rounding:
-            t = t.to(getattr(torch, rounding))
-        h.update(t.float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def load_checkpoint_model(run: Run | Path, which: str = "best", *, merge: bool = True,

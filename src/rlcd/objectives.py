@@ -21,7 +21,8 @@ The RLCD formula (issue 4, the contract), per micro-batch, with G samples per qu
 3. Reward (no gradient): ``LS = sum_j t_j max(log max(q_j, 1e-12), -9.21)``;
    ``SPH = (sum_j t_j q_j) / max(||q||_2, 1e-9)``; ordinal rows
    ``RPS = sum_{j valid} (Q_j - T_j)^2 / (max(k_b, 2) - 1)`` with Q, T the cumulative sums of q
-   and t in level order; ``r = LS + w_sph SPH - w_rps RPS * ordinal`` (w_sph 0.75, w_rps 1.0).
+   and t in level order; ``r = w_log LS + w_sph SPH - w_rps RPS * ordinal`` (w_log 1.0, w_sph 0.75,
+   w_rps 1.0; w_log 0 removes the log score).
 4. ``A = r - mean_g r`` (per question); ``A_hat = A / (std(A) + 1e-6)`` with ONE sample std
    (ddof 1) over all G*B entries; ``A_hat`` is detached. With ``norm_groups`` (e.g. the question
    type of each row) the std is taken per group instead: over the G * n_c entries of the rows of
@@ -31,7 +32,7 @@ The RLCD formula (issue 4, the contract), per micro-batch, with G samples per qu
 7. ``loss = L_pg + ce_weight * CE``; on valid candidates
    ``d loss / d logits = -(1/(G B)) sum_g A_hat eps / sigma^2 + ce_weight (softmax - t) / B``.
 
-The defaults (G = 4, w_sph 0.75, w_rps 1.0, one batch std) are the pinned recipe and compute
+The defaults (G = 4, w_log 1.0, w_sph 0.75, w_rps 1.0, one batch std) are the pinned recipe and compute
 exactly the same numbers as before these settings existed.
 
 Validation is deferred to a single device->host transfer per call (the failure flags travel with
@@ -125,12 +126,12 @@ def _check_scalar(fn: str, name: str, value, *, positive: bool) -> float:
     return v
 
 
-def _check_settings(fn: str, n_perturbations, w_spherical, w_rps) -> tuple[int, float, float]:
+def _check_settings(fn: str, n_perturbations, w_spherical, w_rps, w_log=1.0) -> tuple[int, float, float, float]:
     """The reward/sample settings of the RLCD arms, validated (G >= 2: a baseline needs two samples)."""
     if isinstance(n_perturbations, bool) or not isinstance(n_perturbations, int) or n_perturbations < 2:
         raise ValueError(f"{fn}: n_perturbations must be an integer >= 2, got {n_perturbations!r}")
     return (n_perturbations, _check_scalar(fn, "w_spherical", w_spherical, positive=False),
-            _check_scalar(fn, "w_rps", w_rps, positive=False))
+            _check_scalar(fn, "w_rps", w_rps, positive=False), _check_scalar(fn, "w_log", w_log, positive=False))
 
 
 def _validation_flags(lf: Tensor, m: Tensor, target: Tensor, noise: Tensor | None) -> Tensor:
@@ -268,8 +269,8 @@ def _group_std(advantage: Tensor, norm_groups: Tensor) -> Tensor:
 def _rlcd_terms(fn: str, logits: Tensor, mask: Tensor, target: Tensor, ordinal: Tensor, *,
                 sigma: float, noise: Tensor | None, generator: torch.Generator | None,
                 n_perturbations: int = G, w_spherical: float = SPHERICAL_WEIGHT,
-                w_rps: float = RPS_WEIGHT, norm_groups: Tensor | None = None) -> _Terms:
-    g_samples, w_spherical, w_rps = _check_settings(fn, n_perturbations, w_spherical, w_rps)
+                w_rps: float = RPS_WEIGHT, norm_groups: Tensor | None = None, w_log: float = 1.0) -> _Terms:
+    g_samples, w_spherical, w_rps, w_log = _check_settings(fn, n_perturbations, w_spherical, w_rps, w_log)
     _check_shapes(fn, logits, mask, target, ordinal, noise, g=g_samples, norm_groups=norm_groups)
     sigma = _check_scalar(fn, "sigma", sigma, positive=True)
     lf, lf_safe, m, t = _prepare(logits, mask, target)
@@ -303,7 +304,7 @@ def _rlcd_terms(fn: str, logits: Tensor, mask: Tensor, target: Tensor, ordinal: 
         cdiff = q.cumsum(-1) - tr.cumsum(-1)
         rps = (cdiff.square().masked_fill(pad, 0.0).sum(-1)
                / (k.squeeze(-1).clamp_min(2.0) - 1.0))
-        reward = log_score + w_spherical * spherical - w_rps * rps * ordf.to(rdt)
+        reward = w_log * log_score + w_spherical * spherical - w_rps * rps * ordf.to(rdt)
         # 4. group-mean baseline, exact for G identical rewards (A = 0); one std, or one per group.
         advantage = reward - _group_mean(reward)
         adv_std = advantage.std(correction=1)
@@ -336,7 +337,7 @@ def rlcd_loss(logits: Tensor, mask: Tensor, target: Tensor, ordinal: Tensor, *,
               sigma: float = 0.3, ce_weight: float = 1.0, noise: Tensor | None = None,
               generator: torch.Generator | None = None, n_perturbations: int = G,
               w_spherical: float = SPHERICAL_WEIGHT, w_rps: float = RPS_WEIGHT,
-              norm_groups: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+              norm_groups: Tensor | None = None, w_log: float = 1.0) -> tuple[Tensor, dict[str, float]]:
     """RLCD loss of one micro-batch: REINFORCE on Gaussian logit perturbations + ``ce_weight`` x CE.
 
     Args:
@@ -354,6 +355,7 @@ def rlcd_loss(logits: Tensor, mask: Tensor, target: Tensor, ordinal: Tensor, *,
         generator: optional ``torch.Generator`` for the draw.
         n_perturbations: G, samples per question (>= 2; 4 in the pinned recipe).
         w_spherical, w_rps: reward weights of the spherical score and the RPS penalty (>= 0).
+        w_log: reward weight of the floored log score (>= 0; 1 in the pinned recipe, 0 removes it).
         norm_groups: optional ``[B]`` integer group id per row; the advantage std is then taken
             per group (step 4) instead of once over the micro-batch.
 
@@ -378,7 +380,7 @@ def rlcd_loss(logits: Tensor, mask: Tensor, target: Tensor, ordinal: Tensor, *,
     ce_weight = _check_scalar(fn, "ce_weight", ce_weight, positive=False)
     terms = _rlcd_terms(fn, logits, mask, target, ordinal, sigma=sigma, noise=noise,
                         generator=generator, n_perturbations=n_perturbations,
-                        w_spherical=w_spherical, w_rps=w_rps, norm_groups=norm_groups)
+                        w_spherical=w_spherical, w_rps=w_rps, norm_groups=norm_groups, w_log=w_log)
     if ce_weight == 0.0:
         loss = terms.policy_loss
     else:
@@ -422,10 +424,10 @@ def ce_loss(logits: Tensor, mask: Tensor, target: Tensor) -> tuple[Tensor, dict[
 def gradient_diagnostics(logits: Tensor, mask: Tensor, target: Tensor, ordinal: Tensor, *,
                          sigma: float, noise: Tensor | None, n_perturbations: int = G,
                          w_spherical: float = SPHERICAL_WEIGHT, w_rps: float = RPS_WEIGHT,
-                         norm_groups: Tensor | None = None) -> dict:
+                         norm_groups: Tensor | None = None, w_log: float = 1.0) -> dict:
     """Gradients of the policy term and of CE with respect to the logits, and how they compare.
 
-    Uses the same formula, settings (``n_perturbations``, ``w_spherical``, ``w_rps``,
+    Uses the same formula, settings (``n_perturbations``, ``w_log``, ``w_spherical``, ``w_rps``,
     ``norm_groups``) and ``noise`` (``[G, B, K]``; None draws from torch's global RNG) as
     :func:`rlcd_loss`. Works on a detached copy of ``logits``: the caller's graph and
     ``.grad`` fields are untouched.
@@ -441,7 +443,7 @@ def gradient_diagnostics(logits: Tensor, mask: Tensor, target: Tensor, ordinal: 
     x = logits.detach().float().clone().requires_grad_(True)
     terms = _rlcd_terms(fn, x, mask, target, ordinal, sigma=sigma, noise=noise, generator=None,
                         n_perturbations=n_perturbations, w_spherical=w_spherical, w_rps=w_rps,
-                        norm_groups=norm_groups)
+                        norm_groups=norm_groups, w_log=w_log)
     (g_pg,) = torch.autograd.grad(terms.policy_loss, x, retain_graph=True)
     (g_ce,) = torch.autograd.grad(terms.ce, x)
     stats_t = torch.cat([torch.stack([g_pg.norm(), g_ce.norm(), (g_pg * g_ce).sum()]),
@@ -467,18 +469,19 @@ def gradient_diagnostics(logits: Tensor, mask: Tensor, target: Tensor, ordinal: 
 
 def reward_samples(logits: Tensor, mask: Tensor, target: Tensor, ordinal: Tensor, *, sigma: float,
                    noise: Tensor, n_perturbations: int = G, w_spherical: float = SPHERICAL_WEIGHT,
-                   w_rps: float = RPS_WEIGHT, norm_groups: Tensor | None = None) -> dict[str, Tensor]:
+                   w_rps: float = RPS_WEIGHT, norm_groups: Tensor | None = None,
+                   w_log: float = 1.0) -> dict[str, Tensor]:
     """Per-sample reward parts and advantages of one micro-batch, left on the device.
 
     The same formula, settings and ``noise`` as :func:`rlcd_loss` (pass the noise that call used to
     see what its update saw). Nothing is read back to the host, so a caller can sum these over an
     update and read the sums once; the values are not re-validated (``rlcd_loss`` did that).
-    Returns ``[G, B]`` tensors: ``log`` (LS), ``spherical`` (SPH), ``rps`` (RPS of every row; only
+    Returns ``[G, B]`` tensors: ``log`` (LS, unweighted), ``spherical`` (SPH), ``rps`` (RPS of every row; only
     ordinal rows enter the reward), ``reward``, ``advantage`` (A) and ``a_hat`` (A normalised).
     """
     with torch.no_grad():
         terms = _rlcd_terms("reward_samples", logits.detach(), mask, target, ordinal, sigma=sigma,
                             noise=noise, generator=None, n_perturbations=n_perturbations,
-                            w_spherical=w_spherical, w_rps=w_rps, norm_groups=norm_groups)
+                            w_spherical=w_spherical, w_rps=w_rps, norm_groups=norm_groups, w_log=w_log)
     return {"log": terms.log_score, "spherical": terms.spherical, "rps": terms.rps,
             "reward": terms.reward, "advantage": terms.advantage, "a_hat": terms.a_hat}

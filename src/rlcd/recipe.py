@@ -32,6 +32,7 @@ class Recipe:
     n_perturbations: int = 4     # Gaussian logit samples per question (G)
     w_spherical: float = 0.75    # reward weight of the spherical score
     w_rps: float = 1.0           # reward weight of the RPS penalty (score questions)
+    w_log: float = 1.0           # reward weight of the floored log score (0 removes it)
     advantage_norm: str = "batch"  # advantage std: "batch" (one per micro-batch) or "type" (one per question type)
     # --- what learns (LP-FT) -------------------------------------------------------------------
     head_only: bool = False      # the scorer alone learns on frozen (cached) backbone features; LoRA stays 0
@@ -54,6 +55,7 @@ class Recipe:
     checkpoint_every: int = 100
     log_every: int = 10
     diagnostics_every: int = 100
+    patience: int | None = None  # dev evaluations without strict improvement before stopping; None: fixed budget
     # --- model -------------------------------------------------------------------------------
     lora_rank: int = 8
     lora_alpha: int = 16
@@ -72,7 +74,7 @@ class Recipe:
         if not (isinstance(self.n_perturbations, int) and self.n_perturbations >= 2):
             raise OptionError(f"n_perturbations must be an integer >= 2 (the baseline needs two samples), "
                               f"got {self.n_perturbations!r}")
-        for name in ("w_spherical", "w_rps"):
+        for name in ("w_spherical", "w_rps", "w_log"):
             if not (_real(getattr(self, name)) and getattr(self, name) >= 0):
                 raise OptionError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")
         if self.advantage_norm not in ("batch", "type"):
@@ -92,6 +94,9 @@ class Recipe:
                               "use one of them")
         if self.diagnostics_every < 0:
             raise OptionError(f"diagnostics_every must be >= 0 (0 = off), got {self.diagnostics_every}")
+        if self.patience is not None and not (isinstance(self.patience, int) and not isinstance(self.patience, bool)
+                                              and self.patience >= 1):
+            raise OptionError(f"patience must be none (the fixed budget) or an integer >= 1, got {self.patience!r}")
         if self.centring not in ("running_mean", "layernorm", "none"):
             raise OptionError(f"centring must be running_mean, layernorm or none, got {self.centring!r}")
         for name in ("lr_lora", "lr_head", "grad_clip", "lora_alpha"):

@@ -11,6 +11,8 @@
                            report.md, report.html, plots/
       export/              model.json + trainable.safetensors (rlcd's predictor), hf/ (transformers)
       tb/                  TensorBoard event files (`rlcd train --log tensorboard`)
+      dev-evals/           step-N.jsonl.gz: dev-subset logits at every evaluation (rlcd.dev_evals)
+      eval-NAME/           `rlcd evaluate RUN --data OTHER [--out NAME]`: the eval/ files for another data set
 
 Every other module asks a `Run` for paths instead of spelling them. A new run is written only
 after its inputs were checked and its model was built (`Run.create`), so a failed start leaves
@@ -49,8 +51,9 @@ class Run:
     SAMPLES = "samples.json"
     METRICS = "metrics.jsonl"
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, eval_name: str = "eval"):
         self.root = Path(root)
+        self.eval_name = eval_name  # "eval", or "eval-NAME" for another data set (`on_data`)
         self._config: dict | None = None
 
     def __repr__(self) -> str:
@@ -82,7 +85,12 @@ class Run:
 
     @property
     def eval_dir(self) -> Path:
-        return self.root / "eval"
+        return self.root / self.eval_name
+
+    def on_data(self, name: str) -> "Run":
+        """This run with `eval-NAME/` as its eval directory: where `rlcd evaluate RUN --data OTHER --out NAME`
+        writes predictions, temperatures, evaluation.json, the report and plots (eval/ and export/ untouched)."""
+        return Run(self.root, eval_name=f"eval-{name}")
 
     def predictions_path(self, split: str) -> Path:
         return self.eval_dir / f"predictions-{split}.jsonl"
@@ -118,6 +126,13 @@ class Run:
     @property
     def tb_dir(self) -> Path:
         return self.root / "tb"
+
+    @property
+    def dev_evals_dir(self) -> Path:
+        return self.root / "dev-evals"
+
+    def dev_eval_path(self, step: int) -> Path:
+        return self.dev_evals_dir / f"step-{int(step)}.jsonl.gz"
 
     # ------------------------------------------------------------------ opening
     def exists(self) -> bool:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rlcd import checkpoint as ckpt
+from rlcd.dev_evals import trim_dev_evals, write_dev_eval
 from rlcd.device import Placement, describe, resolve_placement
 from rlcd.errors import OptionError, UserError
 from rlcd.diagnostics import RewardDiagnostics, TypeDiagnostics, dev_scores
@@ -185,7 +186,7 @@ class Session:
         """The RLCD arm of micro-batch `index`: its update's sigma, G, reward weights, advantage groups."""
         r = self.recipe
         return {"sigma": r.sigma_at(index // r.grad_accum, self.horizon), "n_perturbations": r.n_perturbations,
-                "w_spherical": r.w_spherical, "w_rps": r.w_rps,
+                "w_spherical": r.w_spherical, "w_rps": r.w_rps, "w_log": r.w_log,
                 "norm_groups": batch.type_id if r.advantage_norm == "type" else None}
 
     def set_lr(self, step: int) -> dict[str, float]:
@@ -337,13 +338,13 @@ def reduce_stats(stats: dict[str, Any], d: Dist) -> dict[str, Any]:
 
 @torch.no_grad()
 def dev_accuracy(model, dev: dict[str, list[Record]], collator, device, batch_size: int = 16, *,
-                 shared: bool = True, features=None) -> dict[str, Any]:
+                 shared: bool = True, features=None, keep: list | None = None) -> dict[str, Any]:
     """Top-1 accuracy per sampling group and the unweighted group macro (the selection score), plus the
     dev scoring rules of `rlcd.diagnostics.dev_scores` (NLL, Brier, ECE overall and per type) from the same
     forward. `shared` (default): every dev case's state runs once, its questions as suffixes on its cache
     (`rlcd.model.case_scoring.score_records`, logits equal to full rows up to float32 noise); False: full
     rows, `batch_size` per forward. `features`: a `FeatureCache` holding the dev rows, read instead of running
-    the (frozen) backbone."""
+    the (frozen) backbone. `keep`: a list that receives the scored rows (id, group, type, target, logits)."""
     was_training = model.training
     model.eval()
     flat = [(group, rec) for group in sorted(dev) for rec in dev[group]]
@@ -372,6 +373,8 @@ def dev_accuracy(model, dev: dict[str, list[Record]], collator, device, batch_si
         scored.append({"id": rec.id, "group": group, "type": rec.question.type, "target": rec.target,
                        "logits": lg.tolist()})
     per_group = {group: correct[group] / max(1, len(dev[group])) for group in sorted(dev)}
+    if keep is not None:
+        keep.extend(scored)
     macro = sum(per_group.values()) / max(1, len(per_group))
     return {"dev_accuracy": per_group, "dev_macro_accuracy": macro, **dev_scores(scored)}
 
@@ -566,6 +569,52 @@ def check_data_dir(data_dir: Path) -> Path:
     return data_dir.resolve()
 
 
+def init_source(path: Path, model: str, model_seed: int, recipe: Recipe) -> dict:
+    """The run `--init` names, checked before anything is built: a run with a best checkpoint, trained on
+    the same backbone (preset or path, model seed) with the same LoRA and head shapes. Returns what
+    `load_init_weights` needs and the record kept in config.json ("init")."""
+    from rlcd.model.build import MODEL_FIELDS, model_options
+
+    src = Run.open(path)
+    best = src.require_checkpoint("best")
+    cfg = src.config()
+    theirs = (str(cfg.get("model")), int(cfg.get("model_seed", 0)))
+    if theirs != (str(model), int(model_seed)) and not _same_model_path(theirs[0], model, theirs[1] == model_seed):
+        raise OptionError(f"--init {path}: that run was trained on backbone {theirs[0]} (model seed {theirs[1]}), this "
+                          f"one uses {model} (model seed {model_seed}); --init needs the same backbone")
+    mine, other = model_options(recipe.to_dict()), model_options(cfg["recipe"])
+    diff = [f"{k} {other[k]} there, {mine[k]} here" for k in MODEL_FIELDS if mine[k] != other[k]]
+    if diff:
+        raise OptionError(f"--init {path}: the trainable weights have another shape ({'; '.join(diff)}); give the "
+                          "same model fields (--recipe) as that run")
+    state = ckpt.load(best)["state"]
+    return {"path": best, "export": src.export_dir / "model.json",
+            "record": {"run": str(src.root.resolve()), "checkpoint": "best", "step": state.get("best_step"),
+                       "weights_sha256": ckpt.weights_sha256(best)}}
+
+
+def _same_model_path(theirs: str, mine: str, same_seed: bool) -> bool:
+    """Two spellings of one local backbone directory (relative vs absolute)."""
+    a, b = Path(theirs).expanduser(), Path(mine).expanduser()
+    return same_seed and a.exists() and b.exists() and a.resolve() == b.resolve()
+
+
+def load_init_weights(model, source: dict) -> str:
+    """Load the source run's best trainable weights into `model` after checking the backbone fingerprint
+    against the source's export (when it has one); returns this backbone's fingerprint."""
+    from rlcd.model.fingerprint import backbone_fingerprint
+
+    found = backbone_fingerprint(model)
+    if source["export"].is_file():
+        meta = json.loads(source["export"].read_text())
+        rounding = meta.get("backbone_fingerprint_rounding")
+        if meta.get("backbone_fingerprint") not in (None, backbone_fingerprint(model, rounding)):
+            raise OptionError(f"--init {source['record']['run']}: the backbone built here does not match the one that "
+                              "run was trained on (parameter fingerprint differs); point at the same weights")
+    model.load_trainable_state_dict(ckpt.load(source["path"], map_location=str(model.device))["weights"])
+    return found
+
+
 def deviation_notice(recipe: Recipe) -> str | None:
     dev = recipe.deviations()
     if not dev:
@@ -583,7 +632,7 @@ def _train(run_dir: Path, *, held: contextlib.ExitStack, data_dir: Path | None =
           stop_after: int | None = None, progress: bool = True, model_seed: int = 0,
           objective_fn: Callable | None = None, device: str = "auto", dtype: str = "auto",
           backbone=None, log: str | None = None, print_fn: Callable[[str], None] = echo,
-          feature_cache: bool = True) -> dict:
+          feature_cache: bool = True, init: Path | None = None) -> dict:
     """Train (or resume) the run at `run_dir`; returns the final state dict.
 
     Inputs are checked and the model is built before anything is written, so a failed start leaves
@@ -593,12 +642,17 @@ def _train(run_dir: Path, *, held: contextlib.ExitStack, data_dir: Path | None =
     `feature_cache=False` runs the frozen backbone live in a head-only phase instead of reading the
     data directory's feature cache (same numbers within float noise, slower). `log` is the experiment tracker (`rlcd.tracking`: "none", the default of a new run, or
     "tensorboard"); a resume keeps the run's own unless `log` is given, and records the change.
+    `init`: a new run starts from that run's dev-selected (best) trainable weights -- LoRA, head and
+    centring buffers -- with a fresh optimizer and schedule (`init_source`; same backbone required).
     """
     from rlcd.model.backbone import check_backbone_spec
 
     run = Run(run_dir)
     d = init_distributed()
     records = None
+    if resume and init is not None:
+        raise OptionError(f"--init {init} starts a new run; a resume continues {run.root} from its own checkpoint")
+    source = None
     if resume:
         if not run.exists():
             raise ResumeRefused(f"refusing to resume {run.root}: no config.json there (start it with "
@@ -624,10 +678,13 @@ def _train(run_dir: Path, *, held: contextlib.ExitStack, data_dir: Path | None =
         if steps is not None:
             recipe = recipe.with_(steps=steps)
         local_accum(recipe.grad_accum, d.world, recipe.batch_size)
+        source = init_source(Path(init), model, model_seed, recipe) if init is not None else None
         placement = resolve_placement(device, dtype, local_rank=d.local_rank if d.active else None)
         records = _load_records(data_dir)
         config, samples = new_run(run.root, data_dir, model, recipe, model_seed=model_seed, world_size=d.world,
                                   dtype=dtype, records=records, log=log)
+        if source is not None:
+            config["init"] = source["record"]
     if resume:
         placement = resolve_placement(device, dtype if dtype != "auto" else config.get("dtype", "auto"),
                                       local_rank=d.local_rank if d.active else None)
@@ -641,18 +698,29 @@ def _train(run_dir: Path, *, held: contextlib.ExitStack, data_dir: Path | None =
             print_fn(notice)
         print_fn(f"train: {run.root} on {describe(placement)}, {d.world} process(es), "
                  f"{r.grad_accum // d.world} x {r.batch_size} examples per process per update")
-    state = {"step": 0, "best_score": None, "best_step": None, "score": None, "consumed": {}}
+    state = {"step": 0, "best_score": None, "best_step": None, "score": None, "consumed": {},
+             "evals_since_best": 0, "stopped_early": None}
     if resume:
         loaded = ckpt.load(run.checkpoint("last"), map_location=str(s.device))
         s.model.load_trainable_state_dict(loaded["weights"])
         s.optimizer.load_state_dict(loaded["optimizer"])
         ckpt.set_rng_state(loaded["rng"])
         state.update({k: loaded["state"][k] for k in ("step", "best_score", "best_step", "score", "consumed")})
+        state.update({k: loaded["state"].get(k, state[k]) for k in ("evals_since_best", "stopped_early")})
         s.consumed.update(state["consumed"])
+        if state["stopped_early"] is not None:
+            if d.main:
+                print_fn(early_stop_notice(run, state, r))
+            return {**loaded["state"], "stopped_early": state["stopped_early"]}
         if d.main:
             if config != run.config():
                 run.write_config(config)
             run.trim_metrics(state["step"])
+            trim_dev_evals(run, state["step"])
+    elif source is not None:
+        config["init"]["backbone_fingerprint"] = load_init_weights(s.model, source)  # the buffers come with it
+        if d.main:
+            Run.create(run.root, config, samples)
     else:
         init_centring(s)
         if d.main:
@@ -673,14 +741,24 @@ def _train(run_dir: Path, *, held: contextlib.ExitStack, data_dir: Path | None =
     def evaluate_and_select(step: int) -> None:
         if d.main:
             frozen = r.head_only or step <= r.head_warmup  # LoRA has not moved yet: the cache holds these features
-            ev = dev_accuracy(s.model, s.dev, s.collator, s.device, features=s.features if frozen else None)
+            scored: list[dict] = []
+            ev = dev_accuracy(s.model, s.dev, s.collator, s.device, features=s.features if frozen else None,
+                              keep=scored)
+            write_dev_eval(run, step, scored)
             state["score"] = ev["dev_macro_accuracy"]
             writer.log({"event": "eval", "step": step, **ev})
             if improves_on(ev["dev_accuracy"], s.dev, state["best_score"]):
                 state["best_score"], state["best_step"] = ev["dev_macro_accuracy"], step
+                state["evals_since_best"] = 0
                 writer.checkpoint("best", s, snapshot())
+            else:
+                state["evals_since_best"] += 1
         if d.active:
             dist.barrier()
+        if patience_exhausted(r.patience, state["evals_since_best"], d):
+            state["stopped_early"] = step
+            writer.log({"event": "stopped_early", "step": step, "patience": r.patience,
+                        "best_step": state["best_step"], "best_score": state["best_score"]})
 
     if state["step"] == 0:
         evaluate_and_select(0)
@@ -709,9 +787,13 @@ def _train(run_dir: Path, *, held: contextlib.ExitStack, data_dir: Path | None =
         if done % r.eval_every == 0 or done == r.steps:
             evaluate_and_select(done)
         bar.update(done, _progress_info(stats, state["score"]))  # after the evaluation: its dev score shows
-        if done % r.checkpoint_every == 0 or done == r.steps:
+        if done % r.checkpoint_every == 0 or done == r.steps or state["stopped_early"] is not None:
             writer.checkpoint("last", s, snapshot())
+        if state["stopped_early"] is not None:
+            break
     bar.close()
+    if d.main and state["stopped_early"] is not None:
+        print_fn(early_stop_notice(run, state, r))
     writer.close()
     if d.active:
         dist.barrier()
@@ -722,6 +804,28 @@ def train(run_dir: Path, **kwargs: Any) -> dict:
     """Train (or resume) the run at `run_dir` holding its lock (`Run.lock`, rank 0) until the end; see `_train`."""
     with contextlib.ExitStack() as held:
         return _train(run_dir, held=held, **kwargs)
+
+
+def patience_exhausted(patience: int | None, evals_since_best: int, d: Dist) -> bool:
+    """Whether `patience` dev evaluations in a row brought no strict improvement (rank 0 decides, every
+    rank gets its answer); None is the recipe's fixed budget: never."""
+    if patience is None:
+        return False
+    stop = evals_since_best >= patience
+    if d.active:
+        flag = torch.tensor([1.0 if stop else 0.0])
+        if dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        dist.broadcast(flag, src=0)
+        stop = bool(flag.item())
+    return stop
+
+
+def early_stop_notice(run: Run, state: dict, r: Recipe) -> str:
+    return (f"train: {run.root} stopped early at update {state['stopped_early']}: {r.patience} dev evaluation(s) "
+            f"without strict improvement (patience {r.patience}); best update {state['best_step']} "
+            f"(dev macro accuracy {state['best_score']}). A resume has nothing left to do; start a new run "
+            "(e.g. with --init) to train further")
 
 
 def _progress_info(stats: dict[str, Any], score: float | None) -> str:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
@@ -40,30 +41,55 @@ def calibrate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = 
                             allow_data_change=allow_data_change, feature_cache=not no_cache))
 
 
+OutOpt = Annotated[Optional[str], typer.Option(
+    "--out", metavar="NAME", help="with --data: write RUN/eval-NAME/ (default: the data directory's name)")]
+
+
 def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = DType.auto,
-             checkpoint: CheckpointOpt = Which.best, allow_data_change: AllowDataChangeOpt = False,
-             no_cache: NoCacheOpt = False) -> None:
+             checkpoint: CheckpointOpt = Which.best,
+             data: Annotated[Optional[Path], typer.Option(
+                 "--data", metavar="OTHER", help="score the run's model on another processed data directory "
+                                                 "(zero-shot / cross-data); writes RUN/eval-NAME/ only")] = None,
+             out: OutOpt = None,
+             recalibrate: Annotated[bool, typer.Option(
+                 "--recalibrate", help="with --data: fit the temperatures on OTHER's calibration split instead of "
+                                       "using the run's own")] = False,
+             allow_data_change: AllowDataChangeOpt = False, no_cache: NoCacheOpt = False) -> None:
     """Score dev/calibration/test with the merged best (or last) checkpoint, calibrate, write eval/ and export/.
 
-    Progress (rows done / total per split, rows/s, time left) and model loading go to stderr, the
-    summary to stdout.
+    With --data OTHER: score OTHER's splits with the same model (the run's temperatures unless
+    --recalibrate; majority baseline from OTHER's train split) into RUN/eval-NAME/, leaving eval/ and
+    export/ as they are. Progress (rows done / total per split, rows/s, time left) and model loading go to
+    stderr, the summary to stdout.
     """
     from rlcd.cli._common import run_path
-    from rlcd.evaluate import evaluate_run, print_summary
+    from rlcd.errors import OptionError
+    from rlcd.evaluate import evaluate_on_data, evaluate_run, print_summary
     from rlcd.progress import echo
     from rlcd.run import Run
 
+    if data is None and (out is not None or recalibrate):
+        raise OptionError(f"{'--out' if out is not None else '--recalibrate'} goes with --data OTHER (evaluation on "
+                          "another data set)")
     r = Run.open(run_path(run, None))
+    if data is not None:
+        print_summary(evaluate_on_data(r, data, name=out, recalibrate=recalibrate, placement=placement(device, dtype),
+                                       print_fn=echo, which=checkpoint.value))
+        return
     print_summary(evaluate_run(r, placement=placement(device, dtype), print_fn=echo, which=checkpoint.value,
                                allow_data_change=allow_data_change, feature_cache=not no_cache))
 
 
-def report(run: RunArg = None) -> None:
+def report(run: RunArg = None, out: Annotated[Optional[str], typer.Option(
+        "--out", metavar="NAME", help="regenerate RUN/eval-NAME/ (written by `rlcd evaluate RUN --data OTHER`)")] = None
+           ) -> None:
     """Regenerate eval/report.md, eval/report.html and eval/plots from the prediction files alone (no model)."""
     from rlcd.cli._common import run_path
     from rlcd.report import write_report
+    from rlcd.run import Run
 
-    md = write_report(run_path(run, None))
+    path = run_path(run, None)
+    md = write_report(Run(path).on_data(out) if out is not None else path)
     typer.echo(str(md))
     typer.echo(str(md.with_suffix(".html")))
 

@@ -30,6 +30,9 @@ def train(
              "tiny-llama), a local model directory, a .gguf file or a hub id owner/name@revision (any "
              "Qwen3.5 or text causal LM)")] = None,
     resume: Annotated[Optional[Path], typer.Option(help="resume this run (only --steps may grow)")] = None,
+    init: Annotated[Optional[Path], typer.Option(
+        "--init", metavar="RUN", help="start from RUN's dev-selected (best) LoRA + head weights, with a fresh "
+                                      "optimizer and schedule (same backbone required); recorded in config.json")] = None,
     steps: Annotated[Optional[int], typer.Option(min=1, help="optimizer updates (recipe: 3600)")] = None,
     seed: Annotated[Optional[int], typer.Option(help="sampling, LoRA and noise seed (recipe: 0)")] = None,
     objective: Annotated[Optional[Objective], typer.Option(help="rlcd (recipe) or the CE-only arm")] = None,
@@ -61,7 +64,7 @@ def train(
     if resume is not None:
         frozen = [flag for flag, value in (("--data", data), ("--model", model), ("--seed", seed),
                                            ("--objective", objective), ("--sigma", sigma), ("--ce-weight", ce_weight),
-                                           ("--recipe", recipe)) if value]
+                                           ("--recipe", recipe), ("--init", init)) if value]
         if frozen:
             raise OptionError(f"--resume {resume}: {', '.join(frozen)} would change the run's frozen config; a resume "
                               "takes only --steps (larger), --log, --device and --dtype; start a new run to change the rest")
@@ -84,7 +87,12 @@ def train(
         if both:
             raise OptionError(f"--{both[0].replace('_', '-')} and --recipe {both[0]}=... both given; give it once")
         rec = Recipe().with_(**fields, **knobs)
+        if init is not None and model is None:  # --init: the source run's backbone unless --model says otherwise
+            from rlcd.run import Run
+
+            model = Run.open(init).config().get("model")
         out = run_train(path, data_dir=data, model=model or "qwen3.5-0.8b", recipe=rec, steps=steps,
-                        device=device, dtype=dtype.value, log=log.value if log else None, feature_cache=not no_cache)
+                        device=device, dtype=dtype.value, log=log.value if log else None, feature_cache=not no_cache,
+                        init=init)
     if is_main_process():  # under torchrun every rank returns the same state: one JSON object on stdout
         echo_json({k: out[k] for k in ("step", "best_step", "best_score")})

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from rlcd.errors import RunError
-from rlcd.report import error_sections, metrics_sections, run_sections, verdict
+from rlcd.report import advantage_sections, error_sections, metrics_sections, run_sections, verdict
 from rlcd.report.notes import result_notes
 from rlcd.report.context import Context, FigureWriter, read_config
 from rlcd.report.document import Section, Text, to_html, to_markdown
@@ -43,6 +43,7 @@ SECTIONS = (
     metrics_sections.reliability,
     error_sections.error_analysis,
     run_sections.training,
+    advantage_sections.amplified,
     run_sections.data_and_recipe,
 )
 
@@ -66,6 +67,11 @@ def _stored_inputs(run: Run, preds: Mapping[str, list]) -> tuple[dict, dict, Any
     return {t: 1.0 for t in QUESTION_TYPES}, {}, None, notes, None
 
 
+def _out_flag(run: Run) -> str:
+    """` --out NAME` for an eval-NAME/ directory (`rlcd evaluate RUN --data OTHER`), else nothing."""
+    return f" --out {run.eval_name[len('eval-'):]}" if run.eval_name.startswith("eval-") else ""
+
+
 def write_report(run: Run | str | Path, *, ev: Mapping[str, Any] | None = None) -> Path:
     """Write ``eval/plots/*.png``, ``eval/report.md`` and ``eval/report.html``; returns the report.md path.
 
@@ -86,7 +92,7 @@ def write_report(run: Run | str | Path, *, ev: Mapping[str, Any] | None = None) 
                   training=read_training_log(log) if log.exists() else None, config=read_config(run))
     sections = [s for s in (fn(ctx) for fn in SECTIONS) if s is not None]
     intro = Section("About this report").add(Text(
-        f"Regenerate with `rlcd report {ctx.name}`; every number and plot comes from `eval/predictions-*.jsonl`, the "
+        f"Regenerate with `rlcd report {ctx.name}{_out_flag(run)}`; every number and plot comes from `eval/predictions-*.jsonl`, the "
         "temperatures, `metrics.jsonl` and `config.json`. `report.md` links the PNGs under `plots/`; `report.html` "
         "holds the same content in one file (images inline, no network)."))
     sections = sections + [intro]

@@ -14,7 +14,7 @@ from rlcd.report.evaluation import evaluation_json
 from rlcd.report.training_log import (has_diagnostics, last_value, reward_keys, selected_step, type_stat_series,
                                       type_stat_types)
 
-ARM_FIELDS = ("objective", "sigma", "sigma_end", "ce_weight", "n_perturbations", "w_spherical", "w_rps",
+ARM_FIELDS = ("objective", "sigma", "sigma_end", "ce_weight", "n_perturbations", "w_log", "w_spherical", "w_rps",
               "advantage_norm", "steps", "seed")
 
 
@@ -34,6 +34,9 @@ def data_and_recipe(ctx: Context) -> Section:
     if notes:
         s.add(Bullets(notes))
     s.add(_recipe(ctx))
+    init = _init(ctx)
+    if init is not None:
+        s.add(init)
     scalars = [(k, v) for k, v in sorted(ctx.meta.items()) if not isinstance(v, (dict, list))]
     if scalars:
         s.add(Text("Metadata:"), Table(["key", "value"], [[k, str(v)] for k, v in scalars]))
@@ -41,6 +44,16 @@ def data_and_recipe(ctx: Context) -> Section:
     if isinstance(hashes, dict) and hashes:
         s.add(Text("Data hashes:"), Table(["file", "sha256"], [[k, f"`{v}`"] for k, v in sorted(hashes.items())]))
     return s
+
+
+def _init(ctx: Context) -> Text | None:
+    """Where the weights started (`rlcd train --init RUN`), from config.json; None for a fresh start."""
+    init = (ctx.config or {}).get("init")
+    if not isinstance(init, dict):
+        return None
+    return Text(f"Initialised from run `{init.get('run')}`: its `{init.get('checkpoint')}` checkpoint (update "
+                f"{init.get('step')}, trainable weights sha256 `{init.get('weights_sha256')}`), with a fresh optimizer "
+                "and learning-rate schedule.")
 
 
 def _recipe(ctx: Context) -> Any:

@@ -1,0 +1,102 @@
+"""`rlcd train NEW --data D --init RUN`: a new run that starts from RUN's dev-selected trainable weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import synth_processed
+from typer.testing import CliRunner
+
+from rlcd import checkpoint as ckpt
+from rlcd.cli import app
+from rlcd.dev_evals import read_dev_eval
+from rlcd.errors import OptionError
+from rlcd.recipe import Recipe, lr_factor
+from rlcd.run import Run
+from rlcd.train import train
+
+torch.set_num_threads(1)
+FAST = dict(eval_every=1, checkpoint_every=1, log_every=1, diagnostics_every=0)
+QUIET = dict(progress=False, print_fn=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return synth_processed(tmp_path_factory.mktemp("data"), 40, seed=3)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory, data_dir) -> Path:
+    run = tmp_path_factory.mktemp("src") / "run"
+    train(run, data_dir=data_dir, model="tiny-toy", recipe=Recipe(steps=3, lr_head=5e-3, **FAST), **QUIET)
+    return run
+
+
+def test_init_continues_the_source_weights_with_a_fresh_optimizer(tmp_path, data_dir, source):
+    best = ckpt.load(source / "checkpoints" / "best")
+    new = tmp_path / "new"
+    recipe = Recipe(steps=2, seed=1, **FAST)
+    state = train(new, data_dir=data_dir, model="tiny-toy", recipe=recipe, init=source, stop_after=0, **QUIET)
+    assert state["step"] == 0
+    start = ckpt.load(new / "checkpoints" / "last")
+    assert start["weights"].keys() == best["weights"].keys()
+    assert {"head.mu_d", "head.mu_c", "head.centring_ready"} <= set(start["weights"])  # the centring buffers came along
+    assert float(start["weights"]["head.centring_ready"]) == 1.0
+    for k, v in best["weights"].items():
+        assert torch.equal(start["weights"][k], v), k
+    assert not start["optimizer"]["state"]  # fresh AdamW moments
+    # the first forward of the new run (its step-0 dev evaluation) is the source's best model, logit for logit
+    assert read_dev_eval(Run(new), 0) == read_dev_eval(Run(source), best["state"]["best_step"])
+    config = json.loads((new / "config.json").read_text())
+    assert config["init"]["run"] == str(source.resolve()) and config["init"]["checkpoint"] == "best"
+    assert config["init"]["step"] == best["state"]["best_step"]
+    assert config["init"]["weights_sha256"] == ckpt.weights_sha256(source / "checkpoints" / "best")
+    assert len(config["init"]["backbone_fingerprint"]) == 64
+
+    # a resume of an initialised run continues its own stream; the schedule starts afresh at warm-up
+    train(new, resume=True, **QUIET)
+    first = next(r for r in map(json.loads, (new / "metrics.jsonl").read_text().splitlines()) if r["event"] == "train")
+    assert first["step"] == 1
+    assert first["lr_head"] == pytest.approx(recipe.lr_head * lr_factor(0, 2, warmup_frac=recipe.warmup_frac,
+                                                                         floor=recipe.lr_floor), rel=1e-12)
+
+    from rlcd.report.run_sections import _init
+    text = _init(SimpleNamespace(config=config)).text
+    assert str(source.resolve()) in text and config["init"]["weights_sha256"] in text
+
+
+def test_init_refuses_another_backbone_and_writes_nothing(tmp_path, data_dir, source):
+    new = tmp_path / "new"
+    with pytest.raises(OptionError, match="model seed 0.*model seed 1.*same backbone"):
+        train(new, data_dir=data_dir, model="tiny-toy", model_seed=1, recipe=Recipe(steps=1, **FAST), init=source,
+              **QUIET)
+    with pytest.raises(OptionError, match="lora_rank 8 there, 4 here"):
+        train(new, data_dir=data_dir, model="tiny-toy", recipe=Recipe(steps=1, lora_rank=4, **FAST), init=source,
+              **QUIET)
+    # same name, other weights: the source's export fingerprint catches it after the model is built
+    other = tmp_path / "other"
+    shutil.copytree(source, other)
+    (other / "export").mkdir(exist_ok=True)
+    (other / "export" / "model.json").write_text(json.dumps({"backbone_fingerprint": "0" * 64,
+                                                             "backbone_fingerprint_rounding": "bfloat16"}))
+    with pytest.raises(OptionError, match="fingerprint differs"):
+        train(new, data_dir=data_dir, model="tiny-toy", recipe=Recipe(steps=1, **FAST), init=other, **QUIET)
+    assert not new.exists()
+
+    res = CliRunner().invoke(app, ["train", str(new), "--data", str(data_dir), "--model", "tiny", "--init",
+                                   str(source)])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--init" in lines[0] and "same backbone" in lines[0], res.stderr
+    assert not new.exists()
+    for args, needle in ((["--init", str(tmp_path / "nosuch")], "no such run directory"),
+                         (["--resume", str(source), "--init", str(source)], "--init")):
+        res = CliRunner().invoke(app, ["train", *(["--data", str(data_dir), str(new)] if args[0] == "--init" else []),
+                                       *args])
+        assert res.exit_code == 2 and needle in res.stderr and "Traceback" not in res.output, res.output
+    assert not new.exists()
