@@ -13,7 +13,8 @@ Rules, in order:
    (test > dev > calibration > train); rows with a lower official split are excluded
    `cross_split_group` (never moved). A group without official splits is placed by
    u = sha256(seed, smallest id in the group): u < 0.10 test, < 0.15 dev, < 0.20 calibration,
-   else train (other shares: `fractions`, `rlcd data prepare --splits`, recorded in the manifest). A group whose official split is train gets the same dev/calibration bands (never
+   else train (other shares: `fractions`, `rlcd data prepare --splits`, recorded in the
+   manifest). A group whose official split is train gets the same dev/calibration bands (never
    test), unless one of its sources already ships its own dev/calibration rows; so calibration
    is always carved from training groups.
 4. Exact duplicates (same state, image bytes and question) are excluded `duplicate`, keeping the
@@ -55,7 +56,8 @@ def parse_fractions(text: str) -> tuple[float, float, float, float]:
     try:
         parts = tuple(float(x) for x in text.split(","))
     except ValueError:
-        raise ValueError(f"{text!r}: expected four numbers train,dev,calibration,test (e.g. 0.8,0.05,0.05,0.1)") from None
+        raise ValueError(f"{text!r}: expected four numbers train,dev,calibration,test "
+                         "(e.g. 0.8,0.05,0.05,0.1)") from None
     if len(parts) != 4:
         raise ValueError(f"{text!r}: expected four fractions train,dev,calibration,test, got {len(parts)}")
     if any(not (x >= 0) for x in parts) or abs(sum(parts) - 1.0) > 1e-9:

@@ -48,5 +48,6 @@ def fit_notes(ev: Mapping[str, Any]) -> list[str]:
             out.append(f"note: {qtype} temperature not fitted: {info['reason']}")
         elif info.get("converged") is False:
             out.append(f"warning: the {qtype} temperature fit did not converge (T {fmt(info.get('temperature'), 3)}, "
-                       f"remaining step {fmt(info.get('newton_step'), 3)} in log T); treat its calibrated numbers with care")
+                       f"remaining step {fmt(info.get('newton_step'), 3)} in log T); "
+                       "treat its calibrated numbers with care")
     return out
