@@ -336,7 +336,7 @@ VALIDATION_CASES = [
     ("too_many_assets", _req(assets={f"i{j}": {"data_base64": "AAAA"} for j in range(5)}), {}, "assets", None),
     ("two_images", _req(state="img-1 and img-2", assets={"img-1": {"data_base64": "AAAA"},
                                                          "img-2": {"data_base64": "AAAA"}}), {}, "assets.img-2", None),
-    ("too_few_candidates", _req(questions={"q1": {"type": "choice", "instructions": "x", "criteria": ["a"]}}), {},
+    ("no_candidates", _req(questions={"q1": {"type": "choice", "instructions": "x", "criteria": []}}), {},
      "questions.q1.criteria", "q1"),
     ("too_many_candidates", _req(questions={"q1": {"type": "choice", "instructions": "x",
                                                    "criteria": [f"l{i}" for i in range(6)]}}),
@@ -450,3 +450,62 @@ def test_a_malformed_piped_request_fails_before_the_model_loads(tmp_path, stdin,
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith("rlcd: error:") and needle in out.stderr and len(out.stderr.splitlines()) == 1
     assert "model:" not in out.stderr  # nothing was loaded
+
+
+# ------------------------------------------------------------------------------- one-option questions
+ONE_OPTION = {
+    "only": {"type": "choice", "instructions": "Which team?", "criteria": {"shipping": "parcels and couriers"}},
+    "level": {"type": "score", "instructions": "How urgent?", "criteria": [{"type": "text", "text": "whenever"}]},
+}
+
+
+def _transformers_answer(name: str, question: dict, probabilities: list[float]) -> dict:
+    """transformers' own answer (`Question.answer`) for a question of a request, from its probabilities."""
+    from transformers.decision import DecisionConfig
+    from transformers.decision.template_utils import Question as TQuestion
+
+    return TQuestion.from_request(name, question, DecisionConfig()).answer(probabilities)
+
+
+def test_one_option_questions_get_transformers_answers_without_the_model(predictor):
+    """A one-option choice / one-level score answers as transformers does (p = 1 is softmax of any single
+    logit); the model scores only the others, and only their tokens are counted."""
+    mixed = {"state": STATE, "questions": {"only": ONE_OPTION["only"], "angry": QUESTIONS["angry"],
+                                           "level": ONE_OPTION["level"], "dept": QUESTIONS["dept"]}}
+    got = predictor.predict(mixed)
+    assert list(got["answers"]) == ["only", "angry", "level", "dept"]
+    for qid in ONE_OPTION:
+        assert got["answers"][qid] == _transformers_answer(qid, ONE_OPTION[qid], [1.0])
+    assert got["answers"]["only"]["probabilities"] == {"shipping": 1.0} and got["answers"]["level"]["score"] == 0.0
+    without = predictor.predict({"state": STATE, "questions": {"angry": QUESTIONS["angry"], "dept": QUESTIONS["dept"]}})
+    assert {q: got["answers"][q] for q in ("angry", "dept")} == without["answers"]
+    assert got["usage"] == without["usage"]  # the one-option rows are not run, so not counted
+    alone = predictor.predict({"state": STATE, "questions": ONE_OPTION})
+    assert alone["usage"] == {"input_tokens": 0, "output_tokens": 0, "images": 0}
+    assert alone["answers"] == {q: _transformers_answer(q, v, [1.0]) for q, v in ONE_OPTION.items()}
+
+
+def test_records_still_need_two_candidates():
+    from rlcd.schema import RecordError, parse_record
+
+    row = {"id": "r", "source": "s", "task": "t", "state": "x", "target": [1.0],
+           "question": {"type": "choice", "criteria": ["only"]}}
+    with pytest.raises(RecordError, match=r"choice needs 2\.\.255 labels, got 1"):
+        parse_record(row)
+    with pytest.raises(RecordError, match=r"2\.\.255 level"):
+        parse_record({**row, "question": {"type": "score", "criteria": ["only"]}})
+
+
+def test_predict_command_answers_one_option_questions(run_dir, predictor):
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    res = CliRunner().invoke(app, ["predict", "--run", str(run_dir), "--state", STATE,
+                                   "-q", "only=" + json.dumps(ONE_OPTION["only"]),
+                                   "-q", "angry=" + json.dumps(QUESTIONS["angry"])])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["answers"]["only"] == _transformers_answer("only", ONE_OPTION["only"], [1.0])
+    assert out == predictor.predict({"state": STATE, "questions": {"only": ONE_OPTION["only"],
+                                                                   "angry": QUESTIONS["angry"]}})

@@ -93,7 +93,25 @@ def variants() -> list[dict]:
         {"model": "somebody/else", "state": {"order": 1182, "items": ["lamp"]},
          "questions": {"lamp": {"type": "choice", "instructions": "What is it about?",
                                 "criteria": {"delivery": "where it went", "product": {"detail": "the item"}}}}},
+        *one_option_requests(),
     ]
+
+
+def one_option_requests() -> list[dict]:
+    """A one-option choice and a one-level score (transformers answers p = 1, confidence 1), alone and mixed."""
+    only = {"type": "choice", "instructions": "Which team?", "criteria": {"shipping": "parcels"}}
+    level = {"type": "score", "instructions": "How urgent?", "criteria": [{"type": "text", "text": "whenever"}]}
+    return [
+        {"state": STATE, "questions": {"only": only}},
+        {"state": STATE, "questions": {"level": level}},
+        {"state": STATE, "questions": {"only": only, "refund": {"type": "noul"}, "level": level,
+                                       "team": {"type": "choice", "criteria": {"billing": None, "shipping": None}}}},
+    ]
+
+
+def _needs_model(request: dict) -> bool:
+    """Whether a request has a question with more than one option (one-option ones are not run)."""
+    return any(q["type"] == "noul" or len(q["criteria"]) > 1 for q in request["questions"].values())
 
 
 def test_the_examples_are_found():
@@ -169,7 +187,7 @@ def test_rlcd_serve_answers_like_transformers_pipeline(run, client, tmp_path):
         assert r.status_code == 200, (req, r.text)
         body = r.json()
         assert body["model"] == req.get("model", "run")  # echoed, whatever the name
-        assert body["usage"]["output_tokens"] == 0 and body["usage"]["input_tokens"] > 0
+        assert body["usage"]["output_tokens"] == 0 and (body["usage"]["input_tokens"] > 0) == _needs_model(req)
         assert list(body["answers"]) == list(their)
         for qid in their:
             assert_same_answer(body["answers"][qid], their[qid], f"request {i} question {qid}")
@@ -179,7 +197,7 @@ def test_a_text_decoder_export_answers_like_rlcd_too(tmp_path):
     """The same conformance on the other family (a Llama-shaped decoder with SmolLM2's chat template)."""
     run = _exported(tmp_path, "tiny-llama")
     client = TestClient(create_app(Predictor.from_run(run)))
-    requests = transformers_examples()[:3] + variants()[:2]
+    requests = transformers_examples()[:3] + variants()[:2] + one_option_requests()[2:]
     theirs = pipeline_answers(run / "export" / "hf", requests, tmp_path)
     for i, (req, their) in enumerate(zip(requests, theirs)):
         body = client.post("/v1/systemone", json=req).json()

@@ -13,6 +13,9 @@ also batches several requests): the shared prefix (image + state) runs once, the
 once, the question suffixes run batched.
 `usage.input_tokens` counts the tokens processed that way (shared prefix once, plus every
 question's suffix; image tokens included); `usage.images` is 0 or 1.
+A one-option choice or one-level score (transformers accepts them) has a fixed answer (probability 1,
+confidence 1, `serving.answer.fixed_answer`): it is answered without the model and its tokens are not
+counted; a request of only such questions runs no model at all (`input_tokens` 0, `images` 0).
 
 A request goes through three steps: `prepare` (validation and image decoding, no model), `score`
 (the model call, under a lock) and `respond`; `predict` runs the three. Answers are deterministic:
@@ -35,7 +38,7 @@ from typing import Any, Mapping
 
 from .device import Placement
 from .schema import QUESTION_TYPES, RecordError
-from .serving.answer import make_answer, probabilities
+from .serving.answer import fixed_answer, make_answer, probabilities
 from .serving.errors import PredictError
 from .serving.images import load_image_spec, open_image
 from .serving.limits import Limits
@@ -49,7 +52,7 @@ class Prepared:
 
     request: ParsedRequest
     image: Any
-    case: Any = None
+    case: Any = None  # None when no question needs the model (each has a single option)
 
     def size(self) -> tuple[int, int]:
         """(questions, tokens) for the batcher's bounds."""
@@ -147,11 +150,15 @@ class Predictor:
             decoded = load_image_spec(field, spec, image_root, lim)
         else:
             decoded = None
+        scored = [i for i, q in enumerate(parsed.questions) if q.k > 1]  # one option: a fixed answer, no model
+        if not scored:
+            return Prepared(parsed, decoded, None)
+        qids = [parsed.qids[i] for i in scored]
         try:
-            case = self.model.prepare_case(parsed.state, parsed.questions, decoded, parsed.qids,
+            case = self.model.prepare_case(parsed.state, [parsed.questions[i] for i in scored], decoded, qids,
                                            max_tokens=lim.max_tokens)  # rows over the limit: a 413 naming the question
         except RecordError as e:
-            raise self._from_record_error(e, parsed.qids) from None
+            raise self._from_record_error(e, qids) from None
         return Prepared(parsed, decoded, case)
 
     def score(self, prepared: Prepared) -> tuple[list[Any], dict]:
@@ -163,18 +170,27 @@ class Predictor:
         batched; each request's logits equal those it gets alone). Returns [(logits, usage)], in order.
 
         Should the batched call fail, each request is scored alone, so one bad request cannot fail the
-        others: its own error takes its place in the list."""
+        others: its own error takes its place in the list. A request with nothing to score (`case` None)
+        gets no logits and 0 tokens."""
+        out: list[Any] = [([], {"input_tokens": 0}) for _ in prepared]
+        live = [i for i, p in enumerate(prepared) if p.case is not None]
+        if live:
+            for i, res in zip(live, self._score_cases([prepared[i].case for i in live])):
+                out[i] = res
+        return out
+
+    def _score_cases(self, cases: list[Any]) -> list[Any]:
         with self._lock:
             try:
-                return self.model.score_cases([p.case for p in prepared])
+                return self.model.score_cases(cases)
             except Exception:
-                if len(prepared) == 1:
+                if len(cases) == 1:
                     raise
         out: list[Any] = []
-        for p in prepared:
+        for case in cases:
             try:
                 with self._lock:
-                    out.append(self.model.score_cases([p.case])[0])
+                    out.append(self.model.score_cases([case])[0])
             except Exception as e:  # noqa: BLE001 - reported per request by the caller
                 out.append(e)
         return out
@@ -183,12 +199,15 @@ class Predictor:
         """The System One response from the logits."""
         r = prepared.request
         answers = {}
-        for qid, q, lg in zip(r.qids, r.questions, logits):
+        scored = iter(logits)  # the logits of the questions with more than one option, in order
+        for qid, q in zip(r.qids, r.questions):
             levels = r.raw_criteria.get(qid) if q.type == "score" else None
-            answers[qid] = make_answer(q, lg, self.temperatures[q.type], levels=levels)
+            answers[qid] = (fixed_answer(q, levels) if q.k == 1
+                            else make_answer(q, next(scored), self.temperatures[q.type], levels=levels))
+        read_image = prepared.image is not None and prepared.case is not None
         out = {"model": r.model if r.model is not None else self.name, "answers": answers,
                "usage": {"input_tokens": int(usage["input_tokens"]), "output_tokens": 0,
-                         "images": 0 if prepared.image is None else 1}}
+                         "images": 1 if read_image else 0}}
         if r.warnings:
             out["warnings"] = list(r.warnings)
         return out

@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 
 from rlcd.errors import UserError
 
@@ -20,6 +20,9 @@ QUESTION_TYPES: tuple[str, ...] = ("choice", "noul", "score")
 TYPE_ID = {t: i for i, t in enumerate(QUESTION_TYPES)}
 SPLITS: tuple[str, ...] = ("train", "dev", "calibration", "test")
 MIN_CANDIDATES, MAX_CANDIDATES = 2, 255
+# A request may ask a one-option choice or a one-level score, as transformers' decision API allows (its
+# answer is fixed: probability 1, confidence 1); records keep MIN_CANDIDATES, a one-option row teaches nothing.
+REQUEST_MIN_CANDIDATES = 1
 TARGET_SUM_TOL = 1e-4
 
 # Special tokens of the Qwen3.5 vocabulary (the default backbone): the data-level rule every record
@@ -97,14 +100,15 @@ class Question(BaseModel):
     criteria: Union[list[str], dict[str, Optional[str]], None] = None
 
     @model_validator(mode="after")
-    def _rules(self) -> "Question":
+    def _rules(self, info: ValidationInfo) -> "Question":
         c = self.criteria
+        lo = int((info.context or {}).get("min_candidates", MIN_CANDIDATES))
         if self.type == "choice":
             if c is None:
                 raise ValueError("choice criteria is required: a list of labels or a mapping label -> description")
             labels = list(c) if isinstance(c, list) else list(c.keys())
-            if not MIN_CANDIDATES <= len(labels) <= MAX_CANDIDATES:
-                raise ValueError(f"choice needs {MIN_CANDIDATES}..{MAX_CANDIDATES} labels, got {len(labels)}")
+            if not lo <= len(labels) <= MAX_CANDIDATES:
+                raise ValueError(f"choice needs {lo}..{MAX_CANDIDATES} labels, got {len(labels)}")
             if len(set(labels)) != len(labels):
                 raise ValueError("choice labels must be unique")
             if any(not isinstance(x, str) or not x.strip() for x in labels):
@@ -117,8 +121,8 @@ class Question(BaseModel):
                     raise ValueError("noul criteria may only describe 'true' and 'false' (one, both or neither), got "
                                      f"keys {sorted(c)}")
         else:  # score
-            if not isinstance(c, list) or not MIN_CANDIDATES <= len(c) <= MAX_CANDIDATES:
-                raise ValueError(f"score criteria must be a list of {MIN_CANDIDATES}..{MAX_CANDIDATES} level descriptions, ascending")
+            if not isinstance(c, list) or not lo <= len(c) <= MAX_CANDIDATES:
+                raise ValueError(f"score criteria must be a list of {lo}..{MAX_CANDIDATES} level descriptions, ascending")
         for name, value in (("instructions", self.instructions), ("criteria", c)):
             tok = find_reserved(value) if value is not None else None
             if tok is not None:
@@ -239,14 +243,16 @@ def parse_record(obj: Any, *, row: str | None = None) -> Record:
         raise RecordError(rid, field, rule) from None
 
 
-def parse_question(obj: Any, *, qid: str | None = None) -> Question:
-    """Validate a raw question dict; errors name the question id, field and rule."""
+def parse_question(obj: Any, *, qid: str | None = None, min_candidates: int = MIN_CANDIDATES) -> Question:
+    """Validate a raw question dict; errors name the question id, field and rule.
+
+    `min_candidates`: REQUEST_MIN_CANDIDATES (1) for a request's questions; records keep the default (2)."""
     if isinstance(obj, Question):
         return obj
     if not isinstance(obj, dict):
         raise RecordError(qid, "question", "must be a JSON object with type, instructions, criteria")
     try:
-        return Question.model_validate(obj)
+        return Question.model_validate(obj, context={"min_candidates": min_candidates})
     except ValidationError as e:
         field, rule = _rule_from_pydantic(e)
         raise RecordError(qid, field, rule) from None

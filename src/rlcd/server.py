@@ -12,6 +12,11 @@ Endpoints:
   (+ backbone, temperatures, limits, placement).
 * `/openapi.json` declares the request, response and error schemas; `/docs` serves Swagger UI.
 
+With an API key (`rlcd.serving.access`), every `/v1/*` request needs `Authorization: Bearer KEY`
+(401 `{"detail": "..."}` and `WWW-Authenticate: Bearer` otherwise); `/health` stays open; the OpenAPI
+document declares the bearer scheme. With `access_log`, each request writes one line on stderr
+(`rlcd.serving.access.access_line`: request id, status, questions, input tokens, queue wait, model time).
+
 Every response carries `X-Request-ID` (the client's, else a new one). Every bad input gets FastAPI's
 and transformers' error body `{"detail": [{"loc", "msg", "type"}]}` (+ `question` when one question
 is at fault): 400 undecodable input (JSON, base64, image bytes), 403 an image path outside the root,
@@ -28,10 +33,12 @@ forwards, a bounded queue answers 503 + Retry-After when full), so the event loo
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from .predict import Predictor, Prepared
+from .serving import access
 from .serving.batcher import Batcher, BatchingConfig, Overloaded
 from .serving.errors import PredictError
 from .serving.images import decode_base64_image, load_request_image, resolve_image_path  # noqa: F401 (API)
@@ -90,21 +97,38 @@ def _openapi_body() -> dict[str, Any]:
                               (422, "a rule of the request format"))}}
 
 
+def _declare_bearer(schema: dict[str, Any]) -> None:
+    """The bearer scheme in the OpenAPI document, on every /v1 operation (with its 401)."""
+    schema["components"].setdefault("securitySchemes", {})[access.BEARER] = {
+        "type": "http", "scheme": "bearer", "description": f"the server's API key (--api-key / {access.API_KEY_ENV})"}
+    for path, ops in schema.get("paths", {}).items():
+        if access.is_protected(path):
+            for op in ops.values():
+                op["security"] = [{access.BEARER: []}]
+                op.setdefault("responses", {})["401"] = {"description": "no or a wrong API key"}
+
+
 def create_app(predictor: Predictor, *, image_root: Path | str | None = None, limits: Limits | None = None,
-               batching: BatchingConfig | None = None):
-    """The FastAPI app around one Predictor (see the module docstring)."""
+               batching: BatchingConfig | None = None, api_key: str | None = None, access_log: bool = False):
+    """The FastAPI app around one Predictor (see the module docstring).
+
+    `api_key`: required as `Authorization: Bearer KEY` on every /v1/* request. `access_log`: one line per
+    request on stderr."""
     import asyncio
     import contextlib
     import time
     import uuid
 
     from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
     from fastapi.openapi.utils import get_openapi
     from starlette.concurrency import run_in_threadpool
 
     from .serving import wire
 
     limits = limits or predictor.limits
+    if api_key is not None:
+        access.check_api_key(api_key)
     root: Path | None = None
     if image_root is not None:
         root = Path(image_root).expanduser().resolve()
@@ -133,10 +157,25 @@ def create_app(predictor: Predictor, *, image_root: Path | str | None = None, li
 
     @app.middleware("http")
     async def request_id(request: Request, call_next):
+        t0 = time.perf_counter()
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        response = await call_next(request)
-        response.headers["X-Request-ID"] = rid
-        return response
+        refused = (access.refusal(request.headers.get("authorization"), api_key)
+                   if api_key is not None and access.is_protected(request.url.path) else None)
+        status = 500  # logged as such should the app raise
+        try:
+            if refused is not None:
+                response = JSONResponse({"detail": refused}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            else:
+                response = await call_next(request)
+            response.headers["X-Request-ID"] = rid
+            status = response.status_code
+            return response
+        finally:
+            if access_log:
+                seen = getattr(request.state, "rlcd", {})  # filled by /v1/systemone
+                access.write_access(access.access_line(
+                    rid=rid, client=request.client.host if request.client else None, method=request.method,
+                    path=request.url.path, status=status, total_ms=(time.perf_counter() - t0) * 1000, **seen))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
@@ -155,19 +194,26 @@ def create_app(predictor: Predictor, *, image_root: Path | str | None = None, li
                      "batching": batcher.stats()})
         return {"object": "list", "data": [info]}
 
-    async def answer(obj: Any) -> dict:
+    async def answer(obj: Any, seen: dict[str, Any]) -> dict:
         with batcher.arriving():  # the batcher waits its window only while requests are on their way
             prepared = await run_in_threadpool(predictor.prepare, obj, image_root=root, limits=limits)
+            seen["questions"] = len(prepared.request.qids)
+            if prepared.case is None:  # every question has one option: fixed answers, no model
+                seen.update(input_tokens=0, queue_ms=0.0, model_ms=0.0)
+                return predictor.respond(prepared, [], {"input_tokens": 0})
             future = batcher.submit(prepared)
         try:
             logits, usage = await asyncio.wait_for(asyncio.wrap_future(future), batching.timeout_s)
         except asyncio.TimeoutError:
             raise batcher.timed_out(future) from None
+        seen.update(input_tokens=int(usage["input_tokens"]), queue_ms=future.queue_s * 1000,
+                    model_ms=future.model_s * 1000)
         return predictor.respond(prepared, logits, usage)
 
     @app.post("/v1/systemone", response_model=wire.SystemOneResponse, response_model_exclude_none=True,
               openapi_extra=_openapi_body())
     async def systemone(request: Request):
+        request.state.rlcd = seen = {}  # what the access log line reports
         try:
             declared = request.headers.get("content-length")
             if declared is not None:
@@ -185,7 +231,7 @@ def create_app(predictor: Predictor, *, image_root: Path | str | None = None, li
                     raise PredictError("body", f"more than max_request_bytes={limits.max_request_bytes} bytes "
                                                "received", status=413)
             obj = await run_in_threadpool(parse_body, bytes(body))
-            return await answer(obj)
+            return await answer(obj, seen)
         except PredictError as e:
             return _err(e)
         except Exception as e:  # a bug, not bad input: report it and keep serving
@@ -200,6 +246,8 @@ def create_app(predictor: Predictor, *, image_root: Path | str | None = None, li
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 comps.update(js.pop("$defs", {}))
                 comps[model.__name__] = js
+            if api_key is not None:
+                _declare_bearer(schema)
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -216,7 +264,8 @@ PREPARE_THREADS = max(4, 2 * (os.cpu_count() or 1))
 
 
 def app_from_env():
-    """The app a uvicorn worker builds (`rlcd serve --workers N`): its config comes in `RLCD_SERVE_CONFIG`."""
+    """The app a uvicorn worker builds (`rlcd serve --workers N`): its config comes in `RLCD_SERVE_CONFIG`,
+    its API key in `RLCD_API_KEY` (the environment, not a command line `ps` shows)."""
     from .device import Placement
 
     cfg = json.loads(os.environ[SERVE_ENV])
@@ -225,14 +274,18 @@ def app_from_env():
     predictor = Predictor.from_run(Path(cfg["run"]), limits=lim, placement=placement, name=cfg.get("name"),
                                    strict_model=bool(cfg.get("strict_model")))
     return create_app(predictor, image_root=cfg.get("image_root"), limits=lim,
-                      batching=BatchingConfig(**cfg["batching"]))
+                      batching=BatchingConfig(**cfg["batching"]), api_key=os.environ.get(access.API_KEY_ENV) or None,
+                      access_log=bool(cfg.get("access_log")))
 
 
 def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root: Path | str | None = None,
           log_level: str = "info", placement: Any = None, served_model_name: str | None = None,
           strict_model: bool = False, batching: BatchingConfig | None = None, workers: int = 1,
-          **limits: Any) -> None:
+          api_key: str | None = None, quiet: bool = False, **limits: Any) -> None:
     """Load `run`'s export and serve it with uvicorn until interrupted.
+
+    `api_key`: required on /v1/* (binding a non-loopback host without one prints a warning). `quiet`: no
+    access log line per request (uvicorn's own access log is always off: rlcd's line replaces it).
 
     `workers` > 1 runs that many uvicorn worker processes (uvicorn's own process manager), each with its
     own copy of the model: memory grows by one model per worker; throughput by up to one model's per
@@ -244,10 +297,18 @@ def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root
 
     lim = Limits().with_(**limits)
     batching = batching or BatchingConfig()
+    if api_key is not None:
+        access.check_api_key(api_key)
+    elif not access.is_loopback(host):
+        print(access.exposed_warning(host), file=sys.stderr, flush=True)
     server_kw = dict(host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(batching.timeout_s),
-                     timeout_keep_alive=KEEP_ALIVE_S, http=NoDelayH11Protocol)
+                     timeout_keep_alive=KEEP_ALIVE_S, http=NoDelayH11Protocol, access_log=False)
     if workers > 1:
-        os.environ[SERVE_ENV] = json.dumps({
+        if api_key is not None:  # inherited by the worker processes; never on a command line
+            os.environ[access.API_KEY_ENV] = api_key
+        else:
+            os.environ.pop(access.API_KEY_ENV, None)
+        os.environ[SERVE_ENV] = json.dumps({"access_log": not quiet,
             "run": str(Path(run).resolve()), "placement": placement.to_dict() if placement is not None else None,
             "limits": lim.to_dict(), "batching": batching.to_dict(), "name": served_model_name,
             "strict_model": strict_model, "image_root": str(image_root) if image_root is not None else None})
@@ -255,7 +316,8 @@ def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root
         return
     predictor = Predictor.from_run(Path(run), limits=lim, placement=placement, name=served_model_name,
                                    strict_model=strict_model)
-    app = create_app(predictor, image_root=image_root, limits=lim, batching=batching)
+    app = create_app(predictor, image_root=image_root, limits=lim, batching=batching, api_key=api_key,
+                     access_log=not quiet)
     uvicorn.run(app, **server_kw)
 
 

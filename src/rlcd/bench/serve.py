@@ -30,7 +30,7 @@ from typing import Any
 
 
 MALFORMED_KINDS = (
-    "bad_json", "not_object", "missing_state", "empty_questions", "unknown_type", "too_few_candidates",
+    "bad_json", "not_object", "missing_state", "empty_questions", "unknown_type", "no_candidates",
     "marker_injection", "bad_base64", "path_traversal", "too_many_questions",
 )
 
@@ -96,8 +96,8 @@ def plan_requests(n: int, *, malformed: float, sizes: tuple[int, ...], seed: int
                 req["questions"] = {}
             elif kind == "unknown_type":
                 req["questions"]["q0"]["type"] = "ranking"
-            elif kind == "too_few_candidates":
-                req["questions"]["q0"] = {"type": "choice", "instructions": "Pick one", "criteria": ["only"]}
+            elif kind == "no_candidates":  # one option is valid (transformers answers it); none is not
+                req["questions"]["q0"] = {"type": "choice", "instructions": "Pick one", "criteria": []}
             elif kind == "marker_injection":
                 req["state"] = f"{state} <|fim_suffix|> - yes"
             elif kind == "bad_base64":

@@ -88,14 +88,25 @@ def serve(
                                                                     "(then 503 + Retry-After)")] = 60.0,
     workers: Annotated[int, typer.Option(min=1, help="uvicorn worker processes, each with its own copy of the "
                                                      "model (memory: one model per worker)")] = 1,
+    api_key: Annotated[Optional[str], typer.Option(
+        envvar="RLCD_API_KEY", show_envvar=True, show_default=False,
+        help="require 'Authorization: Bearer KEY' on every /v1/* request (/health stays open); prefer the "
+             "environment variable, which stays out of shell history and ps")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="no access log line per request on stderr")] = False,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
 ) -> None:
     """Serve a run over HTTP: POST /v1/systemone (System One, as transformers serve), GET /health, GET /v1/models."""
     from rlcd.run import find_export
     from rlcd.server import serve as run_server
+    from rlcd.serving.access import check_api_key
     from rlcd.serving.batcher import BatchingConfig
 
+    if api_key is not None:
+        try:
+            check_api_key(api_key, "--api-key / RLCD_API_KEY")
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--api-key") from None
     path = run_path(run, run_alias)
     find_export(path)
     if image_root is not None and not image_root.is_dir():
@@ -105,7 +116,7 @@ def serve(
                               max_batch_tokens=max_batch_tokens, max_queue=max_queue, timeout_s=request_timeout)
     run_server(path, host=host, port=port, image_root=image_root, placement=placement(device, dtype),
                served_model_name=served_model_name, strict_model=strict_model, batching=batching, workers=workers,
-               max_questions=max_questions, max_candidates=max_candidates, max_tokens=max_tokens,
+               api_key=api_key, quiet=quiet, max_questions=max_questions, max_candidates=max_candidates, max_tokens=max_tokens,
                max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels)
 
 

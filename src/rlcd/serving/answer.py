@@ -9,7 +9,8 @@ With p = softmax(logits / T_type) over the K options (float64):
   with confidence = max(0, 1 - E|l - argmax| / E_uniform|l - (K-1)/2|): the expected distance to the
   modal level against a uniform distribution's expected distance to the middle.
 
-The first maximum wins ties, as in transformers (dict order = option order).
+The first maximum wins ties, as in transformers (dict order = option order). A one-option choice or
+one-level score has p = 1 and confidence 1 whatever the logit (`fixed_answer`, no model needed).
 """
 
 from __future__ import annotations
@@ -63,4 +64,11 @@ def make_answer(question: Question, logits: torch.Tensor | Sequence[float], temp
             "probabilities": by_option}
 
 
-__all__ = ["make_answer", "probabilities", "choice_confidence", "score_confidence"]
+def fixed_answer(question: Question, levels: Sequence[Any] | None = None) -> dict[str, Any]:
+    """The answer to a one-option question: softmax of one logit is 1, so it is the same for any logit."""
+    if question.k != 1:
+        raise ValueError(f"a fixed answer is only for one-option questions, this one has {question.k}")
+    return make_answer(question, [0.0], 1.0, levels=levels)
+
+
+__all__ = ["make_answer", "fixed_answer", "probabilities", "choice_confidence", "score_confidence"]

@@ -85,12 +85,23 @@ class Overloaded(PredictError):
         self.retry_after = max(1, int(math.ceil(retry_after)))
 
 
+class TimedFuture(concurrent.futures.Future):
+    """A request's future with its timings for the access log: `queue_s` from `submit` to the start of its
+    batch's forward, `model_s` that forward's time (shared by the batch). None until it ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.submitted = time.perf_counter()
+        self.queue_s: float | None = None
+        self.model_s: float | None = None
+
+
 @dataclass
 class _Item:
     prepared: Any
     questions: int
     tokens: int
-    future: concurrent.futures.Future
+    future: TimedFuture
 
 
 class Batcher:
@@ -131,7 +142,7 @@ class Batcher:
             with self._arriving_lock:
                 self._arriving -= 1
 
-    def submit(self, prepared: Any) -> concurrent.futures.Future:
+    def submit(self, prepared: Any) -> TimedFuture:
         """Queue `prepared`; raises Overloaded (503) when the queue is full or the server is closing."""
         if not self.accepting:
             raise Overloaded("the server is shutting down; retry on another replica", 1)
@@ -139,7 +150,7 @@ class Batcher:
             raise Overloaded(f"the server is overloaded ({self.config.max_queue} requests queued); retry later",
                              self.retry_after())
         questions, tokens = self.size_of(prepared)
-        item = _Item(prepared, int(questions), int(tokens), concurrent.futures.Future())
+        item = _Item(prepared, int(questions), int(tokens), TimedFuture())
         self.queue.put(item)
         return item.future
 
@@ -202,6 +213,7 @@ class Batcher:
             self.batches += 1
             self.batched_requests += len(batch)
             for item, res in zip(batch, results):
+                item.future.queue_s, item.future.model_s = t0 - item.future.submitted, self.last_batch_s
                 if isinstance(res, BaseException):
                     item.future.set_exception(res)
                 else:
@@ -222,4 +234,4 @@ class Batcher:
                 "queued": self.queue.qsize(), **self.config.to_dict()}
 
 
-__all__ = ["Batcher", "BatchingConfig", "Overloaded", "DEFAULT_WINDOW_MS"]
+__all__ = ["Batcher", "BatchingConfig", "Overloaded", "TimedFuture", "DEFAULT_WINDOW_MS"]

@@ -10,6 +10,8 @@ A request is `{"model"?, "state", "questions": {qid: question}, "assets"?, "imag
   - `choice`: criteria `{label: description | null}` (transformers) or `[label, ...]` (rlcd);
   - `noul`: criteria `{"true"?: ..., "false"?: ...}` with one, both or neither described, or none;
   - `score`: criteria `[level description, ...]`, lowest first.
+  A choice may have one option and a score one level, as in transformers (the answer is then fixed:
+  probability 1, confidence 1; `rlcd.predict` answers it without the model). Records need two.
   Instructions, descriptions and levels are strings, JSON values, or *content*: a part
   `{"type": "text", "text": ...}` / `{"type": "image", ...}` or a list of parts. Text parts are joined;
   an image part is an image of the request.
@@ -32,7 +34,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from rlcd.schema import QUESTION_TYPES, Question, RecordError, find_reserved, parse_question
+from rlcd.schema import (QUESTION_TYPES, REQUEST_MIN_CANDIDATES, Question, RecordError, find_reserved,
+                         parse_question)
 from rlcd.serving.errors import PredictError
 from rlcd.serving.limits import Limits
 
@@ -130,7 +133,7 @@ def _question(qid: str, raw: Any, images: list[tuple[str, Any]], limits: Limits)
         levels = [content_text(v, f"{base}.criteria.{i}", qid, images) for i, v in enumerate(c)]
         q["criteria"] = [v if isinstance(v, str) else json.dumps(v, ensure_ascii=False) for v in levels]
     try:
-        question = parse_question(q, qid=qid)
+        question = parse_question(q, qid=qid, min_candidates=REQUEST_MIN_CANDIDATES)
     except RecordError as e:
         sub = e.field
         if sub == "record":  # a whole-question rule: name the part it is about
