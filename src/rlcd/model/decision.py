@@ -271,6 +271,10 @@ class DecisionModel(nn.Module):
         return h_dec, h_cand
 
     def forward(self, batch: Batch) -> torch.Tensor:
+        if getattr(batch, "units", None) is not None:  # a CaseBatch (Recipe.batch_by="case"): shared prefixes
+            from .case_train import case_forward
+
+            return case_forward(self, batch)
         h_dec, h_cand = self.features(batch)
         return self.head(h_dec, h_cand, batch.cand_mask.to(h_dec.device))
 
