@@ -20,6 +20,7 @@ from rlcd.data.synth import generate
 from rlcd.errors import OptionError
 from rlcd.model import case_train
 from rlcd.model.backbone import load_backbone
+from rlcd.model.collate import Batch
 from rlcd.model.decision import DecisionModel
 from rlcd.objectives import ce_loss
 from rlcd.recipe import Recipe
@@ -221,6 +222,14 @@ def test_case_micro_batches_come_from_the_case_sampler(tmp_path, data_dir):
         assert [len(u) for u in b.units] == [len(c) for c in cases]
         assert b.ids == [d.id for c in cases for d in c]
         assert [d.id for d in s.draws(index)] == b.ids
+    # the bench's token count: shared prefixes run fewer tokens than the same rows in full; rows run all
+    from rlcd.bench.train import processed_tokens, use_batch_by
+
+    case = processed_tokens(s, range(3))
+    assert case["rows"] == 24 and case["run_tokens_per_row"] < case["full_tokens_per_row"]
+    use_batch_by(s, "row")
+    assert isinstance(s.microbatch(0), Batch) and not isinstance(s.microbatch(0), case_train.CaseBatch)
+    assert processed_tokens(s, range(3))["token_ratio"] == 1.0
 
 
 @pytest.mark.slow

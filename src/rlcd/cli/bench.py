@@ -64,6 +64,8 @@ def train(
                               "models (e.g. tiny,smollm2-135m) on generated six-question synth cases")] = None,
     cases: Annotated[int, typer.Option(min=1, help="synth cases generated for --case-vs-row")] = 80,
     rounds: Annotated[int, typer.Option(min=1, help="alternating row/case rounds of --updates each (--case-vs-row)")] = 2,
+    state_tokens: Annotated[Optional[int], typer.Option(
+        min=1, help="--case-vs-row: replace each case's state by ~N tokens of ticket text (default: synth's own)")] = None,
 ) -> None:
     """Training-loop throughput and per-part share of an update; sampler rows/s (or --case-vs-row)."""
     from rlcd.bench.report import invocation, save_result
@@ -77,10 +79,13 @@ def train(
         for m in models:
             check_backbone_spec(m)
         res = run_case_vs_row(models, updates=updates, warmup=warmup, rounds=rounds, cases=cases, seed=seed,
-                              threads=threads, placement=placement(device, dtype))
+                              state_tokens=state_tokens, threads=threads, placement=placement(device, dtype))
         if json_out is not None:
             cmd = invocation(shlex.join(["rlcd", "bench", "train", "--case-vs-row", case_vs_row, "--updates",
-                                         str(updates), "--json", str(json_out)]))
+                                         str(updates), "--warmup", str(warmup), "--rounds", str(rounds), "--cases",
+                                         str(cases), *(["--threads", str(threads)] if threads else []),
+                                         *(["--state-tokens", str(state_tokens)] if state_tokens else []),
+                                         "--json", str(json_out)]))
             save_result("train-case", cmd, res, path=json_out)
         return
     check_backbone_spec(model)

@@ -20,13 +20,21 @@ Qwen3.5 (hybrid cache). transformers' `LinearAttentionLayer.update_conv_state` /
 here, into a subclass that assigns the new tensors instead; no other cache is touched (serving keeps
 the static buffers). The cut is moved down onto the DeltaNet chunk grid (`Family.exact_align`, 64) and
 the suffixes run with the default chunk, so every chunk of the recurrent scan covers the same tokens as
-in a full row. Why: transformers' reference `torch_chunk_gated_delta_rule` computes in float32 whatever
-the model dtype (its inputs are cast), with the decay as a float32 cumulative sum inside each chunk;
-on a different chunk grid the same tokens are rounded differently. On the random `tiny` preset, whose
-decays are extreme (|log-decay| up to tens per token, so the within-chunk sums reach thousands and
-their float32 differences lose ~1e-4 relative), that moved parameter gradients by ~1e-3 relative and
-left a 6e-8 relative float64 loss residue (QWEN35-NOTES.md); on the grid both go to float-noise level.
-Measured in `benchmarks/case_train_residue.py` (float64, shipped kernel vs a float64 copy of it).
+in a full row. Why, measured in float64 on the random `tiny` preset (`benchmarks/case_train_residue.py`):
+
+* the 6e-8 relative float64 loss residue of the first probe (QWEN35-NOTES.md) is the size of one
+  float32 rounding (2**-24 = 6.0e-8), not a path error: the candidate scorer computes in FP32 by design
+  (a float64 backbone still gives a float32 loss), and transformers' reference
+  `torch_chunk_gated_delta_rule` casts its inputs to float32 whatever the model dtype. Here the two
+  paths' float64 losses agree exactly; with that kernel made float64 the shared path equals full rows
+  (logits identical, gradients 1e-8 relative; worst tensor 6e-8 on the chunk grid, 9e-7 off it).
+* the ~1e-3 gradient differences sit in the decay gate's LoRA (`linear_attn.in_proj_a`): its float32
+  gradient is mostly rounding on this preset, whose decays are extreme (the full-row gradient itself
+  is 0.87 relative away from the float64 kernel's). Any other summation order moves it: the shared
+  path sums the state's gradient over a case's rows before it flows into the prefix. Off the chunk
+  grid the difference is several times larger (tiny: 0.31 vs 0.06 on the grid; tiny-toy in float32:
+  1.3e-3 vs 1.7e-4, where batched vs one-row-at-a-time full rows differ by 1.1e-5). The whole
+  gradient agrees within 1e-6, every other tensor within 1e-4 (tested).
 
 Text decoders: `DynamicCache` grows by `torch.cat` and expands by `index_select`, both differentiable,
 so no change is needed (the gradient parity is tested).
