@@ -1,7 +1,7 @@
 """Worker for the DDP tests, launched by torchrun (2 gloo ranks) or plainly (1 process).
 
-`grads DATA OUT`: first-update gradients of an update of 8 micro-batches (8 // world per rank),
-saved by rank 0 as OUT/grads-world{N}.pt.  `train DATA RUN`: a 3-update run with the recipe's
+`grads DATA OUT [BATCH_BY]`: first-update gradients of an update of 8 micro-batches (8 // world per rank;
+`BATCH_BY` the recipe's `batch_by`, default row), saved by rank 0 as OUT/grads-world{N}.pt.  `train DATA RUN`: a 3-update run with the recipe's
 batch (8 x 4 examples per update, whatever the world size).
 """
 
@@ -16,9 +16,9 @@ from rlcd.train import build_session, init_centring, init_distributed, new_run, 
 torch.set_num_threads(1)
 
 
-def grads(data_dir: Path, out: Path) -> None:
+def grads(data_dir: Path, out: Path, batch_by: str = "row") -> None:
     d = init_distributed()
-    recipe = Recipe(steps=10, grad_accum=8)
+    recipe = Recipe(steps=10, grad_accum=8, batch_by=batch_by)
     config, samples = new_run(out / "unused", data_dir, "tiny-toy", recipe, world_size=d.world)
     s = build_session(config, samples, d)
     init_centring(s)
@@ -36,4 +36,4 @@ def run(data_dir: Path, run_dir: Path) -> None:
 
 if __name__ == "__main__":
     mode, data, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    grads(data, out) if mode == "grads" else run(data, out)
+    grads(data, out, *sys.argv[4:5]) if mode == "grads" else run(data, out)

@@ -42,6 +42,7 @@ class Recipe:
     grad_accum: int = 4          # micro-batches per update, split over DDP ranks (global batch 32)
     pool_cap: int = 6000         # eligible training rows per sampling group
     dev_cap: int = 256           # dev rows per sampling group (selection subset)
+    batch_by: str = "row"        # "row": rows drawn one by one; "case": whole cases, each state forwarded once
     # --- optimisation ------------------------------------------------------------------------
     lr_lora: float = 1e-4
     lr_head: float = 5e-4
@@ -77,6 +78,8 @@ class Recipe:
         for name in ("w_spherical", "w_rps", "w_log"):
             if not (_real(getattr(self, name)) and getattr(self, name) >= 0):
                 raise OptionError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")
+        if self.batch_by not in ("row", "case"):
+            raise OptionError(f"batch_by must be 'row' or 'case', got {self.batch_by!r}")
         if self.advantage_norm not in ("batch", "type"):
             raise OptionError(f"advantage_norm must be 'batch' or 'type', got {self.advantage_norm!r}")
         for name in ("steps", "batch_size", "grad_accum", "pool_cap", "dev_cap", "eval_every", "checkpoint_every",

@@ -199,8 +199,22 @@ class Session:
         return out
 
     def microbatch(self, index: int):
-        draws = self.sampler.microbatch(self.recipe.seed, index, self.recipe.batch_size)
-        return self.batch_of(draws, head_phase=self.recipe.head_phase(index // self.recipe.grad_accum))
+        """Micro-batch `index`: while only the head learns (`Recipe.head_phase`), rows in fixed candidate
+        orders, from the feature cache when there is one (`batch_of`; `batch_by` does not apply: there is no
+        backbone forward to share); else a `Batch` of rows, or with `batch_by="case"` a `CaseBatch` of whole
+        cases (`Sampler.case_microbatch`; `DecisionModel.forward` then shares each state's prefix)."""
+        from rlcd.data.sampling import shuffle_choice
+
+        r = self.recipe
+        if r.head_phase(index // r.grad_accum):
+            return self.batch_of(self.sampler.microbatch(r.seed, index, r.batch_size), head_phase=True)
+        if r.batch_by == "case":
+            from rlcd.model.case_train import collate_cases
+
+            cases = self.sampler.case_microbatch(r.seed, index, r.batch_size)
+            units = [[shuffle_choice(self.records[d.id], d.perm_seed) for d in case] for case in cases]
+            return collate_cases(self.collator, units).to(self.device)
+        return self.batch_of(self.sampler.microbatch(r.seed, index, r.batch_size), head_phase=False)
 
     def batch_of(self, draws, *, head_phase: bool):
         """The batch of `draws`. While only the head learns, a choice row takes one of its fixed candidate
@@ -221,11 +235,18 @@ class Session:
             return self.features.batch("train", rows, orders).to(self.device)
         return self.collator(rows).to(self.device)
 
+    def draws(self, index: int) -> list:
+        """The sampler draws of micro-batch `index` (a case micro-batch's cases flattened)."""
+        r = self.recipe
+        if r.batch_by == "case" and not r.head_phase(index // r.grad_accum):
+            return [d for case in self.sampler.case_microbatch(r.seed, index, r.batch_size) for d in case]
+        return self.sampler.microbatch(r.seed, index, r.batch_size)
+
     def count_consumed(self, step: int) -> None:
         """Add the sampling groups of all of update `step`'s examples (every rank's: the stream is pure)."""
         r = self.recipe
         for index in range(step * r.grad_accum, (step + 1) * r.grad_accum):
-            for d in self.sampler.microbatch(r.seed, index, r.batch_size):
+            for d in self.draws(index):
                 self.consumed[d.group] += 1
 
     def accumulate(self, step: int, *, diagnostics: bool = False,
@@ -466,8 +487,10 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
     check_special_tokens(model.encoder, [by_id[i] for ids in pool.values() for i in ids],
                          [r for rows in dev.values() for r in rows])
     collator = model.collator(image_root=data_dir)
+    case_of = {i: by_id[i].case_id for ids in pool.values() for i in ids} if recipe.batch_by == "case" else None
     return Session(recipe=recipe, horizon=int(config["decay_horizon"]), model=model, wrapped=wrapped,
-                   optimizer=optimizer, collator=collator, records=by_id, dev=dev, sampler=Sampler(pool),
+                   optimizer=optimizer, collator=collator, records=by_id, dev=dev,
+                   sampler=Sampler(pool, case_of),
                    dist=d, device=device, objective_fn=objective_fn, features=features)
 
 

@@ -52,6 +52,9 @@ HEADLINE = {
     "train": ("model", "hidden", "device", "batch_size", "grad_accum", "updates", "warmup_updates", "mean_row_tokens",
               "step_ms", "examples_per_s", "tokens_per_s", "objective_share", "objective_pass",
               "sampler_rows_per_s", "sampler_pass"),
+    "train-case": tuple(f"models.{m}.{k}" for m in ("tiny", "tiny-llama", "smollm2-135m")
+                        for k in ("row.examples_per_s", "case.examples_per_s", "speedup", "full_tokens_per_row",
+                                  "run_tokens_per_row", "token_ratio")),
     "serve": ("model", "requests_per_level", "window_ms", "batching_speedup_c16", "p50_ratio_c1", "c5xx", "crashes",
               "unexpected", "peak_rss_mib",
               *(f"model_batching.{z}.gain" for z in (1, 5, 50)),

@@ -267,5 +267,88 @@ def format_report(res: dict) -> list[str]:
     return lines
 
 
-__all__ = ["run_train_bench", "time_updates", "timed_update", "sampler_bench", "make_bench_data", "bench_session",
-           "PARTS"]
+# ----------------------------------------------------------------------------------------------
+# batch_by case vs row
+
+
+def use_batch_by(s: Any, batch_by: str) -> None:
+    """Switch a bench session's sampling between `row` and `case` (same model, same data)."""
+    from rlcd.data.sampling import Sampler
+
+    s.recipe = s.recipe.with_(batch_by=batch_by)
+    pool = s.bench_pool
+    case_of = {i: s.records[i].case_id for ids in pool.values() for i in ids} if batch_by == "case" else None
+    s.sampler = Sampler(pool, case_of)
+
+
+def processed_tokens(s: Any, indices: range) -> dict[str, float]:
+    """Tokens the model runs for micro-batches `indices` under the session's `batch_by`, against full rows."""
+    from rlcd.model.case_train import unit_cut
+
+    full = run = rows = 0
+    for index in indices:
+        b = s.microbatch(index)
+        rows += len(b)
+        lens = b.attention_mask.sum(1).tolist()
+        full += sum(lens)
+        if getattr(b, "units", None) is None:
+            run += sum(lens)
+            continue
+        for u in b.units:
+            cut = unit_cut(s.model, b.rows[u.start:u.end], u.n_img) or 0
+            run += cut + sum(lens[i] - cut for i in range(u.start, u.end))
+    return {"rows": rows, "full_tokens_per_row": full / rows, "run_tokens_per_row": run / rows,
+            "token_ratio": full / run}
+
+
+def run_case_vs_row(models: tuple[str, ...] = ("tiny",), *, updates: int = 4, warmup: int = 1, rounds: int = 2,
+                    cases: int = 80, seed: int = 0, state_tokens: int | None = None, threads: int | None = None,
+                    placement: Any = None, print_fn: Callable[[str], None] | None = print) -> dict:
+    """Training examples/s with `batch_by=case` vs `row`, per model, on generated six-question synth cases.
+
+    One session per model (built as `rlcd train` builds it); `rounds` alternating blocks of `updates`
+    timed updates per arm (after `warmup` untimed ones each), so a change of machine load hits both arms.
+    The ratio is of the summed times. `token_ratio`: full-row tokens over tokens run with shared prefixes
+    (its upper bound on a compute-bound machine)."""
+    from rlcd.model.backbone import load_backbone
+
+    if threads:
+        torch.set_num_threads(int(threads))
+    out: dict[str, Any] = {"updates_per_round": updates, "rounds": rounds, "warmup_updates": warmup, "cases": cases,
+                           "state_tokens": state_tokens, "seed": seed, "threads": torch.get_num_threads(),
+                           "load_avg_1m_before": _loadavg(), "models": {}}
+    for model in models:
+        with tempfile.TemporaryDirectory(prefix="rlcd-bench-case-") as tmp:
+            tok = load_backbone(model, seed=0).tokenizer if state_tokens else None
+            data = make_bench_data(Path(tmp), cases=cases, seed=seed, state_tokens=state_tokens, tokenizer=tok)
+            s = bench_session(data, model, seed=seed, workdir=Path(tmp), placement=placement)
+            arms: dict[str, dict[str, Any]] = {"row": {"wall_s": 0.0, "examples": 0},
+                                               "case": {"wall_s": 0.0, "examples": 0}}
+            step = 0
+            for _ in range(rounds):
+                for arm in ("row", "case"):
+                    use_batch_by(s, arm)
+                    res = time_updates(s, updates, warmup, start_step=step)
+                    step += updates + warmup
+                    arms[arm]["wall_s"] += res["wall_s"]
+                    arms[arm]["examples"] += res["examples"]
+                    arms[arm]["mean_row_tokens"] = res["mean_row_tokens"]
+            for arm in arms:
+                arms[arm]["examples_per_s"] = arms[arm]["examples"] / arms[arm]["wall_s"]
+            use_batch_by(s, "case")
+            tokens = processed_tokens(s, range(10_000, 10_040))
+            out["models"][model] = {**arms, "speedup": arms["case"]["examples_per_s"] / arms["row"]["examples_per_s"],
+                                    **tokens, "placement": s.model.placement}
+            if print_fn is not None:
+                m = out["models"][model]
+                print_fn(f"case vs row: {model}: row {m['row']['examples_per_s']:.2f} examples/s, case "
+                         f"{m['case']['examples_per_s']:.2f} examples/s: {m['speedup']:.2f}x (tokens run per row "
+                         f"{m['run_tokens_per_row']:.0f} of {m['full_tokens_per_row']:.0f}: bound "
+                         f"{m['token_ratio']:.2f}x)")
+            del s
+    out["load_avg_1m_after"] = _loadavg()
+    return out
+
+
+__all__ = ["run_train_bench", "run_case_vs_row", "use_batch_by", "processed_tokens", "time_updates", "timed_update",
+           "sampler_bench", "make_bench_data", "bench_session", "PARTS"]

@@ -93,12 +93,35 @@ def train(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the result JSON (bench format) here")] = None,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
+    case_vs_row: Annotated[Optional[str], typer.Option(
+        "--case-vs-row", help="instead: training examples/s with batch_by case vs row for these comma-separated "
+                              "models (e.g. tiny,smollm2-135m) on generated six-question synth cases")] = None,
+    cases: Annotated[int, typer.Option(min=1, help="synth cases generated for --case-vs-row")] = 80,
+    rounds: Annotated[int, typer.Option(min=1, help="alternating row/case rounds of --updates each (--case-vs-row)")] = 2,
+    state_tokens: Annotated[Optional[int], typer.Option(
+        min=1, help="--case-vs-row: replace each case's state by ~N tokens of ticket text (default: synth's own)")] = None,
 ) -> None:
-    """Training-loop throughput and per-part share of an update; sampler rows/s."""
+    """Training-loop throughput and per-part share of an update; sampler rows/s (or --case-vs-row)."""
     from rlcd.bench.report import invocation, save_result
-    from rlcd.bench.train import run_train_bench
+    from rlcd.bench.train import run_case_vs_row, run_train_bench
     from rlcd.model.backbone import check_backbone_spec
 
+    if case_vs_row is not None:
+        models = tuple(m.strip() for m in case_vs_row.split(",") if m.strip())
+        if not models:
+            raise typer.BadParameter("name at least one model", param_hint="--case-vs-row")
+        for m in models:
+            check_backbone_spec(m)
+        res = run_case_vs_row(models, updates=updates, warmup=warmup, rounds=rounds, cases=cases, seed=seed,
+                              state_tokens=state_tokens, threads=threads, placement=placement(device, dtype))
+        if json_out is not None:
+            cmd = invocation(shlex.join(["rlcd", "bench", "train", "--case-vs-row", case_vs_row, "--updates",
+                                         str(updates), "--warmup", str(warmup), "--rounds", str(rounds), "--cases",
+                                         str(cases), *(["--threads", str(threads)] if threads else []),
+                                         *(["--state-tokens", str(state_tokens)] if state_tokens else []),
+                                         "--json", str(json_out)]))
+            save_result("train-case", cmd, res, path=json_out)
+        return
     check_backbone_spec(model)
     if data is not None and not (data / "train.jsonl").is_file():
         raise typer.BadParameter(f"{data}: not a processed data directory (no train.jsonl)", param_hint="--data")

@@ -7,6 +7,8 @@
   then a row of that group uniformly, with replacement, plus a permutation seed. The draw comes
   from `numpy.random.default_rng([seed, index])` alone, so a resumed run continues the same stream
   from its absolute microbatch index.
+* `Sampler.case_microbatch(seed, index)` (`Recipe.batch_by = "case"`): the same micro-batch filled with
+  whole cases instead of single rows (see its docstring for the split rule).
 * `shuffle_choice`: permutes a choice question's candidates together with target and posterior,
   so the model cannot learn a position prior; noul and score keep their fixed order.
 """
@@ -58,14 +60,52 @@ class Draw:
 
 
 class Sampler:
-    """Precomputes the pool once so that each microbatch costs one small RNG call."""
+    """Precomputes the pool once so that each microbatch costs one small RNG call.
 
-    def __init__(self, pool: dict[str, list[str]]):
+    `case_of` (id -> case key; ids it lacks are one-row cases) is needed by `case_microbatch` only."""
+
+    def __init__(self, pool: dict[str, list[str]], case_of: dict[str, str | None] | None = None):
         self.groups = sorted(g for g, ids in pool.items() if ids)
         if not self.groups:
             raise ValueError("the pool has no rows: every group is empty")
         self.ids = [list(pool[g]) for g in self.groups]
         self.sizes = np.array([len(ids) for ids in self.ids], dtype=np.float64)
+        self.cases: list[list[list[str]]] | None = None
+        if case_of is not None:
+            self.cases = []
+            for ids in self.ids:  # per group: its cases in first-row pool order, each case's rows in pool order
+                by_case: dict[str, list[str]] = {}
+                for i in ids:
+                    key = case_of.get(i)
+                    by_case.setdefault(("case", key) if key is not None else ("row", i), []).append(i)
+                self.cases.append(list(by_case.values()))
+
+    def case_microbatch(self, seed: int, index: int, size: int = 8) -> list[list[Draw]]:
+        """Micro-batch `index` as whole cases: a list of cases, each a list of draws (`size` draws in all).
+
+        A pure function of (pool, seed, index), from `numpy.random.default_rng([seed, index, 1])` (a stream
+        apart from `microbatch`'s). Repeat until `size` rows are taken: draw a group uniformly, then one
+        of its cases uniformly (with replacement; a case is its rows of that group in the pool), then a
+        random order of the case's rows and one permutation seed per row. Split rule: a case with more
+        rows than the room left contributes the first `room` rows of its random order and the rest is
+        not used by this draw -- carrying it into the next micro-batch would make a micro-batch depend
+        on the one before, breaking the (seed, index) stream that resume and DDP rely on. So a case
+        larger than `size` always arrives as a random `size`-row chunk of itself.
+        """
+        if self.cases is None:
+            raise ValueError("this Sampler was built without case_of: it cannot draw whole cases")
+        rng = np.random.default_rng([seed, index, 1])
+        out: list[list[Draw]] = []
+        room = size
+        while room > 0:
+            gi = int(rng.random() * len(self.groups))
+            cases = self.cases[gi]
+            rows = cases[int(rng.random() * len(cases))]
+            take = rng.permutation(len(rows))[:room].tolist()
+            perm = rng.integers(0, 2**32, size=len(take), dtype=np.uint64).tolist()
+            out.append([Draw(self.groups[gi], rows[i], p) for i, p in zip(take, perm)])
+            room -= len(take)
+        return out
 
     def microbatch(self, seed: int, index: int, size: int = 8) -> list[Draw]:
         """The `size` draws of microbatch `index`: a pure function of (pool, seed, index)."""

@@ -279,7 +279,12 @@ class DecisionModel(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits [B, Kmax]. While `frozen_features` is set (head-only training, the head warm-up) the
-        backbone runs without gradients: only the head learns, and the features equal the cached ones."""
+        backbone runs without gradients: only the head learns, and the features equal the cached ones.
+        A `CaseBatch` (Recipe.batch_by="case") shares each state's prefix (`case_train.case_forward`)."""
+        if getattr(batch, "units", None) is not None:
+            from .case_train import case_forward
+
+            return case_forward(self, batch)
         if self.frozen_features:
             with torch.no_grad():
                 h_dec, h_cand = self.features(batch)
