@@ -1,6 +1,7 @@
 """Where the shared-prefix training residue on the hybrid Qwen3.5 cache comes from (float64 experiment).
 
-Run: PYTHONPATH=src python benchmarks/case_train_residue.py [--json benchmarks/results/case-train-residue.json]
+Run: PYTHONPATH=src python benchmarks/case_train_residue.py [--json OUT.json]  (not into benchmarks/results/:
+that directory holds `rlcd bench` results only).
 
 The random `tiny` preset in float64, LoRA B set to small random values (so every LoRA tensor has a
 gradient), two six-question synth cases (five rows each) and one single row. The CE loss of the same

@@ -1,8 +1,9 @@
 """Worker for the DDP tests, launched by torchrun (2 gloo ranks) or plainly (1 process).
 
-`grads DATA OUT [BATCH_BY]`: first-update gradients of an update of 8 micro-batches (8 // world per rank;
-`BATCH_BY` the recipe's `batch_by`, default row), saved by rank 0 as OUT/grads-world{N}.pt.  `train DATA RUN`: a 3-update run with the recipe's
-batch (8 x 4 examples per update, whatever the world size).
+`grads DATA OUT [BATCH_BY]`: first-update gradients of an update of 8 micro-batches (8 // world per
+rank; `BATCH_BY` the recipe's `batch_by`, default row), saved by rank 0 as OUT/grads-world{N}.pt.
+`train DATA RUN`: a 3-update run with the recipe's batch (8 x 4 examples per update, whatever the
+world size).
 """
 
 import sys

@@ -1,5 +1,5 @@
 """Training through shared prefixes (`Recipe.batch_by = "case"`): the case sampler's rules, gradient and
-logit parity of `case_forward` with full rows (tiny-llama; tiny, the hybrid Qwen3.5 cache), the
+logit parity of `case_forward` with full rows (tiny-llama; tiny, the hybrid Qwen3.5 cache; an image), the
 functional cache being what makes the backward possible, and a bit-exact resume of a case run."""
 
 from __future__ import annotations
@@ -248,3 +248,30 @@ def test_ddp_case_gradients_match_single_process(tmp_path, data_dir):
     assert ddp.keys() == ref.keys() and len(ref) > 10
     for name in ref:
         torch.testing.assert_close(ddp[name], ref[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_case_gradients_equal_full_rows_with_an_image(tmp_path, monkeypatch):
+    """tiny-toy with an image in one case: the image is encoded once for the case, inside its shared prefix."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.RandomState(0)
+    Image.fromarray((rng.rand(64, 96, 3) * 255).astype("uint8")).save(tmp_path / "a.png")
+    dm = _model("tiny-toy")
+    units = _units(3)
+    units[0] = [r.model_copy(update={"image": "a.png"}) for r in units[0]]
+    col = dm.collator(image_root=tmp_path)
+    cb = case_train.collate_cases(col, units)
+    fb = col([r for u in units for r in u])
+    assert cb.units[0].n_img > 0 and cb.units[1].n_img == 0
+    assert case_train.unit_cut(dm, cb.rows[:3], cb.units[0].n_img) is not None  # the image is shared
+    seen = []
+    features = dm.image_features
+    monkeypatch.setattr(dm, "image_features", lambda pv, grid: seen.append(tuple(grid.shape)) or features(pv, grid))
+    lc, gc = _grads(dm, cb)
+    assert seen == [(1, 3)]  # one image encoding for the three rows of its case
+    monkeypatch.undo()
+    lf, gf = _grads(dm, fb)
+    m = fb.cand_mask
+    assert float((lc[m] - lf[m]).abs().max()) < 1e-5
+    assert _rel(_vec(gc), _vec(gf)) < 1e-5

@@ -23,6 +23,13 @@ Targets (issue 9): objective < 1% of step time, sampler > 100,000 rows/s. The la
 machine-readable:
 
     train: examples_per_s=... tokens_per_s=... objective_share=... sampler_rows_per_s=...
+
+`run_case_vs_row` (`rlcd bench train --case-vs-row MODELS`): training examples/s with `batch_by=case`
+against `row` on one session per model (the same update code, only the sampler and the forward path
+differ), with the tokens each arm runs per row. Its ceiling is arithmetic: a micro-batch of B rows
+drawn as six-question cases holds at least ceil(B/6) states (B=8: two, the second one split), so with
+a P-token prefix and S-token suffixes the token ratio is at most B(P+S) / (2P + BS) -- 2.2x for the
+synth rows on SmolLM2's tokenizer (P ~ 145, S ~ 55), 3x only from P ~ 8S (states of ~450 tokens).
 """
 
 from __future__ import annotations

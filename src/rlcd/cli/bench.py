@@ -97,9 +97,11 @@ def train(
         "--case-vs-row", help="instead: training examples/s with batch_by case vs row for these comma-separated "
                               "models (e.g. tiny,smollm2-135m) on generated six-question synth cases")] = None,
     cases: Annotated[int, typer.Option(min=1, help="synth cases generated for --case-vs-row")] = 80,
-    rounds: Annotated[int, typer.Option(min=1, help="alternating row/case rounds of --updates each (--case-vs-row)")] = 2,
+    rounds: Annotated[int, typer.Option(
+        min=1, help="alternating row/case rounds of --updates each (--case-vs-row)")] = 2,
     state_tokens: Annotated[Optional[int], typer.Option(
-        min=1, help="--case-vs-row: replace each case's state by ~N tokens of ticket text (default: synth's own)")] = None,
+        min=1, help="--case-vs-row: each case's state becomes ~N tokens of ticket text (default: synth's own)",
+    )] = None,
 ) -> None:
     """Training-loop throughput and per-part share of an update; sampler rows/s (or --case-vs-row)."""
     from rlcd.bench.report import invocation, save_result

@@ -204,7 +204,7 @@ def unit_cut(model: Any, rows: Sequence[EncodedRow], n_img: int) -> int | None:
 
 def case_forward(model: Any, batch: CaseBatch) -> torch.Tensor:
     """Logits [B, Kmax] of a CaseBatch: shared prefixes with gradients (see the module docstring)."""
-    dev, family = model.device, model.family
+    dev = model.device
     shared, solo = [], []
     for u in batch.units:
         cut = unit_cut(model, batch.rows[u.start:u.end], u.n_img)
