@@ -187,6 +187,8 @@ def test_cli_mistakes_are_one_line_and_exit_2(tmp_path, data_dir):
              "--recipe", "head_warmup=50")
     assert p.returncode == 2 and "head_warmup must be an integer in [0, steps=10]" in p.stderr
     assert len(p.stderr.strip().splitlines()) <= 2 and not (tmp_path / "r").exists()
+    p = _cli("train", "--resume", str(tmp_path / "r"), "--recipe", "head_only=true")
+    assert p.returncode == 2 and "would change the run's frozen config" in p.stderr
     (data / "features").write_text("not a directory")
     p = _cli("features", str(data), "--model", "tiny-toy")
     assert p.returncode == 2 and "is not writable" in p.stderr and "Traceback" not in p.stderr

@@ -26,13 +26,14 @@ from typing import Any
 
 RESULTS_DIR = Path("benchmarks/results")
 BENCHMARKS_MD = Path("benchmarks/BENCHMARKS.md")
-ORDER = ("prefix", "pipeline", "train", "serve", "gpu")
+ORDER = ("prefix", "pipeline", "train", "features", "serve", "gpu")
 
 # how to produce each known bench (shown when its JSON is missing)
 HOW = {
     "prefix": "rlcd bench prefix --json benchmarks/results/prefix.json",
     "pipeline": "rlcd bench pipeline --model tiny-llama --json benchmarks/results/pipeline-tiny-llama.json",
     "train": "rlcd bench train --model tiny --json benchmarks/results/train.json",
+    "features": "rlcd bench features --model tiny --json benchmarks/results/features-tiny.json",
     "serve": "rlcd bench serve RUN --json benchmarks/results/serve.json",
     "gpu": "bash benchmarks/gpu.sh",
 }
@@ -55,6 +56,9 @@ HEADLINE = {
     "train-case": tuple(f"models.{m}.{k}" for m in ("tiny", "tiny-llama", "smollm2-135m")
                         for k in ("row.examples_per_s", "case.examples_per_s", "speedup", "full_tokens_per_row",
                                   "run_tokens_per_row", "token_ratio")),
+    "features": ("model", "cases", "threads", "extract.ratio", "extract.shared.row_tokens_per_s",
+                 "extract.per_row.row_tokens_per_s", "extract.shared.entries", "train.head_only_updates_per_s",
+                 "train.lora_updates_per_s", "train.ratio"),
     "serve": ("model", "requests_per_level", "window_ms", "batching_speedup_c16", "p50_ratio_c1", "c5xx", "crashes",
               "unexpected", "peak_rss_mib",
               *(f"model_batching.{z}.gain" for z in (1, 5, 50)),
