@@ -195,3 +195,22 @@ def test_cli_mistakes_are_one_line_and_exit_2(tmp_path, data_dir):
     p = _cli("train", str(tmp_path / "r2"), "--data", str(data), "--model", "tiny-toy", "--steps", "2",
              "--recipe", "head_only=true")
     assert p.returncode == 2 and "is not writable" in p.stderr and not (tmp_path / "r2").exists()
+
+
+@pytest.mark.slow
+def test_ddp_head_only_gradients_match_one_process(tmp_path, data_dir):
+    """2 gloo ranks on the shared cache (rank 0 extracts, rank 1 waits and reads) == 1 process, within 1e-5."""
+    data = _fresh_data(tmp_path, data_dir)
+    worker = str(ROOT / "tests" / "ddp_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", worker, "grads",
+           str(data), str(tmp_path), "head-only"]
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    one = subprocess.run([sys.executable, worker, "grads", str(data), str(tmp_path), "head-only"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    ddp, ref = torch.load(tmp_path / "grads-world2.pt"), torch.load(tmp_path / "grads-world1.pt")
+    assert set(ref) == {"head.w_d.weight", "head.w_c.weight"}, "only the head gets gradients"
+    for name in ref:
+        torch.testing.assert_close(ddp[name], ref[name], atol=1e-5, rtol=1e-5, msg=name)
