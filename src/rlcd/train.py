@@ -573,21 +573,22 @@ def new_run(run_dir: Path, data_dir: Path, model: str, recipe: Recipe, *, model_
     return config, samples
 
 
-def check_data_dir(data_dir: Path) -> Path:
-    """A processed data directory with train.jsonl and dev.jsonl, else a one-line UserError."""
+def check_data_dir(data_dir: Path, flag: str = "--data") -> Path:
+    """A processed data directory with train.jsonl and dev.jsonl, else a one-line UserError naming `flag`
+    (how the command took it: `--data`, or `DATA` for a positional argument)."""
     from rlcd.errors import RunError
 
     data_dir = Path(data_dir).expanduser()
     if data_dir.is_file():
         from rlcd.data.io import suggest_processed_dir
 
-        raise RunError(f"--data {data_dir} is a file; --data takes a processed data directory: make one with "
+        raise RunError(f"{flag} {data_dir} is a file; {flag} takes a processed data directory: make one with "
                        f"`rlcd data prepare {data_dir} --out {suggest_processed_dir(data_dir)}` and pass that")
     if not data_dir.is_dir():
-        raise RunError(f"--data {data_dir}: no such directory; make one with `rlcd data prepare FILES --out {data_dir}`")
+        raise RunError(f"{flag} {data_dir}: no such directory; make one with `rlcd data prepare FILES --out {data_dir}`")
     missing = [f for f in ("train.jsonl", "dev.jsonl") if not (data_dir / f).is_file()]
     if missing:
-        raise RunError(f"--data {data_dir}: not a processed data directory (no {', '.join(missing)}); make one "
+        raise RunError(f"{flag} {data_dir}: not a processed data directory (no {', '.join(missing)}); make one "
                        f"with `rlcd data prepare FILES --out {data_dir}`")
     return data_dir.resolve()
 

@@ -34,7 +34,7 @@ def features(
     from rlcd.progress import echo
     from rlcd.train import check_data_dir
 
-    data_dir = check_data_dir(data)
+    data_dir = check_data_dir(data, flag="DATA")
     check_backbone_spec(model)
     where = resolve(device, dtype)
     t0 = time.perf_counter()
