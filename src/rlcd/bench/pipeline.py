@@ -109,7 +109,8 @@ def serving_section(run_dir: Path, *, sizes: tuple[int, ...], repeats: int, stat
                "full_tokens": usage["full_tokens"]}
         out[str(n)] = row
         say(f"  {n:3d} questions: rlcd p50 {p50_ours:8.1f} ms ({usage['path']} path), pipeline p50 "
-            f"{p50_theirs:8.1f} ms, ratio {row['ratio']:.2f}, max |dp| {row['max_prob_diff']}")
+            f"{p50_theirs:8.1f} ms, ratio {row['ratio']:.2f}, max |dp| "
+            f"{'answers differ in shape' if row['max_prob_diff'] is None else format(row['max_prob_diff'], '.2g')}")
     out["rlcd_at_least_as_fast"] = all(out[str(n)]["ratio"] >= 1.0 for n in sizes)
     return out
 
