@@ -501,7 +501,7 @@ class DecisionModel(nn.Module):
                          chunk_size=None if exact else family.suffix_chunk).last_hidden_state
             for i, (r, (ci, ri)) in enumerate(zip(chunk, members)):
                 cut = cuts[ci]
-                out[ci][ri] = (h[i, r.decision_pos - cut],
+                out[ci][ri] = (h[i, r.decision_pos - cut].clone(),  # a copy: a view would keep all of h alive
                                h[i, torch.tensor([m - cut for m in r.marker_pos], dtype=torch.long, device=dev)])
         return 1 + len(groups)
 
