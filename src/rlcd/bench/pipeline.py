@@ -168,7 +168,8 @@ def run_pipeline_bench(model: str = "tiny", sizes: tuple[int, ...] = (1, 5, 50),
 
         dm, _ = load_export(run_dir, placement=placement)
         evaluation = evaluation_section(dm, cases=eval_cases, seed=seed, say=say)
-    return {"model": model, "placement": placement.to_dict(), "threads": torch.get_num_threads(), "repeats": repeats, "state_tokens": state_tokens,
+    return {"model": model, "placement": placement.to_dict(), "threads": torch.get_num_threads(),
+            "repeats": repeats, "state_tokens": state_tokens,
             "serving": serving, "evaluation": evaluation}
 
 
