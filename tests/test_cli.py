@@ -26,10 +26,10 @@ TABLE = {
     "serve": None, "compare": None, "sweep": None, "sweep-worker": None, "demo": None,
     "analyze": {"toy-bias"},
     "probe": {"order", "noise"},
-    "bench": {"prefix", "train", "serve", "report", "data"},
+    "bench": {"prefix", "pipeline", "train", "serve", "report", "data"},
 }
 RUNS_A_MODEL = ["train", "calibrate", "evaluate", "predict", "serve", "demo", "probe order", "bench prefix",
-                "bench train", "bench serve"]
+                "bench pipeline", "bench train", "bench serve"]
 
 
 def _command(path: str):

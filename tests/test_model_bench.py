@@ -3,7 +3,6 @@
 import re
 
 import pytest
-
 import torch
 
 torch.set_num_threads(1)

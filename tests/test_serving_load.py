@@ -369,9 +369,9 @@ def test_a_batch_whose_longest_rows_all_belong_to_the_first_request(spec):
     long_q = Question(type="choice", instructions="Which option fits the ticket best of all?", criteria=crit)
     short_q = Question(type="noul", instructions="Late?")
     cases = [model.prepare_case("first state", [long_q, long_q]), model.prepare_case("second state", [short_q] * 2)]
-    batched = model.score_cases(cases)
+    batched = model.score_cases(cases, path="prefix")  # short states: the planner alone would pick full rows
     assert batched[0][1]["calls"] >= 2, "the rows must split into calls by length for this check"
     for case, (b_logits, _) in zip(cases, batched):
-        (s_logits, _), = model.score_cases([case])
+        (s_logits, _), = model.score_cases([case], path="prefix")
         for a, b in zip(s_logits, b_logits):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

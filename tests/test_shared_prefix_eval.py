@@ -218,3 +218,22 @@ def test_group_and_pack_cases():
         [[0, 1], [2], [3], [4]]
     assert pack_cases([(2, 600), (2, 600), (2, 100)], max_rows=64, max_tokens=1000) == [[0], [1, 2]]
     assert pack_cases([], max_rows=4, max_tokens=10) == []
+
+
+@pytest.mark.slow  # loads the real SmolLM2-135M weights (~20 s) and scores 24 rows twice
+def test_predict_rows_shared_equals_full_rows_on_real_smollm2(tmp_path):
+    from rlcd.data.synth import generate
+    from rlcd.evaluate import predict_rows
+
+    dm = build_model({"model": "smollm2-135m", "recipe": {}}).eval()
+    recs = generate(3, seed=5) + mixed_records(dm, tmp_path)[:6]
+    collate = dm.collator(image_root=tmp_path)
+    with torch.no_grad():
+        dm.init_centring([collate(recs)])
+    normalise(dm, recs, collate)
+    full = predict_rows(dm, recs, collate, shared=False)
+    shared = predict_rows(dm, recs, collate)
+    assert [r["id"] for r in shared] == [r.id for r in recs]
+    diff = max(float((torch.tensor(s["logits"]) - torch.tensor(f["logits"])).abs().max())
+               for s, f in zip(shared, full))
+    assert diff < 1e-4 and max(abs(x) for f in full for x in f["logits"]) > 0.5

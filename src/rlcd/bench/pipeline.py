@@ -80,13 +80,14 @@ def max_prob_diff(ours: dict, theirs: dict) -> float | None:
 
 
 def serving_section(run_dir: Path, *, sizes: tuple[int, ...], repeats: int, state_tokens: int, seed: int,
-                    say: Callable[[str], None]) -> dict:
+                    say: Callable[[str], None], placement: Any) -> dict:
     from transformers import pipeline
 
     from ..predict import Predictor
 
-    pred = Predictor.from_run(run_dir)
-    pipe = pipeline("decision", model=str(run_dir / "export" / "hf"), trust_remote_code=True)
+    pred = Predictor.from_run(run_dir, placement=placement)
+    pipe = pipeline("decision", model=str(run_dir / "export" / "hf"), trust_remote_code=True,
+                    device=placement.torch_device, dtype=placement.torch_dtype)
     state = make_state(pred.model.tokenizer, state_tokens, seed)
     out: dict[str, Any] = {}
     for n in sizes:
@@ -109,7 +110,8 @@ def serving_section(run_dir: Path, *, sizes: tuple[int, ...], repeats: int, stat
                "full_tokens": usage["full_tokens"]}
         out[str(n)] = row
         say(f"  {n:3d} questions: rlcd p50 {p50_ours:8.1f} ms ({usage['path']} path), pipeline p50 "
-            f"{p50_theirs:8.1f} ms, ratio {row['ratio']:.2f}, max |dp| {row['max_prob_diff']}")
+            f"{p50_theirs:8.1f} ms, ratio {row['ratio']:.2f}, max |dp| "
+            f"{'answers differ in shape' if row['max_prob_diff'] is None else format(row['max_prob_diff'], '.2g')}")
     out["rlcd_at_least_as_fast"] = all(out[str(n)]["ratio"] >= 1.0 for n in sizes)
     return out
 
@@ -148,21 +150,26 @@ def evaluation_section(model: Any, *, cases: int, seed: int, say: Callable[[str]
 
 def run_pipeline_bench(model: str = "tiny", sizes: tuple[int, ...] = (1, 5, 50), repeats: int = 5,
                        state_tokens: int = 150, eval_cases: int = 20, seed: int = 0,
-                       print_fn: Callable[[str], None] | None = print) -> dict:
-    """Both sections on one backbone (module docstring); returns the numbers, prints a summary."""
+                       print_fn: Callable[[str], None] | None = print, placement: Any = None) -> dict:
+    """Both sections on one backbone (module docstring); returns the numbers, prints a summary.
+    `placement`: where both sides run (default CPU float32); the export is always written from float32."""
+    from ..device import resolve_placement
+
+    placement = placement or resolve_placement("cpu")
     say = print_fn or (lambda _: None)
     with tempfile.TemporaryDirectory(prefix="rlcd-bench-pipeline-") as tmp:
         run_dir = write_untrained_export(Path(tmp) / "run", model, seed=seed)
         say(f"model={model} threads={torch.get_num_threads()} repeats={repeats} state_tokens~{state_tokens}")
         say("serving: rlcd Predictor vs transformers pipeline('decision') on the same export/hf")
         serving = serving_section(run_dir, sizes=sizes, repeats=repeats, state_tokens=state_tokens, seed=seed,
-                                  say=say)
+                                  say=say, placement=placement)
         say("evaluation: predict_rows through shared prefixes vs full rows")
         from ..export import load_export
 
-        dm, _ = load_export(run_dir)
+        dm, _ = load_export(run_dir, placement=placement)
         evaluation = evaluation_section(dm, cases=eval_cases, seed=seed, say=say)
-    return {"model": model, "threads": torch.get_num_threads(), "repeats": repeats, "state_tokens": state_tokens,
+    return {"model": model, "placement": placement.to_dict(), "threads": torch.get_num_threads(),
+            "repeats": repeats, "state_tokens": state_tokens,
             "serving": serving, "evaluation": evaluation}
 
 

@@ -44,6 +44,10 @@ def prefix(
     res = run_prefix_bench(model=model, questions=questions, state_tokens=state_tokens, repeats=repeats, seed=seed,
                            placement=pl)
     extra = [] if dtype == DType.auto else ["--dtype", dtype.value]
+    for flag, value, default in (("--questions", questions, 32), ("--state-tokens", state_tokens, 512),
+                                 ("--repeats", repeats, 5), ("--seed", seed, 0), ("--threads", threads, None)):
+        if value != default:
+            extra += [flag, str(value)]
     save_result("prefix", invocation(shlex.join(["rlcd", "bench", "prefix", "--model", model, *extra,
                                                  "--json", str(json_out)])), res, path=json_out)
 
@@ -58,6 +62,8 @@ def pipeline_cmd(
     seed: Annotated[int, typer.Option()] = 0,
     threads: Annotated[Optional[int], typer.Option(help="torch threads (default: torch's)")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the result JSON (bench format) here")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DTypeOpt = DType.auto,
 ) -> None:
     """rlcd's Predictor vs transformers' pipeline("decision") on one export (p50, ratio, max |dp|); evaluation
     rows/s through shared prefixes vs full rows."""
@@ -72,12 +78,14 @@ def pipeline_cmd(
         raise typer.BadParameter("--sizes is comma-separated integers, e.g. 1,5,50", param_hint="--sizes") from None
     if not size_t or min(size_t) < 1:
         raise typer.BadParameter("--sizes needs at least one size, each >= 1", param_hint="--sizes")
+    pl = placement(device, dtype)
     _threads(threads)
     res = run_pipeline_bench(model=model, sizes=size_t, repeats=repeats, state_tokens=state_tokens,
-                             eval_cases=eval_cases, seed=seed)
+                             eval_cases=eval_cases, seed=seed, placement=pl)
     if json_out is not None:
         cmd = ["rlcd", "bench", "pipeline", "--model", model, "--sizes", sizes, "--repeats", str(repeats),
-               "--eval-cases", str(eval_cases)] + (["--threads", str(threads)] if threads else []) + ["--json", str(json_out)]
+               "--eval-cases", str(eval_cases)] + (["--threads", str(threads)] if threads else []) \
+            + ([] if dtype == DType.auto else ["--dtype", dtype.value]) + ["--json", str(json_out)]
         save_result("pipeline", invocation(shlex.join(cmd)), res, path=json_out)
 
 

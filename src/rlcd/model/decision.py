@@ -12,8 +12,8 @@ several (the server's batches, evaluation; `prepare_case` / `case_inputs_from_re
 tokenising and image preprocessing first, off the model thread). `score_cases` is `case_features`
 (the last hidden states at each row's decision and marker positions) followed by the head. The
 planner (`plan_paths`) sends a case through full forwards when sharing saves less than one call's
-overhead (a single question, or a short shared prefix); otherwise the common token prefix of each case's rows is run once (capped at the smallest
-decision position, so every row's decision token is computed in its own suffix; several cases'
+overhead (a single question, or a short shared prefix); otherwise the common token prefix of each
+case's rows is run once (capped at the smallest decision position, so every row's decision token is computed in its own suffix; several cases'
 prefixes left-padded into one forward), and the suffixes run batched: one call when their lengths
 are similar, otherwise a few calls of similar-length rows (`plan_suffix_groups`: fewest padded tokens
 plus a per-call overhead; at most `max_rows` rows per call, on the family's chunk grid). Each call
@@ -420,7 +420,8 @@ class DecisionModel(nn.Module):
         return out
 
     def case_features_with_usage(self, cases: Sequence[CaseInputs], *, max_rows: int = 64, exact: bool = False,
-                                 path: str = "auto") -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], list[dict]]:
+                                 path: str = "auto") -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]],
+                                                              list[dict]]:
         """`case_features` plus per-case usage: {input_tokens (processed), prefix_tokens (0 on the full
         path), rows, full_tokens, image_tokens, calls (of the whole batch), batched_requests, path}."""
         plan = self.plan_paths(cases, exact=exact, path=path)
@@ -455,7 +456,8 @@ class DecisionModel(nn.Module):
             pvs = [cases[ci].pixel_values for ci, _ in members if cases[ci].pixel_values is not None]
             grids = [cases[ci].grid for ci, _ in members if cases[ci].pixel_values is not None]
             b = pad_rows(chunk, pad_id=self.encoder.pad_id, image_pad_id=self.encoder.image_pad_id,
-                         pixel_values=torch.cat(pvs) if pvs else None, image_grid_thw=torch.cat(grids) if grids else None)
+                         pixel_values=torch.cat(pvs) if pvs else None,
+                         image_grid_thw=torch.cat(grids) if grids else None)
             h_dec, h_cand = self.features(b)
             for i, (r, (ci, ri)) in enumerate(zip(chunk, members)):
                 out[ci][ri] = (h_dec[i], h_cand[i, : r.k])
@@ -516,7 +518,7 @@ class DecisionModel(nn.Module):
                          chunk_size=None if exact else family.suffix_chunk).last_hidden_state
             for i, (r, (ci, ri)) in enumerate(zip(chunk, members)):
                 cut = cuts[ci]
-                out[ci][ri] = (h[i, r.decision_pos - cut],
+                out[ci][ri] = (h[i, r.decision_pos - cut].clone(),  # a copy: a view would keep all of h alive
                                h[i, torch.tensor([m - cut for m in r.marker_pos], dtype=torch.long, device=dev)])
         return 1 + len(groups)
 
