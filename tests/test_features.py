@@ -60,12 +60,17 @@ def test_head_only_on_the_cache_equals_the_live_frozen_backbone(tmp_path, data_d
     assert cached["step"] == live["step"] == 5
     a, b = _weights(tmp_path / "cached"), _weights(tmp_path / "live")
     assert set(a) == set(b)
-    # float32 noise of the two feature paths (prefix-shared extraction vs full rows); AdamW's first steps move
-    # each weight by ~lr * sign(g), so a near-zero gradient element can differ by up to a fraction of lr_head
+    # The two feature paths (prefix-shared extraction vs full rows) differ by float32 noise. AdamW's first steps
+    # move each weight by about lr * sign(g), so an element whose gradient is noise-sized can end up to a few
+    # lr steps apart; every other element agrees to float32 noise.
     for k in a:
-        if k.startswith("head."):
+        if k.startswith("head.w_"):
             d = (a[k] - b[k]).abs()
-            assert float(d.max()) < 0.2 * Recipe().lr_head and float(d.mean()) < 1e-7, (k, float(d.max()))
+            assert float(d.mean()) < 1e-7, (k, float(d.mean()))
+            assert float((d > 1e-6).float().mean()) < 1e-3, (k, int((d > 1e-6).sum()))
+            assert float(d.max()) < 2 * 5 * Recipe().lr_head, (k, float(d.max()))
+        elif k.startswith("head."):
+            assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-5), k
     lora_b = [v for k, v in a.items() if "lora_B" in k]
     assert lora_b and all(torch.count_nonzero(v) == 0 for v in lora_b), "a head-only run leaves LoRA B at 0"
     session = [json.loads(x) for x in (tmp_path / "cached" / "metrics.jsonl").read_text().splitlines()][0]
