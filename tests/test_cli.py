@@ -22,14 +22,14 @@ FIX = Path(__file__).parent / "fixtures" / "data"
 
 TABLE = {
     "data": {"import", "synth", "prepare", "validate"},
-    "train": None, "calibrate": None, "evaluate": None, "report": None, "export": None, "predict": None,
+    "train": None, "features": None, "calibrate": None, "evaluate": None, "report": None, "export": None, "predict": None,
     "serve": None, "compare": None, "sweep": None, "sweep-worker": None, "demo": None,
     "analyze": {"toy-bias"},
     "probe": {"order", "noise"},
-    "bench": {"prefix", "pipeline", "train", "serve", "report", "data"},
+    "bench": {"prefix", "pipeline", "train", "features", "serve", "report", "data"},
 }
-RUNS_A_MODEL = ["train", "calibrate", "evaluate", "predict", "serve", "demo", "probe order", "bench prefix",
-                "bench pipeline", "bench train", "bench serve"]
+RUNS_A_MODEL = ["train", "features", "calibrate", "evaluate", "predict", "serve", "demo", "probe order", "bench prefix",
+                "bench pipeline", "bench train", "bench features", "bench serve"]
 
 
 def _command(path: str):

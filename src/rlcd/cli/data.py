@@ -163,10 +163,10 @@ def prepare_cmd(
         fractions = parse_fractions(splits) if splits is not None else None
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--splits") from None
+    _out_is_a_directory(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise typer.BadParameter(f"{out} already exists and is not empty (runs may have been trained on it); "
                                  "choose a new directory or pass --force to overwrite it", param_hint="--out")
-    _out_is_a_directory(out)
     manifest = prepare(inputs, out, seed=seed, fractions=fractions)
     print_manifest(manifest)
     console.print(f"wrote {out}")

@@ -107,7 +107,7 @@ def collate_cases(collator: Collator, units: Sequence[Sequence[Record]]) -> Case
                     from ..schema import RecordError
 
                     raise RecordError(members[0].id, "image", "this collator has no image processor")
-                pv, grid = process_images(collator.image_processor, [collator._load_image(members[0])])
+                pv, grid = process_images(collator.image_processor, [collator.load_image(members[0])])
                 n_img = n_image_tokens(grid[0].tolist(), collator.merge_size)
             start = len(rows)
             for rec in members:
