@@ -37,7 +37,7 @@ import shutil
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -123,11 +123,9 @@ class FeatureBatch:
     n_tokens: int
 
     def to(self, device: Any, non_blocking: bool = False) -> "FeatureBatch":
-        kw = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            kw[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
-        return FeatureBatch(**kw)
+        from rlcd.model.collate import moved
+
+        return moved(self, device, non_blocking)
 
     def __len__(self) -> int:
         return int(self.h_dec.shape[0])

@@ -48,7 +48,7 @@ from typing import Any, Sequence
 import torch
 
 from ..schema import Record
-from .collate import Batch, Collator, n_image_tokens, pad_rows, process_images
+from .collate import Batch, Collator, moved, n_image_tokens, pad_rows, process_images
 from .prompt import EncodedRow
 
 
@@ -78,11 +78,7 @@ class CaseBatch(Batch):
     rows: list[EncodedRow] = field(default_factory=list)
 
     def to(self, device: Any, non_blocking: bool = False) -> "CaseBatch":
-        kw = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            kw[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
-        return CaseBatch(**kw)
+        return moved(self, device, non_blocking)
 
 
 def collate_cases(collator: Collator, units: Sequence[Sequence[Record]]) -> CaseBatch:

@@ -37,11 +37,7 @@ class Batch:
     n_tokens: int  # real (non-pad) tokens in the batch, image tokens included
 
     def to(self, device: Any, non_blocking: bool = False) -> "Batch":
-        kw = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            kw[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
-        return Batch(**kw)
+        return moved(self, device, non_blocking)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -49,6 +45,15 @@ class Batch:
     @property
     def kmax(self) -> int:
         return int(self.cand_mask.shape[1])
+
+
+def moved(obj: Any, device: Any, non_blocking: bool = False) -> Any:
+    """A copy of dataclass `obj` (a Batch, CaseBatch or FeatureBatch) with every tensor field on `device`."""
+    kw = {}
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        kw[f.name] = v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+    return type(obj)(**kw)
 
 
 def n_image_tokens(grid_thw: Sequence[int], merge_size: int) -> int:
