@@ -363,7 +363,10 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
 
 
 def find_features(model, data_dir: Path) -> FeatureCache | None:
-    """The complete cache for `model` over `data_dir` if one exists (never extracts)."""
+    """The complete cache for `model` over `data_dir` if one exists (never extracts). Without a features
+    directory nothing is hashed: evaluating a LoRA run pays no weights digest."""
+    if not cache_root(Path(data_dir)).is_dir():
+        return None
     key = feature_key(model, Path(data_dir))
     return FeatureCache.load(cache_root(Path(data_dir)) / key_id(key), key)
 
