@@ -1,7 +1,8 @@
 """Text decoders: any `AutoModelForCausalLM` (Llama/SmolLM2, Qwen2.5/Qwen3, Gemma-style, ...).
 
 * Loading: a hub id (with revision), a local `save_pretrained` directory, a GGUF file (transformers
-  dequantises it through the `gguf` package), or a random-weight tiny Llama with SmolLM2's tokenizer.
+  dequantises it through the `gguf` package, once: `dequantised_gguf` keeps a float32 safetensors copy under
+  `$RLCD_CACHE/gguf/`), or a random-weight tiny Llama with SmolLM2's tokenizer.
 * LoRA: every `nn.Linear` of the repeated decoder layers, found from the module tree
   (`base.layer_linear_regex`), never `lm_head`.
 * Prompt: the tokenizer's own chat template frames the row: the text before the user content
@@ -18,7 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import logging
 import math
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +32,10 @@ import torch
 from torch import nn
 
 from ...errors import BackboneError
-from ..tokenizer import smollm2_tokenizer
+from ..tokenizer import cache_dir, smollm2_tokenizer
 from .base import Family, PromptSpec, cache_kwarg
+
+log = logging.getLogger(__name__)
 
 _SENTINEL = "RLCDUSERCONTENT0"  # stands for the user content when the chat template is rendered
 
@@ -174,9 +182,10 @@ class CausalLMFamily(Family):
             kw["gguf_file"] = gguf_file
         with _quiet_progress():
             tok = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(source, **kw)
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kw)
-        if gguf_file is not None:
-            _drop_gguf_quantization(model)
+            if gguf_file is not None:
+                model = dequantised_gguf(Path(source) / gguf_file).to(dtype)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kw)
         model.to(device).eval()
         return model, tok, None
 
@@ -210,6 +219,53 @@ def _drop_gguf_quantization(model: nn.Module) -> None:
     model.hf_quantizer = None
 
 
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def dequantised_gguf(path: Path) -> nn.Module:
+    """The float32 model a GGUF file holds, dequantised once and kept as safetensors under
+    `$RLCD_CACHE/gguf/<name>-<sha256 of the file>-tf<transformers version>/`.
+
+    Why: transformers re-parses and dequantises the whole file on every load (30-60 s for SmolLM2-135M
+    on a 2-core CPU, more than a head-only run on cached features trains); the safetensors copy loads
+    in about a second with the same float32 values. Always dequantised in float32: asked for another
+    dtype, transformers keeps the weights packed and casts every matmul, which is slower; callers cast after.
+    A corrupt copy is rebuilt; the copy is written under a temporary name and renamed into place.
+    """
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path).expanduser().resolve()
+    target = cache_dir() / "gguf" / f"{path.stem}-{_file_sha256(path)[:16]}-tf{transformers.__version__}"
+    if (target / "config.json").is_file():
+        try:
+            return AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
+        except Exception:  # noqa: BLE001 - a damaged copy: rebuild it below
+            shutil.rmtree(target, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    _drop_gguf_quantization(model)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
+    try:
+        model.save_pretrained(str(tmp))
+        try:
+            os.replace(tmp, target)  # atomic; another process may have won the race (same content)
+        except OSError:
+            pass
+    except OSError as e:  # a read-only or full cache directory: the loaded model still serves
+        log.warning("could not keep the dequantised %s under %s (%s); the next load dequantises again",
+                    path.name, target.parent, e)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return model
+
+
 def gguf_source(path: Path) -> tuple[str, str]:
     """(directory, file name) of a GGUF file, as `from_pretrained(dir, gguf_file=name)` wants them."""
     path = Path(path).expanduser().resolve()
@@ -219,4 +275,4 @@ def gguf_source(path: Path) -> tuple[str, str]:
 CAUSAL_LM = CausalLMFamily()
 
 __all__ = ["CAUSAL_LM", "CausalLMFamily", "chat_frame", "pick_marker", "special_tokens", "tiny_llama_config",
-           "gguf_source"]
+           "gguf_source", "dequantised_gguf"]
