@@ -6,7 +6,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from rlcd.cli import data as data_cli
-from rlcd.demo import demo_data
+from rlcd.demo import demo_data, image_data
 from rlcd.data.io import read_jsonl, sha256_file
 from rlcd.schema import SPLITS
 
@@ -64,14 +64,17 @@ def test_synth_prepare_validate(tmp_path):
 
 
 def test_demo_data_is_complete(tmp_path):
-    manifest = demo_data(tmp_path, seed=0, n_cases=80, easy_vqa_limit=100)
-    assert {g.split("/")[0] for g in manifest["counts"]} == {"synth", "easy-vqa"}
-    assert manifest["read"] == manifest["used"] + manifest["excluded"]
+    manifest = demo_data(tmp_path / "text", seed=0, n_cases=80)
+    assert {g.split("/")[0] for g in manifest["counts"]} == {"synth"}
+    assert manifest["read"] == manifest["used"] + manifest["excluded"] == 480
     assert all(manifest["splits"][s] > 0 for s in SPLITS)
-    processed = tmp_path / "processed"
+    processed = tmp_path / "text" / "processed"
     for name, digest in manifest["outputs"].items():
         assert sha256_file(processed / name) == digest
-    assert any(name.startswith("images/") for name in manifest["outputs"])
+    images = image_data(tmp_path / "image", seed=0, limit=100)
+    assert {g.split("/")[0] for g in images["counts"]} == {"easy-vqa"}
+    assert images["read"] == images["used"] + images["excluded"]
+    assert any(name.startswith("images/") for name in images["outputs"])
 
 
 # --- the first hour of a new user (issue 25): one-line errors, the text question, streams --------------------
