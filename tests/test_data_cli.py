@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from rlcd.cli import data as data_cli
@@ -75,6 +76,27 @@ def test_demo_data_is_complete(tmp_path):
     assert {g.split("/")[0] for g in images["counts"]} == {"easy-vqa"}
     assert images["read"] == images["used"] + images["excluded"]
     assert any(name.startswith("images/") for name in images["outputs"])
+
+
+def test_the_demo_replaces_only_its_own_output_directory(tmp_path):
+    from rlcd.demo import MARKER, check_out
+    from rlcd.errors import OptionError
+
+    check_out(tmp_path / "new")  # absent: fine
+    (tmp_path / "empty").mkdir()
+    check_out(tmp_path / "empty")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / MARKER).write_text("")
+    (tmp_path / "mine" / "text").mkdir()
+    check_out(tmp_path / "mine")
+    (tmp_path / "yours").mkdir()
+    (tmp_path / "yours" / "thesis.tex").write_text("years of work")
+    with pytest.raises(OptionError, match="was not written by `rlcd demo`"):
+        check_out(tmp_path / "yours")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OptionError, match="is a file"):
+        check_out(tmp_path / "file")
+    assert (tmp_path / "yours" / "thesis.tex").read_text() == "years of work"
 
 
 # --- the first hour of a new user (issue 25): one-line errors, the text question, streams --------------------

@@ -127,6 +127,22 @@ def _image_stage(out: Path, placement: Any, steps: int) -> dict:
     return ev
 
 
+MARKER = ".rlcd-demo"  # written into every demo output directory: only such a directory is replaced
+
+
+def check_out(out: Path) -> None:
+    """Refuse (OptionError, exit 2) an --out that is a file, or an existing non-empty directory the demo did
+    not create: the demo replaces its output directory and must never delete anything else."""
+    from rlcd.errors import OptionError
+
+    if out.exists() and not out.is_dir():
+        raise OptionError(f"--out {out}: is a file; the demo writes a directory there")
+    earlier = (out / "processed" / "manifest.json").is_file() and (out / "run").is_dir()  # a demo before MARKER
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file() and not earlier:
+        raise OptionError(f"--out {out}: exists and was not written by `rlcd demo` (no {MARKER} in it); the demo "
+                          "replaces its output directory, so give a new or empty path or a previous demo's")
+
+
 def run_demo(out: Path, *, steps: int | None = None, cases: int = DEMO_CASES, image_steps: int = IMAGE_STEPS,
              placement: Any = None) -> dict:
     from rlcd.data.summary import print_manifest
@@ -141,9 +157,11 @@ def run_demo(out: Path, *, steps: int | None = None, cases: int = DEMO_CASES, im
     def stage(n: int, text: str) -> None:
         print(f"[{n}/5] {text}  ({time.perf_counter() - t0:.0f} s)", flush=True)
 
+    check_out(out)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
+    (out / MARKER).write_text("written by `rlcd demo`; the next demo run with this --out replaces this directory\n")
     text = out / "text"
     stage(1, f"data: {cases} known-posterior cases (six questions each) -> {text / 'processed'}")
     print_manifest(demo_data(text, seed=0, n_cases=cases))

@@ -1,4 +1,4 @@
-"""`rlcd demo`: the whole chain offline on the embedded default (what `make demo` runs)."""
+"""`rlcd demo`: the whole chain offline on the embedded default (what `make demo` runs; see rlcd.demo)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from rlcd.cli._common import DeviceOpt, DType, DTypeOpt, placement
 
 
 def demo(out: Annotated[Path, typer.Option(help="demo output directory (replaced)")] = Path("runs/demo"),
-         steps: Annotated[Optional[int], typer.Option(min=1, help="override the demo's training budget")] = None,
+         steps: Annotated[Optional[int], typer.Option(min=1, help="override the text model's training budget (updates)")] = None,
          device: DeviceOpt = "auto",
          dtype: DTypeOpt = DType.auto) -> None:
-    """Data, splits, train tiny, calibrate, evaluate, report: offline, a few minutes on a CPU."""
+    """Real SmolLM2-135M features -> head-only training -> calibrate, evaluate, export, report, plus an
+    image question on the tiny VLM: offline, under 5 minutes on a 2-core CPU."""
     from rlcd.demo import run_demo
 
     run_demo(out, steps=steps, placement=placement(device, dtype))
