@@ -18,11 +18,15 @@ for sweep in ablation sigma; do
   cp "$OUT/$sweep/summary.md" "$DOCS/$sweep-summary.md" 2>/dev/null || true
   cp "$OUT/$sweep/summary.json" "$DOCS/$sweep-summary.json" 2>/dev/null || true
 done
-if [ -f "$OUT/lpft/eval/evaluation.json" ]; then
-  mkdir -p "$DOCS/lpft/lpft-s0"
-  gzip -9nc "$OUT/lpft/eval/evaluation.json" > "$DOCS/lpft/lpft-s0/evaluation.json.gz"
-  cp "$OUT/lpft/config.json" "$DOCS/lpft/lpft-s0/"
-fi
+for run in lpft lpft-last; do  # table 4: best (dev-selected) and last checkpoint
+  if [ -f "$OUT/$run/eval/evaluation.json" ]; then
+    mkdir -p "$DOCS/lpft/$run-s0"
+    gzip -9nc "$OUT/$run/eval/evaluation.json" > "$DOCS/lpft/$run-s0/evaluation.json.gz"
+    cp "$OUT/$run/config.json" "$DOCS/lpft/$run-s0/"
+    grep '"event": "eval"' "$OUT/$run/metrics.jsonl" > "$DOCS/lpft/$run-s0/dev-evals.jsonl"
+  fi
+done
+cp "$OUT/lpft.log" "$OUT/lpft-last.log" "$DOCS/lpft/" 2>/dev/null || true
 cp "$OUT"/compare-*.json "$DOCS/" 2>/dev/null || true
 cp "$OUT/features-extract.log" "$DOCS/features.log" 2>/dev/null || true
 .venv/bin/python docs/experiments/real-weights/table_head_only.py "$DOCS"
