@@ -1,6 +1,6 @@
 """`rlcd bench data`: how fast the data layer turns cases into prepared splits (rows/s).
 
-Times `rlcd.demo.demo_data` (synthetic cases + easy-vqa import + `prepare`) and the sampler's
+Times `mixed_data` (synthetic cases + easy-vqa import + `prepare`) and the sampler's
 `microbatch` in one run; the last line is machine-readable:
 
     data: prepare_rows_per_s=... demo_data_s=... sampler_rows_per_s=...
@@ -16,16 +16,29 @@ from typing import Any, Callable
 SAMPLER_ROWS_TARGET = 100_000.0
 
 
+def mixed_data(out_dir: Path, seed: int, n_cases: int, easy_vqa_limit: int) -> dict:
+    """Synth cases + an easy-vqa subset (images written) prepared together into `<out_dir>/processed`: what
+    the data bench times (import, validation, isolation, splits, writing)."""
+    from rlcd.data import importers, synth
+    from rlcd.data.io import excluded_path, write_jsonl
+    from rlcd.data.prepare import prepare
+
+    raw = Path(out_dir) / "raw"
+    write_jsonl(raw / "synth.jsonl", synth.generate(n_cases, seed))
+    records, excluded = importers.import_easy_vqa(raw, limit=easy_vqa_limit)
+    write_jsonl(raw / "easy-vqa.jsonl", records)
+    write_jsonl(excluded_path(raw / "easy-vqa.jsonl"), excluded)
+    return prepare([raw / "synth.jsonl", raw / "easy-vqa.jsonl"], Path(out_dir) / "processed", seed=seed)
+
+
 def run_data_bench(cases: int = 400, easy_vqa: int = 400, seed: int = 0, sampler_calls: int = 20_000,
                    print_fn: Callable[[str], None] | None = print) -> dict[str, Any]:
     from rlcd.bench.train import sampler_bench
     from rlcd.data.io import load_split
     from rlcd.data.sampling import eligible_pool
-    from rlcd.demo import demo_data
-
     with tempfile.TemporaryDirectory(prefix="rlcd-bench-data-") as tmp:
         t0 = time.perf_counter()
-        manifest = demo_data(Path(tmp), seed=seed, n_cases=cases, easy_vqa_limit=easy_vqa)
+        manifest = mixed_data(Path(tmp), seed=seed, n_cases=cases, easy_vqa_limit=easy_vqa)
         wall = time.perf_counter() - t0
         pool = eligible_pool(load_split(Path(tmp) / "processed", "train"))
     samp = sampler_bench(pool, calls=sampler_calls, seed=seed)
