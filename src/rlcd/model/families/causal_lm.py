@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import logging
 import math
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +29,7 @@ import torch
 from torch import nn
 
 from ...errors import BackboneError
-from ..tokenizer import cache_dir, smollm2_tokenizer
+from ..tokenizer import atomic_save, cache_dir, smollm2_tokenizer
 from .base import Family, PromptSpec, cache_kwarg
 
 log = logging.getLogger(__name__)
@@ -219,14 +216,6 @@ def _drop_gguf_quantization(model: nn.Module) -> None:
     model.hf_quantizer = None
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def dequantised_gguf(path: Path) -> nn.Module:
     """The float32 model a GGUF file holds, dequantised once and kept as safetensors under
     `$RLCD_CACHE/gguf/<name>-<sha256 of the file>-tf<transformers version>/`.
@@ -240,8 +229,10 @@ def dequantised_gguf(path: Path) -> nn.Module:
     import transformers
     from transformers import AutoModelForCausalLM
 
+    from ...data.io import sha256_file
+
     path = Path(path).expanduser().resolve()
-    target = cache_dir() / "gguf" / f"{path.stem}-{_file_sha256(path)[:16]}-tf{transformers.__version__}"
+    target = cache_dir() / "gguf" / f"{path.stem}-{sha256_file(path)[:16]}-tf{transformers.__version__}"
     if (target / "config.json").is_file():
         try:
             return AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
@@ -249,20 +240,11 @@ def dequantised_gguf(path: Path) -> nn.Module:
             shutil.rmtree(target, ignore_errors=True)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     _drop_gguf_quantization(model)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
     try:
-        model.save_pretrained(str(tmp))
-        try:
-            os.replace(tmp, target)  # atomic; another process may have won the race (same content)
-        except OSError:
-            pass
+        atomic_save(model, target)  # written under a temporary name, renamed into place
     except OSError as e:  # a read-only or full cache directory: the loaded model still serves
         log.warning("could not keep the dequantised %s under %s (%s); the next load dequantises again",
                     path.name, target.parent, e)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return model
 
 
