@@ -68,17 +68,24 @@ def demo_data(out_dir: Path, seed: int = 0, n_cases: int = DEMO_CASES,
     return prepare([out_dir / "raw" / "synth.jsonl"], out_dir / "processed", seed=seed, fractions=fractions)
 
 
-def image_data(out_dir: Path, seed: int = 0, limit: int = IMAGE_QUESTIONS) -> dict:
-    """A small easy-vqa subset (images shipped by the `easy-vqa` package) prepared into `<out_dir>/processed`."""
+def write_easy_vqa(raw: Path, limit: int) -> Path:
+    """Import `limit` easy-vqa questions (images written under `raw`) into `raw/easy-vqa.jsonl`, the
+    exclusions beside it; returns the JSONL path."""
     from rlcd.data import importers
     from rlcd.data.io import excluded_path, write_jsonl
-    from rlcd.data.prepare import prepare
 
-    raw = Path(out_dir) / "raw"
     records, excluded = importers.import_easy_vqa(raw, limit=limit)
     write_jsonl(raw / "easy-vqa.jsonl", records)
     write_jsonl(excluded_path(raw / "easy-vqa.jsonl"), excluded)
-    return prepare([raw / "easy-vqa.jsonl"], Path(out_dir) / "processed", seed=seed, fractions=DEMO_SPLITS)
+    return raw / "easy-vqa.jsonl"
+
+
+def image_data(out_dir: Path, seed: int = 0, limit: int = IMAGE_QUESTIONS) -> dict:
+    """A small easy-vqa subset (images shipped by the `easy-vqa` package) prepared into `<out_dir>/processed`."""
+    from rlcd.data.prepare import prepare
+
+    jsonl = write_easy_vqa(Path(out_dir) / "raw", limit)
+    return prepare([jsonl], Path(out_dir) / "processed", seed=seed, fractions=DEMO_SPLITS)
 
 
 def learning_line(ev: Mapping[str, Any]) -> str:

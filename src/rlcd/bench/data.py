@@ -19,16 +19,14 @@ SAMPLER_ROWS_TARGET = 100_000.0
 def mixed_data(out_dir: Path, seed: int, n_cases: int, easy_vqa_limit: int) -> dict:
     """Synth cases + an easy-vqa subset (images written) prepared together into `<out_dir>/processed`: what
     the data bench times (import, validation, isolation, splits, writing)."""
-    from rlcd.data import importers, synth
-    from rlcd.data.io import excluded_path, write_jsonl
+    from rlcd.data import synth
+    from rlcd.data.io import write_jsonl
     from rlcd.data.prepare import prepare
+    from rlcd.demo import write_easy_vqa
 
     raw = Path(out_dir) / "raw"
     write_jsonl(raw / "synth.jsonl", synth.generate(n_cases, seed))
-    records, excluded = importers.import_easy_vqa(raw, limit=easy_vqa_limit)
-    write_jsonl(raw / "easy-vqa.jsonl", records)
-    write_jsonl(excluded_path(raw / "easy-vqa.jsonl"), excluded)
-    return prepare([raw / "synth.jsonl", raw / "easy-vqa.jsonl"], Path(out_dir) / "processed", seed=seed)
+    return prepare([raw / "synth.jsonl", write_easy_vqa(raw, easy_vqa_limit)], Path(out_dir) / "processed", seed=seed)
 
 
 def run_data_bench(cases: int = 400, easy_vqa: int = 400, seed: int = 0, sampler_calls: int = 20_000,
