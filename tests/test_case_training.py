@@ -227,6 +227,23 @@ def test_case_micro_batches_come_from_the_case_sampler(tmp_path, data_dir):
 
     case = processed_tokens(s, range(3))
     assert case["rows"] == 24 and case["run_tokens_per_row"] < case["full_tokens_per_row"]
+    # the ceiling: every pool case's state once (counted here from the encoded rows of each case)
+    assert s.model.family.exact_align == 64
+    from rlcd.bench.train import whole_case_tokens
+    from rlcd.model.decision import common_prefix_len
+
+    by_case: dict = {}
+    for i in (i for ids in s.bench_pool.values() for i in ids):
+        by_case.setdefault(s.records[i].case_id, []).append(s.records[i])
+    full = run = n = 0
+    for recs in by_case.values():
+        rows = [s.model.encoder.encode(r.state, r.question, row=r.id) for r in recs]
+        cut = min(common_prefix_len([r.ids for r in rows]), min(r.decision_pos for r in rows)) if len(rows) > 1 else 0
+        cut -= cut % (s.model.family.exact_align or 1)  # Qwen3.5 trains on the DeltaNet chunk grid
+        full, run, n = full + sum(len(r) for r in rows), run + cut + sum(len(r) - cut for r in rows), n + len(rows)
+    whole = whole_case_tokens(s)
+    assert whole["whole_case_token_ratio"] == pytest.approx(full / run) and whole["whole_case_token_ratio"] > 1.5
+    assert whole["whole_case_tokens_per_row"] == pytest.approx(run / n)
     use_batch_by(s, "row")
     assert isinstance(s.microbatch(0), Batch) and not isinstance(s.microbatch(0), case_train.CaseBatch)
     assert processed_tokens(s, range(3))["token_ratio"] == 1.0
