@@ -73,6 +73,7 @@ def test_plan_resolves_full_recipes(tmp_path):
     assert r.eval_every == scaled_cadence(40)["eval_every"] == 4 and r.log_every == 7  # override wins
     assert Recipe.from_dict(by["ce-s0"].config["recipe"]).objective == "ce"
     assert by["ce-s0"].run_dir == (tmp_path / "out" / "runs" / "ce-s0").resolve()
+    assert by["ce-s0"].config["export"] is False  # a sweep's runs write no export/ unless asked
     assert scaled_cadence(3600) == {} and scaled_cadence(2) == {k: 1 for k in scaled_cadence(2)}
     with pytest.raises(SweepError, match="sigma must be > 0"):
         plan_runs(tmp_path, "tiny-toy", expand_grid({"sigma": [0.0]})[0], [0], 5, tmp_path / "o")
@@ -287,6 +288,10 @@ def test_small_real_sweep(tmp_path, monkeypatch):
         assert cfg["recipe"]["steps"] == 2 and cfg["recipe"]["eval_every"] == 1
         assert cfg["recipe"]["objective"] == a["objective"]
     assert (out / "logs" / "ce-s0.log").is_file()
+    for a in summary["arms"]:  # evaluated without export/ (a sweep reads eval/ only); the log says how to get one
+        run_dir = out / "runs" / f"{a['name']}-s0"
+        assert (run_dir / "eval" / "evaluation.json").is_file() and not (run_dir / "export").exists()
+        assert f"`rlcd export {run_dir.resolve()}` writes export/" in (out / "logs" / f"{a['name']}-s0.log").read_text()
     for name in ("summary.json", "summary.md", "fitted_T_vs_sigma.png", "nll_vs_sigma.png"):
         assert (out / name).stat().st_size > 0, name
     # a second call finds everything done and trains nothing
@@ -319,8 +324,9 @@ def test_in_process_sweep_resumes_an_interrupted_run(tmp_path):
                         dtype="bfloat16")
     assert refused["failed"] == ["ce-s0"] and "dtype 'float32' != 'bfloat16'" in refused["arms"][0]["runs"][0]["error"]
     summary = run_sweep(tmp_path / "data", "tiny-toy", grid, 1, 2, out, in_process=True, progress=False,
-                        dtype="float32")
+                        dtype="float32", export=True)
     assert summary["failed"] == [] and summary["arms"][0]["runs"][0]["status"] == "done"
+    assert summary["config"]["export"] is True and (spec.run_dir / "export" / "hf" / "config.json").is_file()
     assert summary["config"]["dtype"] == "float32" and json.loads(spec.run.config_path.read_text())["dtype"] == "float32"
     assert json.loads(spec.evaluation_path.read_text())["meta"]["placement"] == {"device": "cpu", "dtype": "float32"}
     train_rows = [json.loads(x) for x in log.read_text().splitlines() if '"train"' in x]

@@ -216,21 +216,22 @@ def _calibrate_run(run: Run, *, placement: Placement | None, which: str, progres
 def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
                  print_fn: Callable[[str], None] | None = None, which: str = "best",
                  progress: bool = True, allow_data_change: bool = False,
-                 feature_cache: bool = True) -> dict[str, Any]:
+                 feature_cache: bool = True, export: bool = True) -> dict[str, Any]:
     """Score every held-out split, calibrate, write eval/ and export/, and render the report (see
     `_evaluate_run`), holding the run's lock; refused when the data the run froze at its start changed,
-    unless `allow_data_change` (then the changed files are recorded in evaluation.json's meta)."""
+    unless `allow_data_change` (then the changed files are recorded in evaluation.json's meta).
+    `export=False` writes no export/ (a sweep's runs: `rlcd export RUN` writes it later)."""
     run = run if isinstance(run, Run) else Run.open(run)
     run.require_checkpoint(which)
     changed = frozen_data_changes(run, allow_data_change, print_fn or _stderr)
     with run.lock("evaluate"):
         return _evaluate_run(run, placement=placement, print_fn=print_fn, which=which, progress=progress,
-                             data_changed=changed, feature_cache=feature_cache)
+                             data_changed=changed, feature_cache=feature_cache, export=export)
 
 
 def _evaluate_run(run: Run, *, placement: Placement | None, print_fn: Callable[[str], None] | None,
                   which: str, progress: bool, data_changed: list[str],
-                  feature_cache: bool = True) -> dict[str, Any]:
+                  feature_cache: bool = True, export: bool = True) -> dict[str, Any]:
     """Score every held-out split, calibrate, write eval/ and export/, and render the report.
 
     `which`: the dev-selected checkpoint ("best", the recipe) or the "last" one (what the final
@@ -284,10 +285,13 @@ def _evaluate_run(run: Run, *, placement: Placement | None, print_fn: Callable[[
         say(line)
     ev = evaluation_from_predictions(preds, temps, meta, majority_baseline=baseline)
     write_evaluation(run, ev)
-    write_export(run, temperatures=temps, model=model, config=config, state=state, which=which)
-    cpu_fp32 = placement.to_dict() == {"device": "cpu", "dtype": "float32"}
-    say(f"export: {run.export_dir} and {run.hf_export_dir} (transformers)")
-    write_hf(run, model=model if cpu_fp32 else None, evaluation=ev)
+    if export:
+        write_export(run, temperatures=temps, model=model, config=config, state=state, which=which)
+        cpu_fp32 = placement.to_dict() == {"device": "cpu", "dtype": "float32"}
+        say(f"export: {run.export_dir} and {run.hf_export_dir} (transformers)")
+        write_hf(run, model=model if cpu_fp32 else None, evaluation=ev)
+    else:
+        say(f"export: not written (`rlcd export {run.root}` writes export/ and export/hf/)")
     say(f"report: {run.report_md}, {run.report_md.with_suffix('.html')} and their plots")
     write_report(run, ev=ev)
     return ev

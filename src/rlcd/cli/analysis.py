@@ -172,6 +172,8 @@ def sweep(
                                                 "shown beside it, not for choosing) or test")] = "dev",
     rank_by: Annotated[str, typer.Option(help="metric the arms are ranked by (raw|calibrated.<block>.<metric>)")]
     = "calibrated.overall.nll",
+    export: Annotated[bool, typer.Option(help="also write every run's export/ (merged model + export/hf); off: "
+                                              "`rlcd export RUN` writes it for the arm you keep")] = False,
 ) -> None:
     """Run a grid of recipe arms x seeds (one run dir and process each), evaluate each, and summarise.
 
@@ -188,7 +190,7 @@ def sweep(
     dev = [d.strip() for d in devices.split(",") if d.strip()] if devices else None
     summary = run_sweep(data, model, parse_grid(grid or []), seeds, steps, out, parse_overrides(recipe or []),
                         scale_cadence=scale_cadence, in_process=in_process, devices=dev, dtype=dtype.value,
-                        dry_run=dry_run, choose_on=choose_on, rank_by=rank_by)
+                        dry_run=dry_run, choose_on=choose_on, rank_by=rank_by, export=export)
     if dry_run:
         for cmd in summary["commands"]:
             typer.echo(cmd)

@@ -71,7 +71,8 @@ def run_sweep(data: Path, model: str, grid: Mapping[str, Sequence[Any]], seeds: 
               steps: int, out: Path, recipe_overrides: Mapping[str, Any] | None = None, *,
               scale_cadence: bool = True, in_process: bool = False, devices: Sequence[str] | None = None,
               dtype: str = "auto", dry_run: bool = False, progress: bool | None = None,
-              model_seed: int = 0, choose_on: str = CHOOSE_ON, rank_by: str = RANK_BY) -> dict[str, Any]:
+              model_seed: int = 0, choose_on: str = CHOOSE_ON, rank_by: str = RANK_BY,
+              export: bool = False) -> dict[str, Any]:
     """Plan, run (skipping finished runs), summarise; writes summary.json/.md and plots under ``out``.
 
     ``dtype`` (auto | float32 | bfloat16) is the backbone dtype of every run, recorded in its
@@ -79,6 +80,7 @@ def run_sweep(data: Path, model: str, grid: Mapping[str, Sequence[Any]], seeds: 
     ``dry_run`` nothing is trained: the run configs are written under ``out/configs`` and the
     returned summary lists the worker command of every run (``commands``) for an external scheduler.
     ``choose_on`` (dev, the default, or test) is the split the summary ranks the arms on, by ``rank_by``.
+    ``export``: also write each run's export/ (off by default: the summary reads eval/ only).
     """
     from rich.console import Console
 
@@ -96,13 +98,14 @@ def run_sweep(data: Path, model: str, grid: Mapping[str, Sequence[Any]], seeds: 
     seed_list = parse_seeds(seeds)
     arms, notes = expand_grid(grid, overrides)
     specs = plan_runs(data, model, arms, seed_list, steps, out, recipe_overrides=overrides,
-                      scale_cadence=scale_cadence, model_seed=model_seed, dtype=dtype)
+                      scale_cadence=scale_cadence, model_seed=model_seed, dtype=dtype, export=export)
     cadence = scaled_cadence(steps) if scale_cadence else {}
     cadence = {k: v for k, v in cadence.items() if k not in overrides}
     config = {"data": str(data.resolve()), "model": model, "grid": {k: list(v) for k, v in grid.items()},
               "seeds": seed_list, "steps": int(steps), "recipe_overrides": overrides, "cadence": cadence,
               "dtype": dtype, "mode": "in-process" if in_process else "subprocess",
-              "devices": list(devices) if devices else None, "choose_on": choose_on, "rank_by": rank_by}
+              "devices": list(devices) if devices else None, "choose_on": choose_on, "rank_by": rank_by,
+              "export": bool(export)}
     console = Console(stderr=True)
     console.print(f"sweep: {len(arms)} arms x {len(seed_list)} seeds = {len(specs)} runs -> {out}", highlight=False)
     for n in notes:

@@ -146,7 +146,8 @@ def scaled_cadence(steps: int) -> dict[str, int]:
 class RunSpec:
     """One run of the sweep: its name, arm, seed, directory and the worker's JSON config.
 
-    ``config`` = ``{"run_dir", "data_dir", "model", "model_seed", "dtype", "recipe": full Recipe dict}``.
+    ``config`` = ``{"run_dir", "data_dir", "model", "model_seed", "dtype", "export", "recipe": full Recipe
+    dict}`` (``export``: whether the run's evaluation writes export/).
     """
 
     name: str
@@ -166,7 +167,7 @@ class RunSpec:
 
 def plan_runs(data: Path, model: str, arms: Sequence[Arm], seeds: Sequence[int], steps: int, out: Path, *,
               recipe_overrides: Mapping[str, Any] | None = None, scale_cadence: bool = True,
-              model_seed: int = 0, dtype: str = "auto") -> list[RunSpec]:
+              model_seed: int = 0, dtype: str = "auto", export: bool = False) -> list[RunSpec]:
     """One RunSpec per arm x seed, with its full resolved recipe (validated here, before any run)."""
     overrides = {k: coerce_value(k, v) for k, v in (recipe_overrides or {}).items()}
     for k in NOT_GRID_KEYS:
@@ -186,6 +187,6 @@ def plan_runs(data: Path, model: str, arms: Sequence[Arm], seeds: Sequence[int],
             name = f"{arm.name}-s{seed}"
             run_dir = (Path(out) / "runs" / name).resolve()
             config = {"run_dir": str(run_dir), "data_dir": str(Path(data).resolve()), "model": model,
-                      "model_seed": model_seed, "dtype": dtype, "recipe": recipe.to_dict()}
+                      "model_seed": model_seed, "dtype": dtype, "export": bool(export), "recipe": recipe.to_dict()}
             specs.append(RunSpec(name=name, arm=arm.name, seed=int(seed), run_dir=run_dir, config=config))
     return specs

@@ -72,7 +72,9 @@ def read_run_config(path: Path) -> dict[str, Any]:
 def run_one(config: Mapping[str, Any], *, progress: bool = False) -> dict[str, Any]:
     """Train (or resume) and evaluate one sweep run; returns its evaluation dict.
 
-    ``config``: ``{"run_dir", "data_dir", "model", "model_seed", "dtype", "recipe": full Recipe dict}``.
+    ``config``: ``{"run_dir", "data_dir", "model", "model_seed", "dtype", "export", "recipe": full Recipe
+    dict}``; ``export`` false (also when absent) writes no export/ -- ~1 GB for a SmolLM2-sized backbone that
+    a sweep never reads -- and `rlcd export RUN` writes it for the arm you keep.
     ``progress``: the run's own training and scoring progress (a worker writes it to its log; in
     process the sweep's per-run lines are enough).
     Training and evaluation run on the ``auto`` device (the GPU ``CUDA_VISIBLE_DEVICES`` leaves
@@ -103,7 +105,9 @@ def run_one(config: Mapping[str, Any], *, progress: bool = False) -> dict[str, A
     if not run.exists():
         train(run.root, data_dir=Path(config["data_dir"]), model=config["model"], recipe=recipe, progress=progress,
               model_seed=int(config.get("model_seed", 0)), dtype=dtype)
-    return evaluate_run(run.root, placement=resolve_placement("auto", dtype), progress=progress)
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else None
+    return evaluate_run(run.root, placement=resolve_placement("auto", dtype), progress=progress, print_fn=say,
+                        export=bool(config.get("export", False)))
 
 
 def worker_command(config_path: Path) -> list[str]:
