@@ -22,8 +22,11 @@ venv: $(BIN)/rlcd
 demo: venv
 	$(BIN)/rlcd demo --out runs/demo
 
+# two workers, one torch thread each (tests/conftest.py), each test file whole on one worker
+TEST_WORKERS ?= 2
+
 test: venv
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: venv
 	$(BIN)/python -m pytest -m "not slow"

@@ -6,6 +6,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers: one torch thread each, no oversubscription
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def synth_processed(base, cases: int, seed: int):
