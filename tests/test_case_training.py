@@ -24,6 +24,7 @@ from rlcd.model.collate import Batch
 from rlcd.model.decision import DecisionModel
 from rlcd.objectives import ce_loss
 from rlcd.recipe import Recipe
+from rlcd.schema import Question, Record
 from rlcd.train import train
 
 torch.set_num_threads(1)
@@ -292,3 +293,25 @@ def test_case_gradients_equal_full_rows_with_an_image(tmp_path, monkeypatch):
     m = fb.cand_mask
     assert float((lc[m] - lf[m]).abs().max()) < 1e-5
     assert _rel(_vec(gc), _vec(gf)) < 1e-5
+
+
+def test_a_unit_whose_shared_prefix_saves_less_than_a_call_runs_as_full_rows():
+    """Training plans each unit with serving's rule (`sharing_pays`): two questions about a two-token state
+    share ~34 template tokens, less than a call's overhead, so they run as full rows; a long state shares."""
+    from rlcd.model.decision import CALL_OVERHEAD
+
+    dm = _model("tiny-llama")
+    qs = [Question(type="noul", instructions="Is it urgent?"), Question(type="noul", instructions="Is it paid?")]
+
+    def case(state, key):
+        return [Record(id=f"{key}{i}", source="s", task="t", state=state, question=q, target=[1.0, 0.0], case_id=key)
+                for i, q in enumerate(qs)]
+
+    units = [case("ok", "s"), case("Late: " + "the parcel came late, " * 8, "l")]
+    cb = case_train.collate_cases(dm.collator(), units)
+    raw = [dm._cut(cb.rows[u.start:u.end], 0, True) for u in cb.units]
+    assert raw[0] <= CALL_OVERHEAD < raw[1]  # the premise: one short shared prefix, one long
+    assert [case_train.unit_cut(dm, cb.rows[u.start:u.end], u.n_img) for u in cb.units] == [None, raw[1]]
+    with torch.no_grad():  # either path, the same logits as full rows
+        shared, full = dm(cb), dm(dm.collator()([r for u in units for r in u]))
+    assert float((shared - full)[cb.cand_mask].abs().max()) < 1e-5

@@ -9,8 +9,9 @@ returns the same logits [B, Kmax] as the full-row forward of the same rows:
   decision position) in one left-padded forward *with* gradients and a cache; the cache rows expanded
   to the unit's rows (`Family.select_cache_rows`, an `index_select`); all suffixes in one right-padded
   call on that cache. The loss backpropagates through the suffixes into the prefix.
-* one-row units, and Qwen3.5 units whose prefix is shorter than one DeltaNet chunk: plain full rows
-  in one more call (nothing to share; a prefix call plus a suffix call would cost more).
+* one-row units, units whose shared prefix saves less than a call costs (`decision.sharing_pays`, as
+  in serving and evaluation), and Qwen3.5 units whose prefix is shorter than one DeltaNet chunk: plain
+  full rows in one more call (a prefix call plus a suffix call would cost more).
 * one head call over all rows in batch order, exactly as `DecisionModel.forward` makes it (the
   centring accumulators see the same features).
 
@@ -49,6 +50,7 @@ import torch
 
 from ..schema import Record
 from .collate import Batch, Collator, moved, n_image_tokens, pad_rows, process_images
+from .decision import sharing_pays
 from .prompt import EncodedRow
 
 
@@ -187,13 +189,14 @@ def unit_cut(model: Any, rows: Sequence[EncodedRow], n_img: int) -> int | None:
     """The shared-prefix length of a unit for training, or None when its rows run as full rows.
 
     The common prefix capped at the smallest decision position (`DecisionModel._cut`), on the family's
-    chunk grid when it has one (Qwen3.5: 64): None for one row, or when no grid point lies past the
-    image (a short state: full rows are exact and barely dearer)."""
+    chunk grid when it has one (Qwen3.5: 64): None for one row, when no grid point lies past the image
+    (a short state: full rows are exact and barely dearer), or when sharing saves less than the extra
+    call costs (`sharing_pays`, the rule serving and evaluation use)."""
     if len(rows) < 2:
         return None
     cut = model._cut(rows, n_img, True)
     align = model.family.exact_align
-    if cut < 1 or (align and cut % align) or (n_img and cut < n_img + 2):
+    if cut < 1 or (align and cut % align) or (n_img and cut < n_img + 2) or not sharing_pays(len(rows), cut):
         return None
     return cut
 

@@ -46,7 +46,16 @@ PROMPT_VERSION = 1
 _LORA_PREFIX = "base_model.model."
 
 
-def plan_suffix_groups(lengths: Sequence[int], *, max_rows: int = 64, overhead: int = 48,
+CALL_OVERHEAD = 48  # one more model call costs about this many tokens of work (the planners' unit)
+
+
+def sharing_pays(n_rows: int, cut: int, overhead: int = CALL_OVERHEAD) -> bool:
+    """Whether running a common prefix of `cut` tokens once for `n_rows` rows (one extra call) beats full
+    rows: it saves (n_rows - 1) * cut tokens. One rule for serving, evaluation and training."""
+    return (n_rows - 1) * cut > overhead
+
+
+def plan_suffix_groups(lengths: Sequence[int], *, max_rows: int = 64, overhead: int = CALL_OVERHEAD,
                        granule: int = SUFFIX_CHUNK) -> list[list[int]]:
     """Split rows into batched calls by suffix length, minimising padded work + a per-call overhead.
 
@@ -394,7 +403,7 @@ class DecisionModel(nn.Module):
         return self.case_features_with_usage(cases, max_rows=max_rows, exact=exact, path=path)[0]
 
     def plan_paths(self, cases: Sequence[CaseInputs], *, exact: bool = False, path: str = "auto",
-                   overhead: int = 48) -> list[int | None]:
+                   overhead: int = CALL_OVERHEAD) -> list[int | None]:
         """Per case: the shared-prefix cut, or None for full forwards.
 
         `path="auto"`: a case takes the prefix path only when it saves more than one call's overhead
@@ -411,7 +420,7 @@ class DecisionModel(nn.Module):
                 out.append(None)
                 continue
             cut = self._cut(c.rows, c.n_img, exact)
-            if path == "auto" and (len(c.rows) - 1) * cut <= overhead:
+            if path == "auto" and not sharing_pays(len(c.rows), cut, overhead):
                 out.append(None)
                 continue
             if c.n_img and cut < c.n_img + 2:  # the image is encoded once, so it must lie inside the prefix
