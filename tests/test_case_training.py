@@ -298,7 +298,7 @@ def test_case_gradients_equal_full_rows_with_an_image(tmp_path, monkeypatch):
 def test_a_unit_whose_shared_prefix_saves_less_than_a_call_runs_as_full_rows():
     """Training plans each unit with serving's rule (`sharing_pays`): two questions about a two-token state
     share ~34 template tokens, less than a call's overhead, so they run as full rows; a long state shares."""
-    from rlcd.model.decision import CALL_OVERHEAD
+    from rlcd.model.paths import CALL_OVERHEAD
 
     dm = _model("tiny-llama")
     qs = [Question(type="noul", instructions="Is it urgent?"), Question(type="noul", instructions="Is it paid?")]

@@ -38,21 +38,13 @@ from .collate import Batch, Collator, n_image_tokens, pad_rows, process_images
 from .families.base import fork_cache_rows, out_cache
 from .families.qwen35 import SUFFIX_CHUNK, mrope_positions  # noqa: F401 (mrope_positions: public API)
 from .head import CandidateScorer
+from .paths import CALL_OVERHEAD, sharing_pays
 from .prompt import DEFAULT_MAX_TOKENS, DEFAULT_NOUL, EncodedRow, PromptEncoder
 
 LORA_DROPOUT = 0.0
 SHAPE_GRANULE = 16  # batched calls round their padded lengths up to this (right pads are never read)
 PROMPT_VERSION = 1
 _LORA_PREFIX = "base_model.model."
-
-
-CALL_OVERHEAD = 48  # one more model call costs about this many tokens of work (the planners' unit)
-
-
-def sharing_pays(n_rows: int, cut: int, overhead: int = CALL_OVERHEAD) -> bool:
-    """Whether running a common prefix of `cut` tokens once for `n_rows` rows (one extra call) beats full
-    rows: it saves (n_rows - 1) * cut tokens. One rule for serving, evaluation and training."""
-    return (n_rows - 1) * cut > overhead
 
 
 def plan_suffix_groups(lengths: Sequence[int], *, max_rows: int = 64, overhead: int = CALL_OVERHEAD,
