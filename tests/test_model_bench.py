@@ -95,3 +95,32 @@ def test_pipeline_bench_command_small(tmp_path, monkeypatch):
     assert ev["rows"] == 12 and ev["rel_logit_diff"] < 1e-5 and ev["token_bound"] > 1.5
     bad = CliRunner().invoke(app, ["bench", "pipeline", "--sizes", "1,x"])
     assert bad.exit_code == 2 and "--sizes" in bad.output
+
+
+def test_bench_train_case_vs_row_prints_training_and_evaluation_in_one_run(tmp_path, monkeypatch):
+    """`rlcd bench train --case-vs-row`: per model, training examples/s case vs row with the token bounds,
+    then evaluation rows/s shared vs full rows; one JSON record with the command that made it."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "case.json"
+    r = CliRunner().invoke(app, ["bench", "train", "--case-vs-row", "tiny-toy", "--updates", "1", "--warmup", "0",
+                                 "--rounds", "1", "--cases", "8", "--eval-cases", "2", "--threads", "1",
+                                 "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert re.search(r"case vs row: tiny-toy: row [\d.]+ examples/s, case [\d.]+ examples/s: [\d.]+x", r.output)
+    assert "evaluation: tiny-toy:" in r.output and "shared prefixes" in r.output
+    rec = json.loads(out.read_text())
+    assert rec["bench"] == "train-case" and "--eval-cases 2" in rec["command"]
+    m = rec["results"]["models"]["tiny-toy"]
+    assert m["row"]["examples"] == m["case"]["examples"] == 32  # one update of the recipe's 32 questions each
+    assert m["speedup"] == m["case"]["examples_per_s"] / m["row"]["examples_per_s"]
+    assert m["token_ratio"] > 1.0 and m["whole_case_token_ratio"] > 1.0  # shared prefixes run fewer tokens
+    ev = m["evaluation"]
+    assert ev["rows"] == 12 and ev["rel_logit_diff"] < 1e-5 and ev["speedup"] > 0
+    bad = CliRunner().invoke(app, ["bench", "train", "--case-vs-row", " , "])
+    assert bad.exit_code == 2 and "--case-vs-row" in bad.output

@@ -55,7 +55,9 @@ HEADLINE = {
               "sampler_rows_per_s", "sampler_pass"),
     "train-case": tuple(f"models.{m}.{k}" for m in ("tiny", "tiny-llama", "smollm2-135m")
                         for k in ("row.examples_per_s", "case.examples_per_s", "speedup", "full_tokens_per_row",
-                                  "run_tokens_per_row", "token_ratio", "whole_case_token_ratio")),
+                                  "run_tokens_per_row", "token_ratio", "whole_case_token_ratio",
+                                  "evaluation.full_rows_per_s", "evaluation.shared_rows_per_s", "evaluation.speedup",
+                                  "evaluation.token_bound")),
     "features": ("model", "cases", "threads", "extract.ratio", "extract.shared.row_tokens_per_s",
                  "extract.per_row.row_tokens_per_s", "extract.shared.entries", "train.head_only_updates_per_s",
                  "train.lora_updates_per_s", "train.ratio"),

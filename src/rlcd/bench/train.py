@@ -331,19 +331,23 @@ def whole_case_tokens(s: Any) -> dict[str, float]:
 
 def run_case_vs_row(models: tuple[str, ...] = ("tiny",), *, updates: int = 4, warmup: int = 1, rounds: int = 2,
                     cases: int = 80, seed: int = 0, state_tokens: int | None = None, threads: int | None = None,
-                    placement: Any = None, print_fn: Callable[[str], None] | None = print) -> dict:
-    """Training examples/s with `batch_by=case` vs `row`, per model, on generated six-question synth cases.
+                    eval_cases: int = 10, placement: Any = None,
+                    print_fn: Callable[[str], None] | None = print) -> dict:
+    """Training examples/s with `batch_by=case` vs `row`, per model, on generated six-question synth cases,
+    then evaluation rows/s through shared prefixes vs full rows on `eval_cases` synth cases (0: skipped).
 
     One session per model (built as `rlcd train` builds it); `rounds` alternating blocks of `updates`
     timed updates per arm (after `warmup` untimed ones each), so a change of machine load hits both arms.
     The ratio is of the summed times. `token_ratio`: full-row tokens over tokens run with shared prefixes
-    (its upper bound on a compute-bound machine)."""
+    (its upper bound on a compute-bound machine); `whole_case_token_ratio`: the same if no case were split
+    across micro-batches. `evaluation`: `rlcd.bench.pipeline.evaluation_section` on the session's model."""
+    from rlcd.bench.pipeline import evaluation_section
     from rlcd.model.backbone import load_backbone
 
     if threads:
         torch.set_num_threads(int(threads))
     out: dict[str, Any] = {"updates_per_round": updates, "rounds": rounds, "warmup_updates": warmup, "cases": cases,
-                           "state_tokens": state_tokens, "seed": seed, "threads": torch.get_num_threads(),
+                           "eval_cases": eval_cases, "state_tokens": state_tokens, "seed": seed, "threads": torch.get_num_threads(),
                            "load_avg_1m_before": _loadavg(), "models": {}}
     for model in models:
         with tempfile.TemporaryDirectory(prefix="rlcd-bench-case-") as tmp:
@@ -373,6 +377,11 @@ def run_case_vs_row(models: tuple[str, ...] = ("tiny",), *, updates: int = 4, wa
                          f"{m['case']['examples_per_s']:.2f} examples/s: {m['speedup']:.2f}x (tokens run per row "
                          f"{m['run_tokens_per_row']:.0f} of {m['full_tokens_per_row']:.0f}: bound "
                          f"{m['token_ratio']:.2f}x; {m['whole_case_token_ratio']:.2f}x if every case ran whole)")
+            if eval_cases:
+                if print_fn is not None:
+                    print_fn(f"evaluation: {model}:")
+                out["models"][model]["evaluation"] = evaluation_section(
+                    s.model.eval(), cases=eval_cases, seed=seed, say=print_fn or (lambda _: None))
             del s
     out["load_avg_1m_after"] = _loadavg()
     return out

@@ -105,13 +105,16 @@ def train(
         "--case-vs-row", help="instead: training examples/s with batch_by case vs row for these comma-separated "
                               "models (e.g. tiny,smollm2-135m) on generated six-question synth cases")] = None,
     cases: Annotated[int, typer.Option(min=1, help="synth cases generated for --case-vs-row")] = 80,
+    eval_cases: Annotated[int, typer.Option(
+        min=0, help="--case-vs-row: then evaluation rows/s, shared prefixes vs full rows, on N synth cases (0: skip)")] = 10,
     rounds: Annotated[int, typer.Option(
         min=1, help="alternating row/case rounds of --updates each (--case-vs-row)")] = 2,
     state_tokens: Annotated[Optional[int], typer.Option(
         min=1, help="--case-vs-row: each case's state becomes ~N tokens of ticket text (default: synth's own)",
     )] = None,
 ) -> None:
-    """Training-loop throughput and per-part share of an update; sampler rows/s (or --case-vs-row)."""
+    """Training-loop throughput and per-part share of an update; sampler rows/s (or --case-vs-row: training
+    examples/s with batch_by case vs row, then evaluation rows/s shared vs full rows, per model)."""
     from rlcd.bench.report import invocation, save_result
     from rlcd.bench.train import run_case_vs_row, run_train_bench
     from rlcd.model.backbone import check_backbone_spec
@@ -123,11 +126,13 @@ def train(
         for m in models:
             check_backbone_spec(m)
         res = run_case_vs_row(models, updates=updates, warmup=warmup, rounds=rounds, cases=cases, seed=seed,
-                              state_tokens=state_tokens, threads=threads, placement=placement(device, dtype))
+                              state_tokens=state_tokens, threads=threads, eval_cases=eval_cases,
+                              placement=placement(device, dtype))
         if json_out is not None:
             cmd = invocation(shlex.join(["rlcd", "bench", "train", "--case-vs-row", case_vs_row, "--updates",
                                          str(updates), "--warmup", str(warmup), "--rounds", str(rounds), "--cases",
-                                         str(cases), *(["--threads", str(threads)] if threads else []),
+                                         str(cases), "--eval-cases", str(eval_cases),
+                                         *(["--threads", str(threads)] if threads else []),
                                          *(["--state-tokens", str(state_tokens)] if state_tokens else []),
                                          "--json", str(json_out)]))
             save_result("train-case", cmd, res, path=json_out)
