@@ -29,7 +29,7 @@ test: venv
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: venv
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 clean:
 	rm -rf $(VENV) runs/demo
