@@ -73,8 +73,8 @@ def run_one(config: Mapping[str, Any], *, progress: bool = False) -> dict[str, A
     """Train (or resume) and evaluate one sweep run; returns its evaluation dict.
 
     ``config``: ``{"run_dir", "data_dir", "model", "model_seed", "dtype", "export", "recipe": full Recipe
-    dict}``; ``export`` false (also when absent) writes no export/ -- 529 MB for SmolLM2-135M (float32 merged + export/hf) that
-    a sweep never reads -- and `rlcd export RUN` writes it for the arm you keep.
+    dict}``; ``export`` false (also when absent) writes no export/ -- 529 MB for SmolLM2-135M (float32
+    merged + export/hf) that a sweep never reads -- and `rlcd export RUN` writes it for the arm you keep.
     ``progress``: the run's own training and scoring progress (a worker writes it to its log; in
     process the sweep's per-run lines are enough).
     Training and evaluation run on the ``auto`` device (the GPU ``CUDA_VISIBLE_DEVICES`` leaves
