@@ -347,7 +347,8 @@ def run_case_vs_row(models: tuple[str, ...] = ("tiny",), *, updates: int = 4, wa
     if threads:
         torch.set_num_threads(int(threads))
     out: dict[str, Any] = {"updates_per_round": updates, "rounds": rounds, "warmup_updates": warmup, "cases": cases,
-                           "eval_cases": eval_cases, "state_tokens": state_tokens, "seed": seed, "threads": torch.get_num_threads(),
+                           "eval_cases": eval_cases, "state_tokens": state_tokens, "seed": seed,
+                           "threads": torch.get_num_threads(),
                            "load_avg_1m_before": _loadavg(), "models": {}}
     for model in models:
         with tempfile.TemporaryDirectory(prefix="rlcd-bench-case-") as tmp:
@@ -387,5 +388,5 @@ def run_case_vs_row(models: tuple[str, ...] = ("tiny",), *, updates: int = 4, wa
     return out
 
 
-__all__ = ["run_train_bench", "run_case_vs_row", "use_batch_by", "processed_tokens", "whole_case_tokens", "time_updates", "timed_update",
-           "sampler_bench", "make_bench_data", "bench_session", "PARTS"]
+__all__ = ["run_train_bench", "run_case_vs_row", "use_batch_by", "processed_tokens", "whole_case_tokens",
+           "time_updates", "timed_update", "sampler_bench", "make_bench_data", "bench_session", "PARTS"]

@@ -106,7 +106,8 @@ def train(
                               "models (e.g. tiny,smollm2-135m) on generated six-question synth cases")] = None,
     cases: Annotated[int, typer.Option(min=1, help="synth cases generated for --case-vs-row")] = 80,
     eval_cases: Annotated[int, typer.Option(
-        min=0, help="--case-vs-row: then evaluation rows/s, shared prefixes vs full rows, on N synth cases (0: skip)")] = 10,
+        min=0, help="--case-vs-row: then evaluation rows/s, shared prefixes vs full rows, on N synth cases "
+                    "(0: skip)")] = 10,
     rounds: Annotated[int, typer.Option(
         min=1, help="alternating row/case rounds of --updates each (--case-vs-row)")] = 2,
     state_tokens: Annotated[Optional[int], typer.Option(
