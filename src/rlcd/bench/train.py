@@ -288,22 +288,23 @@ def use_batch_by(s: Any, batch_by: str) -> None:
     s.sampler = Sampler(pool, case_of)
 
 
-def processed_tokens(s: Any, indices: range) -> dict[str, float]:
-    """Tokens the model runs for micro-batches `indices` under the session's `batch_by`, against full rows."""
+def _tokens_run(model: Any, b: Any) -> tuple[int, int, int]:
+    """(rows, full-row tokens, tokens run) of batch `b`: a `CaseBatch` runs each unit's shared cut once."""
     from rlcd.model.case_train import unit_cut
 
-    full = run = rows = 0
-    for index in indices:
-        b = s.microbatch(index)
-        rows += len(b)
-        lens = b.attention_mask.sum(1).tolist()
-        full += sum(lens)
-        if getattr(b, "units", None) is None:
-            run += sum(lens)
-            continue
-        for u in b.units:
-            cut = unit_cut(s.model, b.rows[u.start:u.end], u.n_img) or 0
-            run += cut + sum(lens[i] - cut for i in range(u.start, u.end))
+    lens = b.attention_mask.sum(1).tolist()
+    if getattr(b, "units", None) is None:
+        return len(lens), sum(lens), sum(lens)
+    run = 0
+    for u in b.units:
+        cut = unit_cut(model, b.rows[u.start:u.end], u.n_img) or 0
+        run += cut + sum(lens[i] - cut for i in range(u.start, u.end))
+    return len(lens), sum(lens), run
+
+
+def processed_tokens(s: Any, indices: range) -> dict[str, float]:
+    """Tokens the model runs for micro-batches `indices` under the session's `batch_by`, against full rows."""
+    rows, full, run = (sum(x) for x in zip(*(_tokens_run(s.model, s.microbatch(i)) for i in indices)))
     return {"rows": rows, "full_tokens_per_row": full / rows, "run_tokens_per_row": run / rows,
             "token_ratio": full / run}
 
@@ -311,21 +312,12 @@ def processed_tokens(s: Any, indices: range) -> dict[str, float]:
 def whole_case_tokens(s: Any) -> dict[str, float]:
     """The same count if every case's state ran once for all its rows (no case split across micro-batches,
     the ceiling of any packing): full-row tokens over state-once tokens, over the training pool's cases."""
-    from rlcd.model.case_train import collate_cases, unit_cut
+    from rlcd.model.case_scoring import group_cases
+    from rlcd.model.case_train import collate_cases
 
-    by_case: dict[Any, list[Any]] = {}
-    for ids in s.bench_pool.values():
-        for i in ids:
-            rec = s.records[i]
-            by_case.setdefault(rec.case_id or ("row", i), []).append(rec)
-    full = run = rows = 0
-    for recs in by_case.values():
-        b = collate_cases(s.collator, [recs])
-        lens = b.attention_mask.sum(1).tolist()
-        cut = unit_cut(s.model, b.rows, b.units[0].n_img) or 0
-        rows += len(lens)
-        full += sum(lens)
-        run += cut + sum(n - cut for n in lens)
+    records = [s.records[i] for ids in s.bench_pool.values() for i in ids]
+    counts = [_tokens_run(s.model, collate_cases(s.collator, [[records[i] for i in g]])) for g in group_cases(records)]
+    rows, full, run = (sum(x) for x in zip(*counts))
     return {"whole_case_tokens_per_row": run / rows, "whole_case_token_ratio": full / run}
 
 
