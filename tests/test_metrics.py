@@ -128,6 +128,24 @@ def test_posterior_block_and_bayes_floor():
     assert "posterior" not in M.summarize([rows[1]])["overall"]
 
 
+def test_the_uniform_answer_is_the_reference_for_the_bayes_gap():
+    """uniform_gap: the gap of 1/K on each candidate, in float64 from the rows alone (the model's logits and
+    temperatures do not enter it), so a calibrated gap can be read against it."""
+    rows = [row("a", [0.25, 0.75], [0.4, 0.6], posterior=[0.3, 0.7]),
+            row("b", [0.1, 0.2, 0.3, 0.4], [0.0, 1.0, 0.0, 0.0], type_="choice", posterior=[0.1, 0.6, 0.2, 0.1]),
+            row("c", [0.5, 0.5], [1.0, 0.0])]  # no posterior: not counted
+    uniform = (math.log(2) + math.log(4)) / 2  # -sum t log(1/K) = log K for a target summing to 1
+    bayes = (-(0.4 * math.log(0.3) + 0.6 * math.log(0.7)) - math.log(0.6)) / 2
+    for temps in (None, {"noul": 3.0}):
+        post = M.summarize(rows, temps)["overall"]["posterior"]
+        assert post["uniform_nll"] == pytest.approx(uniform, rel=1e-12)
+        assert post["uniform_gap"] == pytest.approx(uniform - bayes, rel=1e-12)
+    uniform_rows = [row(r["id"], [1.0 / len(r["target"])] * len(r["target"]), r["target"], type_=r["type"],
+                        posterior=r["posterior"]) for r in rows]
+    post = M.summarize(uniform_rows)["overall"]["posterior"]
+    assert post["bayes_gap"] == pytest.approx(post["uniform_gap"], rel=1e-12), "equal logits score the uniform gap"
+
+
 # ---------------------------------------------------------------------------------------------- torchmetrics
 
 

@@ -9,8 +9,8 @@ import torch
 
 from rlcd import metrics as M
 from rlcd.calibrate import fit_per_type
-from rlcd.report import (evaluation_from_predictions, evaluation_json, load_predictions, regenerate_evaluation,
-                         write_evaluation, write_report)
+from rlcd.report import (evaluation_from_predictions, evaluation_json, format_summary, load_predictions,
+                         regenerate_evaluation, write_evaluation, write_report)
 
 torch.set_num_threads(1)
 
@@ -94,6 +94,8 @@ def test_evaluation_structure_and_determinism(tmp_path):
         assert set(ev[side]["per_group"]) == set(GROUPS)
         assert "posterior" in o and "rps" in o
     assert ev["raw"]["overall"]["accuracy"] == ev["calibrated"]["overall"]["accuracy"]  # T > 0 keeps argmax
+    post_r, post_c = ev["raw"]["overall"]["posterior"], ev["calibrated"]["overall"]["posterior"]
+    assert post_r["uniform_gap"] == post_c["uniform_gap"] > 0  # the rows' reference, whatever the temperatures
     assert ev["calibrated"]["overall"]["nll"] < ev["raw"]["overall"]["nll"]
     assert set(ev["other_splits"]) == {"dev", "calibration"}
     assert ev["majority_baseline"] == json.loads(json.dumps(mb)) and ev["meta"]["selected_step"] == 40
@@ -146,6 +148,8 @@ def test_report_and_plots_exist_for_a_tiny_run(tmp_path):
     for heading in ("## Headline: test split (n = 60)", "## Temperatures", "## Per type", "## Majority baseline",
                     "## Known posterior", "## Per group", "## Other splits", "## Training"):
         assert heading in text, heading
+    assert "| uniform_gap |" in text
+    assert "a uniform answer" in format_summary(json.loads((run / "eval" / "evaluation.json").read_text()))
     assert "matches the prediction files exactly" in text
     assert "| accuracy | 0." in text and "raw [95% CI]" in text and "95% CI (refit per resample)" in text
     for heading in ("## Error analysis (test)", "### Confusion matrices", "### Accuracy by number of candidates K",

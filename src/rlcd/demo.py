@@ -95,7 +95,8 @@ def learning_line(ev: Mapping[str, Any]) -> str:
     majority = float((ev.get("majority_baseline") or {}).get("accuracy", float("nan")))
     post = ev["calibrated"]["overall"].get("posterior") or {}
     return (f"learned: test accuracy {acc:.4f} vs {majority:.4f} for the majority answer ({acc - majority:+.4f}); "
-            f"calibrated NLL {float(post.get('bayes_gap', float('nan'))):.4f} nats above the Bayes floor "
+            f"calibrated NLL {float(post.get('bayes_gap', float('nan'))):.4f} nats above the Bayes floor vs "
+            f"{float(post.get('uniform_gap', float('nan'))):.4f} for a uniform answer "
             f"({post.get('n', 0)} rows with a known posterior)")
 
 

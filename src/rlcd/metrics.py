@@ -28,6 +28,9 @@ Calibration uses 15 equal-width bins on the confidence ``max p``; bin b holds
 When a row carries a known ``posterior`` the same scores are computed against the posterior (block
 ``posterior``), together with the Bayes floor: the posterior's own NLL against the target
 (``bayes_nll``) and the gap ``model_nll - bayes_nll`` (``bayes_gap``), over the rows with a posterior.
+The reference a reader needs to judge that gap: ``uniform_gap`` = ``uniform_nll - bayes_nll``, the gap of the
+uniform answer (1/K on each of a row's K candidates; ``uniform_nll`` its NLL against the target), which
+depends only on the rows -- a model whose calibrated gap is near it has learnt nothing the probabilities show.
 
 Aggregates (``summarize``): ``overall``, ``per_type``, ``per_group``, ``per_k_bucket`` (2, 3-5, 6-10,
 11+) and ``group_macro`` (unweighted mean over groups of every metric). Output is plain JSON-ready
@@ -296,7 +299,7 @@ class _Scored:
 def _block(scored: list[dict[str, Any]], *, reliability: bool) -> dict[str, Any]:
     """Aggregate block of per-row score records produced by ``_score_row``."""
     vs_target, vs_post = _Scored(), _Scored()
-    bayes_nll, model_nll, bayes_acc = [], [], []
+    bayes_nll, model_nll, bayes_acc, uniform_nll = [], [], [], []
     for r in scored:
         vs_target.add(r["target"])
         if r["posterior"] is not None:
@@ -304,6 +307,7 @@ def _block(scored: list[dict[str, Any]], *, reliability: bool) -> dict[str, Any]
             bayes_nll.append(r["bayes_nll"])
             model_nll.append(r["target"]["nll"])
             bayes_acc.append(r["bayes_accuracy"])
+            uniform_nll.append(r["uniform_nll"])
     out = vs_target.block(reliability=reliability)
     if bayes_nll:
         post = vs_post.block(reliability=reliability)
@@ -311,6 +315,8 @@ def _block(scored: list[dict[str, Any]], *, reliability: bool) -> dict[str, Any]
         post["bayes_nll"] = _mean(bayes_nll)
         post["bayes_gap"] = post["model_nll"] - post["bayes_nll"]
         post["bayes_accuracy"] = _mean(bayes_acc)
+        post["uniform_nll"] = _mean(uniform_nll)
+        post["uniform_gap"] = post["uniform_nll"] - post["bayes_nll"]
         out["posterior"] = post
     return out
 
@@ -330,6 +336,7 @@ def _score_row(row: Mapping[str, Any], temperatures: Mapping[str, float] | None)
         rec["posterior"] = row_scores(p, q, ordinal=ordinal)
         rec["bayes_nll"] = nll(q, t)
         rec["bayes_accuracy"] = accuracy(q, t)
+        rec["uniform_nll"] = nll(np.full(p.size, 1.0 / p.size), t)
     return rec
 
 

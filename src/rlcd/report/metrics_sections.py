@@ -121,8 +121,10 @@ def posterior(ctx: Context) -> Section:
     s.add(Text(f"{pr['n']} rows carry a known posterior. On those rows `model_nll` is the model's NLL against the "
                "target, `bayes_nll` the posterior's own NLL against the target (the floor no model can beat in "
                "expectation) and `bayes_gap` = model_nll − bayes_nll; `bayes_accuracy` is the posterior's top-1 "
-               "accuracy against the target."))
-    s.add(raw_cal_table(pr, pc, ("model_nll", "bayes_nll", "bayes_gap", "bayes_accuracy")))
+               "accuracy against the target. `uniform_gap` is the gap of the uniform answer (1/K per candidate), "
+               "the same before and after calibration: a calibrated gap near it means the probabilities carry "
+               "little beyond the number of candidates."))
+    s.add(raw_cal_table(pr, pc, ("model_nll", "bayes_nll", "bayes_gap", "uniform_gap", "bayes_accuracy")))
     s.add(Text("The same scores with the posterior in place of the target (how close the model is to the truth):"))
     return s.add(raw_cal_table(pr, pc, ("accuracy", "soft_accuracy", "nll", "brier", "ece", "ece_target",
                                         "sharpness_gap")))

@@ -30,7 +30,8 @@ def format_summary(ev: Mapping[str, Any]) -> str:
     post_r, post_c = raw["overall"].get("posterior"), cal["overall"].get("posterior")
     if post_r:
         lines.append(f"gap to Bayes floor (NLL): raw {fmt(post_r['bayes_gap'])}  calibrated {fmt(post_c['bayes_gap'])}"
-                     f"  (floor {fmt(post_r['bayes_nll'])}, n={post_r['n']})")
+                     f"  (floor {fmt(post_r['bayes_nll'])}, n={post_r['n']}; a uniform answer: "
+                     f"{fmt(post_r.get('uniform_gap'))})")
     else:
         lines.append("gap to Bayes floor: no rows carry a posterior")
     lines += [f"note: {n}" for n in result_notes(ev.get("meta"))]

@@ -44,7 +44,8 @@ def bayes_line(ctx: Context) -> str | None:
         return None
     return (f"**Gap to the Bayes floor** (NLL, {pr['n']} rows with a known posterior): calibrated "
             f"{fmt(pc.get('bayes_gap'))}, raw {fmt(pr.get('bayes_gap'))} above the floor {fmt(pr.get('bayes_nll'))} "
-            "(0 is the best any model can do in expectation).")
+            f"(0 is the best any model can do in expectation; the uniform answer is {fmt(pr.get('uniform_gap'))} "
+            "above it).")
 
 
 def calibration_line(ctx: Context) -> str | None:
