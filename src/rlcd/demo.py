@@ -19,7 +19,8 @@ backbone the demo trained before ended at 0.555 test accuracy vs a 0.521 majorit
 frozen features learns the synthetic questions (full benchmark: 0.658 vs a 0.424 majority) and trains in
 seconds once the features exist, so nearly all of the budget is the one extraction pass (~3.5 cache
 entries/s). It does not reach the known posterior: the calibrated NLL stays ~0.4 nats above the Bayes
-floor even on the full benchmark, and further at demo scale. float32, because this CPU runs bfloat16
+floor even on the full benchmark (the uniform answer: 0.70), and at demo scale it is about the uniform
+answer's (0.70 vs 0.73; every recipe variant tried lands there, docs/experiments/real-weights.md). float32, because this CPU runs bfloat16
 matmuls 6.7x slower than float32 (102 vs 15 GFLOP/s; no AVX512-BF16: `torch.backends.cpu.
 get_cpu_capability()` says AVX2).
 """
