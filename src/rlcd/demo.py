@@ -20,9 +20,9 @@ frozen features learns the synthetic questions (full benchmark: 0.658 vs a 0.424
 seconds once the features exist, so nearly all of the budget is the one extraction pass (~3.5 cache
 entries/s). It does not reach the known posterior: the calibrated NLL stays ~0.4 nats above the Bayes
 floor even on the full benchmark (the uniform answer: 0.70), and at demo scale it is about the uniform
-answer's (0.70 vs 0.73; every recipe variant tried lands there, docs/experiments/real-weights.md). float32, because this CPU runs bfloat16
-matmuls 6.7x slower than float32 (102 vs 15 GFLOP/s; no AVX512-BF16: `torch.backends.cpu.
-get_cpu_capability()` says AVX2).
+answer's (0.70 vs 0.73; every recipe variant tried lands there, docs/experiments/real-weights.md).
+float32, because this CPU runs bfloat16 matmuls 6.7x slower than float32 (102 vs 15 GFLOP/s; no
+AVX512-BF16: `torch.backends.cpu.get_cpu_capability()` says AVX2).
 """
 
 from __future__ import annotations
