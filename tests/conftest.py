@@ -10,6 +10,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers: one t
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Files with the most `slow` tests first (stable otherwise). xdist's `--dist loadfile` hands files to the
+    workers in collection order (`--no-loadscope-reorder` in pyproject; its default sorts by test count, which
+    sent the 300 s learning test's six-test file out last and left one worker idle for minutes at the end)."""
+    from collections import Counter
+
+    def file_of(item):
+        return item.nodeid.split("::")[0]
+
+    slow = Counter(file_of(item) for item in items if item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[file_of(item)])
+
+
 def synth_processed(base, cases: int, seed: int):
     """A processed dir of `cases` known-posterior cases (generator seed `seed`, split seed 0)."""
     from rlcd.data.io import write_jsonl
