@@ -72,6 +72,20 @@ def test_help_imports_neither_torch_nor_transformers():
     assert not {m for m in modules if m.split(".")[0] in ("torch", "transformers", "numpy", "peft")}
 
 
+def test_help_wraps_sentences_at_the_terminal_not_at_the_source_lines():
+    """A docstring's 120-column line breaks do not cut a sentence in `--help`: prose paragraphs are reflowed,
+    list items and `\\b` blocks keep their lines."""
+    from rlcd.cli import reflow
+
+    out = runner.invoke(app, ["train", "--help"], env={"COLUMNS": "220"})
+    assert out.exit_code == 0
+    assert any("RUN positional) every update keeps" in ln for ln in out.output.splitlines())
+    top = runner.invoke(app, ["--help"], env={"COLUMNS": "220"}).output
+    assert any("plus an image question on the tiny VLM" in ln for ln in top.splitlines())
+    assert reflow("One\nsentence.\n\nA list:\n- a\n- b") == "One sentence.\n\nA list:\n- a\n- b"
+    assert reflow("\bkept\nas is") == "\bkept\nas is" and reflow(None) is None
+
+
 def test_version():
     from importlib.metadata import version
 

@@ -29,11 +29,32 @@ from rlcd.cli._common import quiet_progress_bars, show_status
 from rlcd.errors import UserError
 
 
+def reflow(text: str | None) -> str | None:
+    """A help text with each prose paragraph on one line, so the terminal wraps it: typer's rich help keeps a
+    docstring's line breaks, which cut sentences at the source's 120 columns. Paragraphs whose later lines
+    are indented or list items, and click's `\\b` blocks, keep their breaks."""
+    if not text:
+        return text
+    out = []
+    for para in text.split("\n\n"):
+        lines = para.split("\n")
+        keep = para.startswith("\b") or any(ln.startswith((" ", "- ", "* ", "|")) for ln in lines[1:])
+        out.append(para if keep else " ".join(ln.strip() for ln in lines))
+    return "\n\n".join(out)
+
+
+def _reflow_all(command: Any) -> None:
+    command.help = reflow(command.help)
+    for sub in getattr(command, "commands", {}).values():
+        _reflow_all(sub)
+
+
 class RlcdGroup(TyperGroup):
     """The root group: user errors in one or two lines, exit 2; bugs with their traceback."""
 
     def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
+        _reflow_all(self)
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
