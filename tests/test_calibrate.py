@@ -120,6 +120,20 @@ def test_fit_per_type_fits_each_type_and_keeps_t1_below_ten_rows():
     assert temps["noul"] == temps["score"] == 1.0 and infos["score"]["n"] == 0
 
 
+def test_small_calibration_warnings_name_the_rule_that_applies():
+    """A type fitted on few rows is 'noisy' (< 30); a type with too few to fit says how many a fit takes (10)."""
+    from rlcd.evaluate import small_data_warnings
+
+    cal = _rows("choice", 40, 2.0, 1) + _rows("score", 12, 0.5, 2) + _rows("noul", 3, 3.0, 3)
+    _, infos = fit_per_type(cal)
+    test = _rows("choice", 60, 1.0, 4)
+    warnings = small_data_warnings({"calibration": cal, "test": test}, infos)
+    assert sorted(warnings) == ["warning: noul: 3 calibration rows (a fit takes 10); its temperature stays T = 1",
+                                "warning: score: 12 calibration rows (< 30); its temperature is noisy"]
+    assert small_data_warnings({"calibration": [], "test": test[:5]}, {})[0].startswith(
+        "warning: the test split has 5 rows")
+
+
 def test_fit_per_type_uses_only_the_rows_given():
     cal = _rows("choice", 30, 2.0, 5, split="calibration")
     other = _rows("choice", 30, 0.3, 6)

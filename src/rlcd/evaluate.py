@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from rlcd import checkpoint as ckpt
-from rlcd.calibrate import fit_per_type
+from rlcd.calibrate import MIN_ROWS, fit_per_type
 from rlcd.device import Placement, resolve_placement
 from rlcd.export import checkpoint_identity, load_checkpoint_model, write_export
 from rlcd.progress import Progress
@@ -465,8 +465,10 @@ def small_data_warnings(preds: dict[str, list[dict]], infos: dict[str, dict]) ->
         n_cal[r["type"]] = n_cal.get(r["type"], 0) + 1
     for t, n in n_cal.items():
         if 0 < n < MIN_CALIBRATION_ROWS:
-            out.append(f"warning: {t}: {n} calibration rows (< {MIN_CALIBRATION_ROWS}); its temperature "
-                       + ("is noisy" if (infos.get(t) or {}).get("reason") is None else "stays T = 1 (not fitted)"))
+            fitted = (infos.get(t) or {}).get("reason") is None
+            out.append(f"warning: {t}: {n} calibration rows (< {MIN_CALIBRATION_ROWS}); its temperature is noisy"
+                       if fitted else f"warning: {t}: {n} calibration rows (a fit takes {MIN_ROWS}); its temperature "
+                       "stays T = 1")
     if not preds.get("calibration"):
         out.append("warning: no calibration rows: every temperature stays T = 1")
     return out
