@@ -178,6 +178,9 @@ def test_predict_checks_the_request_before_loading_a_model(tmp_path):
     bad.write_text("{not json")
     user_error(["predict", export, "--request", bad], contains="not valid JSON")
     user_error(["predict", export, "--request", tmp_path / "missing.json"], contains="no such file")
+    user_error(["predict", export, bad], contains="not valid JSON")  # the request as REQUEST, after RUN
+    user_error(["predict", export, tmp_path / "missing.json"], contains="Invalid value for REQUEST")
+    user_error(["predict", export, bad, "--request", tmp_path / "other.json"], contains="given twice")
     q = json.dumps({"type": "choice", "instructions": "x", "criteria": []})
     user_error(["predict", export, "--state", "s", "-q", f"q1={q}"], contains="questions.q1")
     unknown = json.dumps({"type": "maybe", "instructions": "x"})

@@ -437,6 +437,20 @@ def test_predict_answers_a_piped_request(run_dir, predictor):
     assert "model: loading export" in out.stderr and "model: ready in" in out.stderr  # said on stderr
 
 
+def test_predict_takes_the_request_file_after_the_run(tmp_path, run_dir, predictor):
+    """`rlcd predict RUN request.json` (what most people type first) answers like `--request request.json`."""
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    req = {"state": STATE, "questions": {"angry": QUESTIONS["angry"]}}
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(req))
+    out = CliRunner().invoke(app, ["predict", str(run_dir), str(path), "--device", "cpu"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout) == predictor.predict(req)
+
+
 @pytest.mark.parametrize("stdin, needle", [
     ("{not json", "(stdin) is not valid JSON"),
     ("", "(stdin) is not valid JSON"),

@@ -16,6 +16,8 @@ MAX_QUESTIONS, MAX_CANDIDATES, MAX_TOKENS, MAX_REQUEST_BYTES, MAX_IMAGE_PIXELS =
 
 def predict(
     run: RunArg = None,
+    request_arg: Annotated[Optional[Path], typer.Argument(
+        metavar="REQUEST", help="request JSON file or '-' (the same as --request)", show_default=False)] = None,
     run_alias: RunAlias = None,
     request: Annotated[Optional[Path], typer.Option(
         help="request JSON file ('-' = stdin; default: stdin when it is not a terminal)")] = None,
@@ -28,6 +30,7 @@ def predict(
 ) -> None:
     """Answer one /v1/systemone request with a run's export and print the JSON response.
 
+    `rlcd predict RUN request.json`, `... RUN - < request.json`, or the request built from --state and -q.
     The request is read and validated before the model loads, so a malformed one fails at once.
     """
     import json
@@ -39,11 +42,16 @@ def predict(
     from rlcd.serving.limits import Limits
 
     path = run_path(run, run_alias)
+    if request_arg is not None:
+        if request is not None and request != request_arg:
+            raise typer.BadParameter(f"given twice ({request_arg} and --request {request}); give it once",
+                                     param_hint="REQUEST")
+        request = request_arg
     find_export(path)
     if request is None and state is None and not question and not sys.stdin.isatty():
         request = Path("-")
     if request is not None and str(request) != "-" and not request.is_file():
-        raise typer.BadParameter(f"{request}: no such file", param_hint="--request")
+        raise typer.BadParameter(f"{request}: no such file", param_hint="REQUEST" if request_arg else "--request")
     try:
         req, img = build_cli_request(request, state, question)
     except json.JSONDecodeError as e:
