@@ -4,6 +4,9 @@
 rank; `BATCH_BY` the recipe's `batch_by`, default row, or `head-only`: a head-only run on the feature cache), saved by rank 0 as OUT/grads-world{N}.pt.
 `train DATA RUN`: a 3-update run with the recipe's batch (8 x 4 examples per update, whatever the
 world size).
+
+The tests run the one-process reference in their own process (`grads(...)`, `run(...)`): one interpreter start
+fewer per test.
 """
 
 import sys
@@ -13,8 +16,6 @@ import torch
 
 from rlcd.recipe import Recipe
 from rlcd.train import build_session, init_centring, init_distributed, new_run, train
-
-torch.set_num_threads(1)
 
 
 def grads(data_dir: Path, out: Path, batch_by: str = "row") -> None:
@@ -37,5 +38,6 @@ def run(data_dir: Path, run_dir: Path) -> None:
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)
     mode, data, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     grads(data, out, *sys.argv[4:5]) if mode == "grads" else run(data, out)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import ddp_worker
 from conftest import synth_processed
 
 from rlcd import checkpoint as ckpt
@@ -198,9 +199,7 @@ def test_ddp_first_step_gradients_match_single_process(tmp_path, data_dir):
     """2 gloo ranks x 4 micro-batches == 1 process x 8 micro-batches (the same indices), within 1e-5."""
     worker = str(HERE / "ddp_worker.py")
     _torchrun(worker, "grads", str(data_dir), str(tmp_path), cwd=tmp_path)
-    single = subprocess.run([sys.executable, worker, "grads", str(data_dir), str(tmp_path)], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert single.returncode == 0, single.stderr[-3000:]
+    ddp_worker.grads(data_dir, tmp_path)  # the one-process reference, in this process
     ddp, ref = torch.load(tmp_path / "grads-world2.pt"), torch.load(tmp_path / "grads-world1.pt")
     assert ddp.keys() == ref.keys() and len(ref) > 10
     assert any(float(g.abs().max()) > 0 for g in ref.values())
@@ -223,10 +222,7 @@ def test_ddp_keeps_the_recipe_batch_and_matches_one_process(tmp_path, data_dir):
     assert not list(run.glob("checkpoints/.tmp-*")), out.stdout[-2000:]
 
     single = tmp_path / "single"
-    res = subprocess.run([sys.executable, str(HERE / "ddp_worker.py"), "train", str(data_dir), str(single)],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stderr[-3000:]
+    ddp_worker.run(data_dir, single)
     one = [json.loads(x) for x in (single / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
     assert [r["examples"] for r in one] == [32, 32, 32]
     # the reward diagnostics are pooled over ranks: the 2-rank update reports what one process sees
