@@ -13,7 +13,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers: one t
 def pytest_collection_modifyitems(session, config, items):
     """Files with the most `slow` tests first (stable otherwise). xdist's `--dist loadfile` hands files to the
     workers in collection order (`--no-loadscope-reorder` in pyproject; its default sorts by test count, which
-    sent the 300 s learning test's six-test file out last and left one worker idle for minutes at the end)."""
+    sent the 300 s learning test's four-test file out last and left one worker idle for minutes at the end)."""
     from collections import Counter
 
     def file_of(item):
