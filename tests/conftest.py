@@ -23,6 +23,19 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: -slow[file_of(item)])
 
 
+def torchrun(*args, cwd, env=None):
+    """`python -m torch.distributed.run --standalone --nproc_per_node 2 ARGS` (gloo, one thread a rank) in `cwd`;
+    asserts it exits 0 and returns the CompletedProcess."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *map(str, args)]
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
 def synth_processed(base, cases: int, seed: int):
     """A processed dir of `cases` known-posterior cases (generator seed `seed`, split seed 0)."""
     from rlcd.data.io import write_jsonl

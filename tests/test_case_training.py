@@ -5,15 +5,12 @@ functional cache being what makes the backward possible, and a bit-exact resume 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import ddp_worker
-from conftest import synth_processed
+from conftest import synth_processed, torchrun
 
 from rlcd import checkpoint as ckpt
 from rlcd.data.sampling import Sampler
@@ -255,11 +252,7 @@ def test_case_micro_batches_come_from_the_case_sampler(tmp_path, data_dir):
 def test_ddp_case_gradients_match_single_process(tmp_path, data_dir):
     """2 gloo ranks x 4 case micro-batches == 1 process x 8 (the same indices), within 1e-5."""
     worker = str(HERE / "ddp_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", worker, "grads",
-           str(data_dir), str(tmp_path), "case"]
-    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    torchrun(worker, "grads", data_dir, tmp_path, "case", cwd=tmp_path)
     ddp_worker.grads(data_dir, tmp_path, "case")  # the one-process reference, in this process
     ddp, ref = torch.load(tmp_path / "grads-world2.pt"), torch.load(tmp_path / "grads-world1.pt")
     assert ddp.keys() == ref.keys() and len(ref) > 10

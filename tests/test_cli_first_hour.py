@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import synth_processed
+from conftest import synth_processed, torchrun
 from typer.testing import CliRunner
 
 from rlcd.cli import app
@@ -173,11 +173,8 @@ def test_the_last_progress_line_shows_the_final_dev_score(tmp_path, data_dir, ca
 @pytest.mark.slow
 def test_torchrun_two_processes_print_one_json_object(tmp_path, data_dir):
     """The README's DDP line (RUN positional) under 2 gloo ranks: stdout holds exactly rank 0's JSON result."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "rlcd.cli",
-           "train", str(tmp_path / "runs" / "ddp"), "--data", str(data_dir), "--model", "tiny-toy", "--steps", "2"]
-    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                         env={**ENV, "MASTER_ADDR": "127.0.0.1"})
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    res = torchrun("-m", "rlcd.cli", "train", tmp_path / "runs" / "ddp", "--data", data_dir, "--model", "tiny-toy",
+                   "--steps", "2", cwd=tmp_path, env=ENV)
     obj, end = json.JSONDecoder().raw_decode(res.stdout.lstrip())
     assert res.stdout.lstrip()[end:].strip() == "", res.stdout  # nothing after the one object
     assert set(obj) == {"step", "best_step", "best_score"} and obj["step"] == 2

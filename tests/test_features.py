@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import ddp_worker
-from conftest import synth_processed
+from conftest import synth_processed, torchrun
 
 from rlcd import checkpoint as ckpt
 from rlcd.errors import OptionError
@@ -208,11 +208,7 @@ def test_ddp_head_only_gradients_match_one_process(tmp_path, data_dir):
     """2 gloo ranks on the shared cache (rank 0 extracts, rank 1 waits and reads) == 1 process, within 1e-5."""
     data = _fresh_data(tmp_path, data_dir)
     worker = str(ROOT / "tests" / "ddp_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "PYTHONPATH": str(ROOT / "src")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", worker, "grads",
-           str(data), str(tmp_path), "head-only"]
-    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    torchrun(worker, "grads", data, tmp_path, "head-only", cwd=tmp_path, env={"PYTHONPATH": str(ROOT / "src")})
     ddp_worker.grads(data, tmp_path, "head-only")  # the one-process reference, in this process (reads the cache)
     ddp, ref = torch.load(tmp_path / "grads-world2.pt"), torch.load(tmp_path / "grads-world1.pt")
     assert set(ref) == {"head.w_d.weight", "head.w_c.weight"}, "only the head gets gradients"

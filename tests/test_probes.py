@@ -10,7 +10,6 @@ import json
 import numpy as np
 import pytest
 import torch
-import typer
 from typer.testing import CliRunner
 
 from rlcd.analysis.probes import (align, candidate_permutations, model_scorer, permute_choice, probe_noise,

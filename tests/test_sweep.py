@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-import typer
 from typer.testing import CliRunner
 
 from rlcd.analysis.sweep import (SweepError, expand_grid, mean_std, metric_values, parse_grid, parse_seeds, plan_runs,

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import ddp_worker
-from conftest import synth_processed
+from conftest import synth_processed, torchrun
 
 from rlcd import checkpoint as ckpt
 from rlcd.errors import UserError
@@ -186,19 +183,11 @@ def test_new_run_refuses_existing_dir(tmp_path, data_dir):
         _train(run, data_dir, steps=1)
 
 
-def _torchrun(*args, cwd):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
-    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
-
-
 @pytest.mark.slow
 def test_ddp_first_step_gradients_match_single_process(tmp_path, data_dir):
     """2 gloo ranks x 4 micro-batches == 1 process x 8 micro-batches (the same indices), within 1e-5."""
     worker = str(HERE / "ddp_worker.py")
-    _torchrun(worker, "grads", str(data_dir), str(tmp_path), cwd=tmp_path)
+    torchrun(worker, "grads", str(data_dir), str(tmp_path), cwd=tmp_path)
     ddp_worker.grads(data_dir, tmp_path)  # the one-process reference, in this process
     ddp, ref = torch.load(tmp_path / "grads-world2.pt"), torch.load(tmp_path / "grads-world1.pt")
     assert ddp.keys() == ref.keys() and len(ref) > 10
@@ -211,7 +200,7 @@ def test_ddp_first_step_gradients_match_single_process(tmp_path, data_dir):
 def test_ddp_keeps_the_recipe_batch_and_matches_one_process(tmp_path, data_dir):
     """2 gloo ranks run 2 of the 4 micro-batches each: 32 examples per update, the same weights as 1 process."""
     run = tmp_path / "run"
-    out = _torchrun(str(HERE / "ddp_worker.py"), "train", str(data_dir), str(run), cwd=tmp_path)
+    out = torchrun(str(HERE / "ddp_worker.py"), "train", str(data_dir), str(run), cwd=tmp_path)
     config = json.loads((run / "config.json").read_text())
     assert config["world_size"] == 2
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in x]

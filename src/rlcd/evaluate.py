@@ -24,7 +24,7 @@ from rlcd import checkpoint as ckpt
 from rlcd.calibrate import MIN_ROWS, fit_per_type
 from rlcd.device import Placement, resolve_placement
 from rlcd.export import checkpoint_identity, load_checkpoint_model, write_export
-from rlcd.progress import Progress
+from rlcd.progress import Progress, echo
 from rlcd.run import Run, write_json
 from rlcd.schema import Record, text_of
 
@@ -189,19 +189,13 @@ def calibrate_run(run: Run | Path, *, placement: Placement | None = None, which:
     (holding the run's lock; refused when the run's frozen data changed, unless `allow_data_change`)."""
     run = run if isinstance(run, Run) else Run.open(run)
     run.require_checkpoint(which)
-    changed = frozen_data_changes(run, allow_data_change, _stderr)
+    changed = frozen_data_changes(run, allow_data_change, echo)
     with run.lock("calibrate"):
         out = _calibrate_run(run, placement=placement, which=which, progress=progress, feature_cache=feature_cache)
         if changed:
             out["data_changed"] = changed
             write_json(run.temperatures_path, out)
         return out
-
-
-def _stderr(line: str) -> None:
-    import sys
-
-    print(line, file=sys.stderr)
 
 
 def _calibrate_run(run: Run, *, placement: Placement | None, which: str, progress: bool,
@@ -223,7 +217,7 @@ def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
     `export=False` writes no export/ (a sweep's runs: `rlcd export RUN` writes it later)."""
     run = run if isinstance(run, Run) else Run.open(run)
     run.require_checkpoint(which)
-    changed = frozen_data_changes(run, allow_data_change, print_fn or _stderr)
+    changed = frozen_data_changes(run, allow_data_change, print_fn or echo)
     with run.lock("evaluate"):
         return _evaluate_run(run, placement=placement, print_fn=print_fn, which=which, progress=progress,
                              data_changed=changed, feature_cache=feature_cache, export=export)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from rlcd.analysis.sweep.grid import RunSpec, SweepError
+from rlcd.progress import echo
 from rlcd.recipe import Recipe
 from rlcd.run import Run
 
@@ -105,7 +106,7 @@ def run_one(config: Mapping[str, Any], *, progress: bool = False) -> dict[str, A
     if not run.exists():
         train(run.root, data_dir=Path(config["data_dir"]), model=config["model"], recipe=recipe, progress=progress,
               model_seed=int(config.get("model_seed", 0)), dtype=dtype)
-    say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else None
+    say = echo if progress else None
     return evaluate_run(run.root, placement=resolve_placement("auto", dtype), progress=progress, print_fn=say,
                         export=bool(config.get("export", False)))
 
