@@ -52,6 +52,20 @@ def _model(name="tiny-toy", seed=0):
     return build_model({"model": name, "model_seed": seed, "recipe": {}})
 
 
+def _assert_heads_agree(a, b, steps):
+    """Two runs' heads trained on features that differ by float32 noise (prefix-shared extraction vs full rows).
+    AdamW's first steps move each weight by about lr * sign(g), so an element whose gradient is noise-sized can
+    end up to a few lr steps apart; every other element agrees to float32 noise."""
+    for k in a:
+        if k.startswith("head.w_"):
+            d = (a[k] - b[k]).abs()
+            assert float(d.mean()) < 1e-7, (k, float(d.mean()))
+            assert float((d > 1e-6).float().mean()) < 1e-3, (k, int((d > 1e-6).sum()))
+            assert float(d.max()) < 2 * steps * Recipe().lr_head, (k, float(d.max()))
+        elif k.startswith("head."):
+            assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-5), k
+
+
 @pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
 def test_head_only_on_the_cache_equals_the_live_frozen_backbone(tmp_path, data_dir, name):
     data = _fresh_data(tmp_path, data_dir)
@@ -61,17 +75,7 @@ def test_head_only_on_the_cache_equals_the_live_frozen_backbone(tmp_path, data_d
     assert cached["step"] == live["step"] == 5
     a, b = _weights(tmp_path / "cached"), _weights(tmp_path / "live")
     assert set(a) == set(b)
-    # The two feature paths (prefix-shared extraction vs full rows) differ by float32 noise. AdamW's first steps
-    # move each weight by about lr * sign(g), so an element whose gradient is noise-sized can end up to a few
-    # lr steps apart; every other element agrees to float32 noise.
-    for k in a:
-        if k.startswith("head.w_"):
-            d = (a[k] - b[k]).abs()
-            assert float(d.mean()) < 1e-7, (k, float(d.mean()))
-            assert float((d > 1e-6).float().mean()) < 1e-3, (k, int((d > 1e-6).sum()))
-            assert float(d.max()) < 2 * 5 * Recipe().lr_head, (k, float(d.max()))
-        elif k.startswith("head."):
-            assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-5), k
+    _assert_heads_agree(a, b, steps=5)
     lora_b = [v for k, v in a.items() if "lora_B" in k]
     assert lora_b and all(torch.count_nonzero(v) == 0 for v in lora_b), "a head-only run leaves LoRA B at 0"
     session = [json.loads(x) for x in (tmp_path / "cached" / "metrics.jsonl").read_text().splitlines()][0]
@@ -137,6 +141,56 @@ def test_head_only_resume_is_bit_exact(tmp_path, data_dir):
     train(tmp_path / "part", resume=True, progress=False, print_fn=lambda _: None)
     a, b = _weights(tmp_path / "full"), _weights(tmp_path / "part")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_head_only_run_from_a_moved_lora_reads_that_loras_features(tmp_path, data_dir):
+    """`--init` from a run whose LoRA moved, then head only: the frozen backbone includes that LoRA, so the cache
+    holds its features (its key names the LoRA), the cached run trains as the live one does, and a resume reads
+    the same cache. (The key left LoRA out and the cache was looked up before the init weights were loaded, so
+    such a run trained its head on the base model's features and was evaluated on the LoRA's.)"""
+    data = _fresh_data(tmp_path, data_dir)
+    src = tmp_path / "lora"
+    _train(src, data, model="tiny-llama", steps=3, recipe={"lr_lora": 1e-2}, feature_cache=False)
+    shutil.rmtree(src / "checkpoints" / "best")  # make the source's best its last, as a longer run's would be
+    shutil.copytree(src / "checkpoints" / "last", src / "checkpoints" / "best")
+    lora_b = [v for k, v in _weights(src, "best").items() if "lora_B" in k]
+    assert lora_b and all(torch.count_nonzero(v) > 0 for v in lora_b), "the source's LoRA moved"
+    head = {"head_only": True}
+    cached = _train(tmp_path / "cached", data, model="tiny-llama", steps=4, recipe=head, init=src)
+    live = _train(tmp_path / "live", data, model="tiny-llama", steps=4, recipe=head, init=src, feature_cache=False)
+    assert cached["step"] == live["step"] == 4
+    a, b = _weights(tmp_path / "cached"), _weights(tmp_path / "live")
+    _assert_heads_agree(a, b, steps=4)
+    assert find_features(_model("tiny-llama"), data) is None, "no cache of the base model's features was built"
+    dirs = [p for p in cache_root(data).iterdir() if not p.name.startswith(".")]
+    assert len(dirs) == 1 and json.loads((dirs[0] / "manifest.json").read_text())["key"]["lora"]
+    _train(tmp_path / "part", data, model="tiny-llama", steps=4, recipe=head, init=src, stop_after=2)
+    train(tmp_path / "part", resume=True, progress=False, print_fn=lambda _: None)
+    c = _weights(tmp_path / "part")
+    assert all(torch.equal(a[k], c[k]) for k in a), "the resumed run equals the uninterrupted one"
+    assert [p for p in cache_root(data).iterdir() if not p.name.startswith(".")] == dirs, "the resume reused it"
+
+
+def test_a_zero_lora_is_switched_off_for_extraction_without_changing_a_feature(data_dir, monkeypatch):
+    """Extraction runs with peft's adapters disabled while every LoRA B is zero (faster); the features equal the
+    adapters-on extraction bit for bit and every parameter's requires_grad is as it was."""
+    import contextlib
+
+    from rlcd import features
+    from rlcd.data.io import load_split
+
+    model = _model("tiny-llama")
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    for p in lora[::2]:
+        p.requires_grad_(False)
+    flags = [p.requires_grad for p in model.parameters()]
+    recs = load_split(data_dir, "test")[:12]
+    off, _ = features.extract_split(model, recs, model.collator(image_root=data_dir), "test")
+    assert [p.requires_grad for p in model.parameters()] == flags
+    monkeypatch.setattr(features, "_zero_lora_off", lambda m: contextlib.nullcontext())
+    on, _ = features.extract_split(model, recs, model.collator(image_root=data_dir), "test")
+    assert off.keys() == on.keys() and all(torch.equal(off[k], on[k]) for k in on)
+    assert features.lora_digest(model) is None and "lora" not in features.feature_key(model, data_dir)
 
 
 def test_head_warmup_trains_only_the_head_then_lora_joins(tmp_path, data_dir):

@@ -1,7 +1,8 @@
 """The frozen-feature cache: `(h_dec, h_cand)` of every row of a processed data directory, computed once.
 
-While the backbone is frozen (a head-only run, or the head warm-up of an LP-FT run: LoRA B is still
-zero) the scorer's inputs are a pure function of the row, so they are computed once and shared by
+While the backbone is frozen (a head-only run, or the head warm-up of an LP-FT run) the scorer's inputs
+are a pure function of the row and of the frozen weights -- LoRA included when it is not zero (a head-only
+run started with `--init` from a run whose LoRA moved reads that LoRA's features) -- so they are computed once and shared by
 every run whose key matches -- the pattern of `datasets`' fingerprinted cache files: the key says
 everything the content depends on, so a match is a proof and a mismatch a rebuild.
 
@@ -12,7 +13,8 @@ everything the content depends on, so a match is a proof and a mismatch a rebuil
       <split>.index.json     [[id, order], ...] in entry order
 
 KEY = sha256 of {feature_version, backbone (family, config hash, vocabulary, marker), a digest of every
-frozen weight, the prompt frame, the four split files' sha256, the dtype, N_ORDERS}. The directory is
+frozen weight, a digest of the LoRA weights when any LoRA B is non-zero (no field for a zero LoRA: it adds
+nothing), the prompt frame, the four split files' sha256, the dtype, N_ORDERS}. The directory is
 written under a temporary name and renamed into place as the last step, so a killed extraction leaves
 only a `.tmp-*` directory that no reader opens (and the next extraction removes); a directory whose
 manifest does not say `complete` or whose key differs is never read.
@@ -25,11 +27,13 @@ draw out of K!) this caps the orders a row is seen in at 4: a position prior can
 positions to each label. Dev, calibration and test rows are scored in their given order only.
 
 Extraction runs all questions of one state from one prefix forward (`DecisionModel.case_features`,
-the serving path) when the model has it, several cases per call.
+the serving path) when the model has it, several cases per call. A zero LoRA is switched off for it (peft's
+`disable_adapter`): the same features bit for bit, 1.2x faster on SmolLM2-135M.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -77,12 +81,43 @@ def weights_digest(model) -> str:
     return h.hexdigest()
 
 
+def lora_digest(model) -> str | None:
+    """sha256 over the LoRA tensors when any LoRA B is non-zero; None when the model has no LoRA or a zero one
+    (x A B = 0: the features are the base model's)."""
+    lora = [(n, p) for n, p in model.backbone.named_parameters() if "lora_" in n]
+    if not any(torch.count_nonzero(p) for n, p in lora if "lora_B" in n):
+        return None
+    h = hashlib.sha256()
+    for name, p in sorted(lora):
+        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _zero_lora_off(model):
+    """peft's adapters switched off while they add nothing (every LoRA B zero), else nothing changes. peft's
+    re-enabling sets requires_grad on every adapter weight, so each parameter's flag is put back as it was (a
+    head-only run's LoRA stays frozen, and DDP sees the same parameters on every rank)."""
+    if not (hasattr(model.backbone, "disable_adapter") and lora_digest(model) is None):
+        yield
+        return
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        with model.backbone.disable_adapter():
+            yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
 def feature_key(model, data_dir: Path) -> dict[str, Any]:
     """Everything the cached features depend on (see the module docstring)."""
     from rlcd.data.io import sha256_file
 
     info = model.backbone_info
     dtype = str(next(model.backbone.parameters()).dtype).replace("torch.", "")
+    lora = lora_digest(model)
     return {
         "feature_version": FEATURE_VERSION,
         "backbone": {k: info.get(k) for k in ("family", "config_hash", "vocab", "vocab_size", "marker_id",
@@ -93,6 +128,7 @@ def feature_key(model, data_dir: Path) -> dict[str, Any]:
                    if (Path(data_dir) / f"{s}.jsonl").is_file()},
         "dtype": dtype,
         "n_orders": N_ORDERS,
+        **({"lora": lora} if lora is not None else {}),  # absent for a zero LoRA: caches built before it stay valid
     }
 
 
@@ -269,12 +305,13 @@ def extract_split(model, records: Sequence[Record], collator, split: str, *, row
         if progress:
             progress(done)
 
-    for g in groups:
-        if call and sum(len(x) for x in call) + len(g) > rows_per_call:
-            flush(call)
-            call = []
-        call.append(g)
-    flush(call)
+    with _zero_lora_off(model):
+        for g in groups:
+            if call and sum(len(x) for x in call) + len(g) > rows_per_call:
+                flush(call)
+                call = []
+            call.append(g)
+        flush(call)
     model.train(was)
     ks = [c.shape[0] for c in h_cand]  # type: ignore[union-attr]
     starts = [0]

@@ -433,9 +433,12 @@ def _load_records(data_dir: Path):
 
 def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement | None = None, backbone=None,
                   objective_fn=None, records=None, feature_cache: bool = True, progress: bool = True,
-                  print_fn: Callable[[str], None] | None = None) -> Session:
+                  print_fn: Callable[[str], None] | None = None,
+                  load_weights: Callable[[Any], None] | None = None) -> Session:
     """Model, optimizer, sampler and dev subset of a run. `records`: the (train, dev) rows if the caller
-    already read them; `backbone`: a ready backbone for `build_model` (tests, benchmarks).
+    already read them; `backbone`: a ready backbone for `build_model` (tests, benchmarks); `load_weights`
+    puts a resume's or an `--init`'s trainable weights into the built model before the feature cache is
+    looked up, since a LoRA they bring is part of the frozen backbone whose features the cache holds.
 
     A run whose head learns alone for a while (`head_only`, `head_warmup`) reads its frozen features from
     the data directory's feature cache (`rlcd.features`; extracted here on first need, by rank 0 while the
@@ -461,6 +464,8 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
     if recipe.head_only:
         for p in model.param_groups()["lora"]:
             p.requires_grad_(False)
+    if load_weights is not None:
+        load_weights(model)
     features = None
     if feature_cache and (recipe.head_only or recipe.head_warmup > 0):
         from rlcd.features import ensure_features
@@ -712,9 +717,19 @@ def _train(run_dir: Path, *, held: contextlib.ExitStack, data_dir: Path | None =
     if resume:
         placement = resolve_placement(device, dtype if dtype != "auto" else config.get("dtype", "auto"),
                                       local_rank=d.local_rank if d.active else None)
+    loaded, fingerprint = None, {}
+    if resume:
+        loaded = ckpt.load(run.checkpoint("last"), map_location=str(placement.torch_device))
+
+    def load_weights(model) -> None:
+        if loaded is not None:
+            model.load_trainable_state_dict(loaded["weights"])
+        elif source is not None:
+            fingerprint["found"] = load_init_weights(model, source)  # the centring buffers come with it
+
     s = build_session(config, samples, d, placement=placement, backbone=backbone, objective_fn=objective_fn,
                       records=records, feature_cache=feature_cache, progress=progress,
-                      print_fn=print_fn if d.main else None)
+                      print_fn=print_fn if d.main else None, load_weights=load_weights)
     r = s.recipe
     if d.main:
         notice = deviation_notice(r)
@@ -724,9 +739,7 @@ def _train(run_dir: Path, *, held: contextlib.ExitStack, data_dir: Path | None =
                  f"{r.grad_accum // d.world} x {r.batch_size} examples per process per update")
     state = {"step": 0, "best_score": None, "best_step": None, "score": None, "consumed": {},
              "evals_since_best": 0, "stopped_early": None}
-    if resume:
-        loaded = ckpt.load(run.checkpoint("last"), map_location=str(s.device))
-        s.model.load_trainable_state_dict(loaded["weights"])
+    if loaded is not None:
         s.optimizer.load_state_dict(loaded["optimizer"])
         ckpt.set_rng_state(loaded["rng"])
         state.update({k: loaded["state"][k] for k in ("step", "best_score", "best_step", "score", "consumed")})
@@ -742,7 +755,7 @@ def _train(run_dir: Path, *, held: contextlib.ExitStack, data_dir: Path | None =
             run.trim_metrics(state["step"])
             trim_dev_evals(run, state["step"])
     elif source is not None:
-        config["init"]["backbone_fingerprint"] = load_init_weights(s.model, source)  # the buffers come with it
+        config["init"]["backbone_fingerprint"] = fingerprint["found"]
         if d.main:
             Run.create(run.root, config, samples)
     else:
