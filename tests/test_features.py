@@ -202,9 +202,16 @@ def test_head_warmup_trains_only_the_head_then_lora_joins(tmp_path, data_dir):
     lora = [k for k in w3 if k.startswith("lora.")]
     assert lora and all(torch.equal(w3[k], w0[k]) for k in lora), "LoRA did not move in the warm-up"
     assert not torch.equal(w3["head.w_d.weight"], w0["head.w_d.weight"]), "the head learnt in the warm-up"
-    train(run, resume=True, progress=False, print_fn=lambda _: None)
-    w5 = _weights(run)
-    assert any(not torch.equal(w5[k], w3[k]) for k in lora if "lora_B" in k), "LoRA learns after the warm-up"
+    train(run, resume=True, stop_after=1, progress=False, print_fn=lambda _: None)
+    w4 = _weights(run)
+    assert any(not torch.equal(w4[k], w3[k]) for k in lora if "lora_B" in k), "LoRA learns after the warm-up"
+    caches = sorted(p.name for p in cache_root(data).iterdir())
+    assert len(caches) == 1
+    state = train(run, resume=True, progress=False, print_fn=lambda _: None)
+    assert state["step"] == 5
+    assert sorted(p.name for p in cache_root(data).iterdir()) == caches, "past the warm-up nothing is extracted"
+    session = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"session"' in x]
+    assert session[-1]["features"] is None and session[0]["features"], "the last resume reads no cache"
 
 
 def test_cached_and_live_evaluations_give_the_same_predictions(tmp_path, data_dir):

@@ -434,11 +434,13 @@ def _load_records(data_dir: Path):
 def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement | None = None, backbone=None,
                   objective_fn=None, records=None, feature_cache: bool = True, progress: bool = True,
                   print_fn: Callable[[str], None] | None = None,
-                  load_weights: Callable[[Any], None] | None = None) -> Session:
+                  load_weights: Callable[[Any], None] | None = None, start_step: int = 0) -> Session:
     """Model, optimizer, sampler and dev subset of a run. `records`: the (train, dev) rows if the caller
     already read them; `backbone`: a ready backbone for `build_model` (tests, benchmarks); `load_weights`
     puts a resume's or an `--init`'s trainable weights into the built model before the feature cache is
     looked up, since a LoRA they bring is part of the frozen backbone whose features the cache holds.
+    `start_step`: the update a resume continues from; a run whose head phase lies behind it (an LP-FT run
+    past its warm-up, LoRA moved) reads no cache and extracts none.
 
     A run whose head learns alone for a while (`head_only`, `head_warmup`) reads its frozen features from
     the data directory's feature cache (`rlcd.features`; extracted here on first need, by rank 0 while the
@@ -467,7 +469,7 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
     if load_weights is not None:
         load_weights(model)
     features = None
-    if feature_cache and (recipe.head_only or recipe.head_warmup > 0):
+    if feature_cache and (recipe.head_only or start_step < recipe.head_warmup):
         from rlcd.features import ensure_features
 
         if d.main:
@@ -729,7 +731,8 @@ def _train(run_dir: Path, *, held: contextlib.ExitStack, data_dir: Path | None =
 
     s = build_session(config, samples, d, placement=placement, backbone=backbone, objective_fn=objective_fn,
                       records=records, feature_cache=feature_cache, progress=progress,
-                      print_fn=print_fn if d.main else None, load_weights=load_weights)
+                      print_fn=print_fn if d.main else None, load_weights=load_weights,
+                      start_step=int(loaded["state"]["step"]) if loaded is not None else 0)
     r = s.recipe
     if d.main:
         notice = deviation_notice(r)
