@@ -242,26 +242,30 @@ def test_recipe_refuses_a_warmup_beyond_the_budget_and_both_modes():
     assert Recipe(head_only=True).deviations()["head_only"] == {"value": True, "pinned": False}
 
 
-def _cli(*args, cwd=None):
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "rlcd.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+def _cli_error(*args):
+    """`rlcd ARGS` in this process (typer's runner): exit 2 and at most two stderr lines, no traceback."""
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    res = CliRunner().invoke(app, [str(a) for a in args])
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and 1 <= len(lines) <= 2 and "Traceback" not in res.output, (args, res.output)
+    return res.stderr
 
 
 def test_cli_mistakes_are_one_line_and_exit_2(tmp_path, data_dir):
     data = _fresh_data(tmp_path, data_dir)
-    p = _cli("train", str(tmp_path / "r"), "--data", str(data), "--model", "tiny-toy", "--steps", "10",
-             "--recipe", "head_warmup=50")
-    assert p.returncode == 2 and "head_warmup must be an integer in [0, steps=10]" in p.stderr
-    assert len(p.stderr.strip().splitlines()) <= 2 and not (tmp_path / "r").exists()
-    p = _cli("train", "--resume", str(tmp_path / "r"), "--recipe", "head_only=true")
-    assert p.returncode == 2 and "would change the run's frozen config" in p.stderr
+    err = _cli_error("train", tmp_path / "r", "--data", data, "--model", "tiny-toy", "--steps", "10",
+                     "--recipe", "head_warmup=50")
+    assert "head_warmup must be an integer in [0, steps=10]" in err and not (tmp_path / "r").exists()
+    err = _cli_error("train", "--resume", tmp_path / "r", "--recipe", "head_only=true")
+    assert "would change the run's frozen config" in err
     (data / "features").write_text("not a directory")
-    p = _cli("features", str(data), "--model", "tiny-toy")
-    assert p.returncode == 2 and "is not writable" in p.stderr and "Traceback" not in p.stderr
-    p = _cli("train", str(tmp_path / "r2"), "--data", str(data), "--model", "tiny-toy", "--steps", "2",
-             "--recipe", "head_only=true")
-    assert p.returncode == 2 and "is not writable" in p.stderr and not (tmp_path / "r2").exists()
+    assert "is not writable" in _cli_error("features", data, "--model", "tiny-toy")
+    err = _cli_error("train", tmp_path / "r2", "--data", data, "--model", "tiny-toy", "--steps", "2",
+                     "--recipe", "head_only=true")
+    assert "is not writable" in err and not (tmp_path / "r2").exists()
 
 
 @pytest.mark.slow
