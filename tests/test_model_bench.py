@@ -124,3 +124,23 @@ def test_bench_train_case_vs_row_prints_training_and_evaluation_in_one_run(tmp_p
     assert ev["rows"] == 12 and ev["rel_logit_diff"] < 1e-5 and ev["speedup"] > 0
     bad = CliRunner().invoke(app, ["bench", "train", "--case-vs-row", " , "])
     assert bad.exit_code == 2 and "--case-vs-row" in bad.output
+
+
+def test_features_bench_measures_extraction_and_training_in_one_run():
+    """`rlcd bench features` on tiny-toy: every rate positive, each ratio the quotient of the rates it names,
+    the three extractions over the same entries, and the machine-readable last line."""
+    from rlcd.bench.features import run_features_bench
+
+    lines = []
+    res = run_features_bench("tiny-toy", cases=2, head_updates=2, lora_updates=1, say=lines.append)
+    ex, tr = res["extract"], res["train"]
+    runs = (ex["shared"], ex["per_row"], ex["shared_lora_on"])
+    assert len({(r["entries"], r["row_tokens"]) for r in runs}) == 1 and ex["shared"]["entries"] > 2
+    assert all(r["row_tokens_per_s"] > 0 for r in runs)
+    assert ex["ratio"] == pytest.approx(ex["shared"]["row_tokens_per_s"] / ex["per_row"]["row_tokens_per_s"])
+    assert ex["lora_off_ratio"] == pytest.approx(ex["shared"]["row_tokens_per_s"] /
+                                                 ex["shared_lora_on"]["row_tokens_per_s"])
+    assert tr["ratio"] == pytest.approx(tr["head_only_updates_per_s"] / tr["lora_updates_per_s"])
+    m = re.fullmatch(r"features: extract_ratio=(\S+) lora_off_ratio=(\S+) head_only_updates_per_s=\S+ "
+                     r"lora_updates_per_s=\S+ train_ratio=\S+", lines[-1])
+    assert m and float(m.group(2)) == pytest.approx(ex["lora_off_ratio"], abs=0.01)

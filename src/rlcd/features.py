@@ -264,13 +264,13 @@ def _by_case(entries: list[tuple[Record, int]]) -> list[list[int]]:
 
 @torch.no_grad()
 def extract_split(model, records: Sequence[Record], collator, split: str, *, rows_per_call: int = 64,
-                  progress: Callable[[int], None] | None = None,
-                  shared: bool = True) -> tuple[dict[str, torch.Tensor], list]:
+                  progress: Callable[[int], None] | None = None, shared: bool = True,
+                  lora_off: bool = True) -> tuple[dict[str, torch.Tensor], list]:
     """The tensors and index of one split: every entry's (h_dec, h_cand) from the frozen backbone.
 
     Rows of one case (one state) share a prefix forward (`model.case_features`) when the model has it;
     otherwise (or `shared=False`, the per-row reference of `rlcd bench features`) full rows are run,
-    `rows_per_call` at a time.
+    `rows_per_call` at a time. A zero LoRA is switched off unless `lora_off=False` (what the bench compares).
     """
     entries = _entries(split, records)
     n = len(entries)
@@ -305,7 +305,7 @@ def extract_split(model, records: Sequence[Record], collator, split: str, *, row
         if progress:
             progress(done)
 
-    with _zero_lora_off(model):
+    with _zero_lora_off(model) if lora_off else contextlib.nullcontext():
         for g in groups:
             if call and sum(len(x) for x in call) + len(g) > rows_per_call:
                 flush(call)
