@@ -36,6 +36,23 @@ def torchrun(*args, cwd, env=None):
     return out
 
 
+def user_error(args, *, code: int = 2, contains: str | None = None, max_lines: int = 2):
+    """`rlcd ARGS` in this process (typer's runner), a user's mistake: exit `code`, 1..`max_lines` lines on stderr
+    (holding `contains`), no traceback. Returns the result."""
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    res = CliRunner().invoke(app, [str(a) for a in args])
+    assert res.exit_code == code, (args, res.exit_code, res.output, res.exception)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert 1 <= len(lines) <= max_lines, (args, res.stderr)
+    assert "Traceback" not in res.output
+    if contains is not None:
+        assert contains in res.stderr, (args, res.stderr)
+    return res
+
+
 def synth_processed(base, cases: int, seed: int):
     """A processed dir of `cases` known-posterior cases (generator seed `seed`, split seed 0)."""
     from rlcd.data.io import write_jsonl

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import typer
+from conftest import user_error
 from typer.testing import CliRunner
 
 from rlcd.cli import app
@@ -108,17 +109,6 @@ def bare_run(tmp_path_factory):
     run.mkdir()
     (run / "config.json").write_text(json.dumps({"model": "tiny-toy", "recipe": {}, "data_dir": str(run)}))
     return run
-
-
-def user_error(args, *, code: int = 2, contains: str | None = None, max_lines: int = 2):
-    res = runner.invoke(app, [str(a) for a in args])
-    assert res.exit_code == code, (args, res.exit_code, res.output, res.exception)
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert 1 <= len(lines) <= max_lines, (args, res.stderr)
-    assert "Traceback" not in res.output
-    if contains is not None:
-        assert contains in res.stderr, (args, res.stderr)
-    return res
 
 
 def test_train_user_errors_write_nothing(tmp_path, data_dir):

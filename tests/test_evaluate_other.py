@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import synth_processed
+from conftest import synth_processed, user_error
 from typer.testing import CliRunner
 
 from rlcd.calibrate import fit_per_type
@@ -118,24 +118,19 @@ def test_synth_seed_uses_stored_temperatures_or_recalibrates(base, tmp_path):
     assert res.exit_code == 0 and str(run / "eval-seed9" / "report.md") in res.output, res.output
 
 
-def _user_error(args, needle):
-    res = runner.invoke(app, [str(a) for a in args])
-    assert res.exit_code == 2, (args, res.output)
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in res.output, (args, res.stderr)
-
-
 def test_mistakes_are_one_line_and_write_nothing(base, tmp_path):
     run = base / "run"
     before = _tree(run)
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "readme.txt").write_text("hello")
-    _user_error(["evaluate", run, "--data", tmp_path / "notes"], "not a processed data directory")
-    _user_error(["evaluate", run, "--data", tmp_path / "nosuch"], "no such directory")
-    _user_error(["evaluate", run, "--data", run], "is a run directory")
-    _user_error(["evaluate", run, "--recalibrate"], "goes with --data")
-    _user_error(["evaluate", run, "--data", base / "seed9" / "processed", "--out", "../x"], "--out")
+    user_error(["evaluate", run, "--data", tmp_path / "notes"], contains="not a processed data directory", max_lines=1)
+    user_error(["evaluate", run, "--data", tmp_path / "nosuch"], contains="no such directory", max_lines=1)
+    user_error(["evaluate", run, "--data", run], contains="is a run directory", max_lines=1)
+    user_error(["evaluate", run, "--recalibrate"], contains="goes with --data", max_lines=1)
+    user_error(["evaluate", run, "--data", base / "seed9" / "processed", "--out", "../x"], contains="--out",
+               max_lines=1)
     (tmp_path / "nocal").mkdir()
     shutil.copy(base / "seed9" / "processed" / "test.jsonl", tmp_path / "nocal" / "test.jsonl")
-    _user_error(["evaluate", run, "--data", tmp_path / "nocal", "--recalibrate"], "no calibration.jsonl")
+    user_error(["evaluate", run, "--data", tmp_path / "nocal", "--recalibrate"], contains="no calibration.jsonl",
+               max_lines=1)
     assert _tree(run) == before

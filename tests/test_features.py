@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import ddp_worker
-from conftest import synth_processed, torchrun
+from conftest import synth_processed, torchrun, user_error
 
 from rlcd import checkpoint as ckpt
 from rlcd.errors import OptionError
@@ -242,30 +242,18 @@ def test_recipe_refuses_a_warmup_beyond_the_budget_and_both_modes():
     assert Recipe(head_only=True).deviations()["head_only"] == {"value": True, "pinned": False}
 
 
-def _cli_error(*args):
-    """`rlcd ARGS` in this process (typer's runner): exit 2 and at most two stderr lines, no traceback."""
-    from typer.testing import CliRunner
-
-    from rlcd.cli import app
-
-    res = CliRunner().invoke(app, [str(a) for a in args])
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert res.exit_code == 2 and 1 <= len(lines) <= 2 and "Traceback" not in res.output, (args, res.output)
-    return res.stderr
-
-
 def test_cli_mistakes_are_one_line_and_exit_2(tmp_path, data_dir):
     data = _fresh_data(tmp_path, data_dir)
-    err = _cli_error("train", tmp_path / "r", "--data", data, "--model", "tiny-toy", "--steps", "10",
-                     "--recipe", "head_warmup=50")
-    assert "head_warmup must be an integer in [0, steps=10]" in err and not (tmp_path / "r").exists()
-    err = _cli_error("train", "--resume", tmp_path / "r", "--recipe", "head_only=true")
-    assert "would change the run's frozen config" in err
+    user_error(["train", tmp_path / "r", "--data", data, "--model", "tiny-toy", "--steps", "10", "--recipe",
+                "head_warmup=50"], contains="head_warmup must be an integer in [0, steps=10]")
+    assert not (tmp_path / "r").exists()
+    user_error(["train", "--resume", tmp_path / "r", "--recipe", "head_only=true"],
+               contains="would change the run's frozen config")
     (data / "features").write_text("not a directory")
-    assert "is not writable" in _cli_error("features", data, "--model", "tiny-toy")
-    err = _cli_error("train", tmp_path / "r2", "--data", data, "--model", "tiny-toy", "--steps", "2",
-                     "--recipe", "head_only=true")
-    assert "is not writable" in err and not (tmp_path / "r2").exists()
+    user_error(["features", data, "--model", "tiny-toy"], contains="is not writable")
+    user_error(["train", tmp_path / "r2", "--data", data, "--model", "tiny-toy", "--steps", "2", "--recipe",
+                "head_only=true"], contains="is not writable")
+    assert not (tmp_path / "r2").exists()
 
 
 @pytest.mark.slow

@@ -2,8 +2,8 @@
 
 While the backbone is frozen (a head-only run, or the head warm-up of an LP-FT run) the scorer's inputs
 are a pure function of the row and of the frozen weights -- LoRA included when it is not zero (a head-only
-run started with `--init` from a run whose LoRA moved reads that LoRA's features) -- so they are computed once and shared by
-every run whose key matches -- the pattern of `datasets`' fingerprinted cache files: the key says
+run started with `--init` from a run whose LoRA moved reads that LoRA's features) -- so they are computed
+once and shared by every run whose key matches -- the pattern of `datasets`' fingerprinted cache files: the key says
 everything the content depends on, so a match is a proof and a mismatch a rebuild.
 
     DATA/features/<KEY>/
@@ -81,14 +81,17 @@ def weights_digest(model) -> str:
     return h.hexdigest()
 
 
+def _lora_is_zero(model) -> bool:
+    """No LoRA, or every LoRA B zero (x A B = 0: the features are the base model's)."""
+    return not any(torch.count_nonzero(p) for n, p in model.backbone.named_parameters() if "lora_B" in n)
+
+
 def lora_digest(model) -> str | None:
-    """sha256 over the LoRA tensors when any LoRA B is non-zero; None when the model has no LoRA or a zero one
-    (x A B = 0: the features are the base model's)."""
-    lora = [(n, p) for n, p in model.backbone.named_parameters() if "lora_" in n]
-    if not any(torch.count_nonzero(p) for n, p in lora if "lora_B" in n):
+    """sha256 over the LoRA tensors when any LoRA B is non-zero; None when the model has no LoRA or a zero one."""
+    if _lora_is_zero(model):
         return None
     h = hashlib.sha256()
-    for name, p in sorted(lora):
+    for name, p in sorted((n, p) for n, p in model.backbone.named_parameters() if "lora_" in n):
         h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
         h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
@@ -99,7 +102,7 @@ def _zero_lora_off(model):
     """peft's adapters switched off while they add nothing (every LoRA B zero), else nothing changes. peft's
     re-enabling sets requires_grad on every adapter weight, so each parameter's flag is put back as it was (a
     head-only run's LoRA stays frozen, and DDP sees the same parameters on every rank)."""
-    if not (hasattr(model.backbone, "disable_adapter") and lora_digest(model) is None):
+    if not (hasattr(model.backbone, "disable_adapter") and _lora_is_zero(model)):
         yield
         return
     flags = [(p, p.requires_grad) for p in model.parameters()]
