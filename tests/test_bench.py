@@ -177,3 +177,15 @@ def test_gpu_script_dry_run(tmp_path):
     assert policy["max_abs_prob_diff_auto_vs_cpu_fp32"] == 0.0
     table = p.stdout.strip().splitlines()
     assert table[-1].startswith("time") and any(ln.startswith("== rlcd gpu bench: dry-run") for ln in table[-30:])
+
+
+def test_a_bench_result_records_the_command_that_reproduces_it(tmp_path):
+    """The saved command holds every flag given away from its default (and no default), then --json."""
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    out = tmp_path / "data.json"
+    res = CliRunner().invoke(app, ["bench", "data", "--cases", "3", "--easy-vqa", "0", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["command"] == f"rlcd bench data --cases 3 --easy-vqa 0 --json {out}"

@@ -100,3 +100,23 @@ def test_init_refuses_another_backbone_and_writes_nothing(tmp_path, data_dir, so
                                        *args])
         assert res.exit_code == 2 and needle in res.stderr and "Traceback" not in res.output, res.output
     assert not new.exists()
+
+
+def test_an_init_run_holds_its_lock_while_it_trains(tmp_path, data_dir, source):
+    """Like every new run, a run started with --init holds RUN/.lock from its creation to its end, so a second
+    writer (evaluate, another trainer) is refused while it trains."""
+    import os
+
+    from rlcd.objectives import ce_loss
+
+    new = tmp_path / "new"
+    seen = []
+
+    def objective(logits, batch, index):
+        seen.append((new / ".lock").read_text())
+        return ce_loss(logits, batch.cand_mask, batch.target)
+
+    train(new, data_dir=data_dir, model="tiny-toy", recipe=Recipe(steps=1, grad_accum=1, **FAST), init=source,
+          objective_fn=objective, **QUIET)
+    assert seen == [f"{os.getpid()} train\n"]
+    assert (new / ".lock").read_text() == ""  # released at the end

@@ -81,7 +81,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_scanner_sees_imports():
     g = _graph()
-    assert "rlcd.run" in g["rlcd.train"] and "rlcd.model.build" in g["rlcd.export"]
+    assert "rlcd.run" in g["rlcd.train.setup"] and "rlcd.model.build" in g["rlcd.export"]
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
 
 

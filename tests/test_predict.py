@@ -523,3 +523,25 @@ def test_predict_command_answers_one_option_questions(run_dir, predictor):
     assert out["answers"]["only"] == _transformers_answer("only", ONE_OPTION["only"], [1.0])
     assert out == predictor.predict({"state": STATE, "questions": {"only": ONE_OPTION["only"],
                                                                    "angry": QUESTIONS["angry"]}})
+
+
+def test_predict_command_loads_no_model_when_every_question_has_one_option(run_dir, predictor, monkeypatch):
+    """`rlcd predict` on a request of only one-option questions answers from the export's metadata alone; a
+    request that needs the model loads it (a lazy Predictor)."""
+    from typer.testing import CliRunner
+
+    import rlcd.export
+    from rlcd.cli import app
+
+    loads = []
+    real = rlcd.export.load_export
+    monkeypatch.setattr(rlcd.export, "load_export", lambda *a, **k: loads.append(a) or real(*a, **k))
+    args = ["predict", str(run_dir), "--device", "cpu", "--state", STATE]
+    res = CliRunner().invoke(app, args + [x for qid, q in ONE_OPTION.items() for x in ("-q", f"{qid}={json.dumps(q)}")])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout) == predictor.predict({"state": STATE, "questions": ONE_OPTION})
+    assert loads == []
+    res = CliRunner().invoke(app, args + ["-q", "angry=" + json.dumps(QUESTIONS["angry"])])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout) == predictor.predict({"state": STATE, "questions": {"angry": QUESTIONS["angry"]}})
+    assert len(loads) == 1

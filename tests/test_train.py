@@ -269,7 +269,7 @@ def test_recipe_override_reaches_the_model_and_is_recorded(tmp_path, data_dir):
 def test_arms_reach_the_objective(tmp_path, data_dir, monkeypatch):
     """sigma_end anneals the sigma each update passes, n_perturbations sets G of the drawn noise, the reward
     weights and the per-type advantage std reach rlcd_loss and the diagnostics alike."""
-    import rlcd.train as T
+    import rlcd.train.session as T
 
     calls = {"loss": [], "samples": [], "grad": []}
 
@@ -331,3 +331,13 @@ def test_selection_compares_dev_accuracy_exactly_not_by_ulp():
     assert not improves_on(first, dev, best)
     assert improves_on(evaluation((1, 6, 2))[0], dev, best)
     assert not improves_on(evaluation((0, 5, 2))[0], dev, best)
+
+
+def test_the_progress_line_says_when_the_dev_subset_is_empty():
+    """An empty dev subset scores a macro 0 that selects nothing: the progress line says so instead of "dev 0.0000"."""
+    from rlcd.train.loop import progress_info
+
+    stats = {"loss": 1.0, "ce_loss": 0.5}
+    assert progress_info(stats, 0.0, dev_rows=0) == "loss 1.0000 ce 0.5000 no dev rows"
+    assert progress_info(stats, 0.25, dev_rows=3) == "loss 1.0000 ce 0.5000 dev 0.2500"
+    assert progress_info(stats, None, dev_rows=3) == "loss 1.0000 ce 0.5000 dev -"

@@ -54,32 +54,23 @@ def predict_rows(model, records: list[Record], collator, *, device="cpu", batch_
     matches this model, read instead of running the backbone. `progress`: show rows done / total
     ("score <split>") on stderr while scoring.
     """
+    from rlcd.model.case_scoring import full_row_logits
+    from rlcd.train.sources import CachedFeatures, LiveSource
+
     with Progress(f"score {split or 'rows'}", len(records), enabled=progress and bool(records)) as bar:
+        done = [0]
+
+        def advance(n: int) -> None:
+            done[0] += n
+            bar.update(done[0])
+
         if features is not None:
-            logits = []
-            for i in range(0, len(records), 256):
-                chunk = records[i:i + 256]
-                lg = model(features.batch(split, chunk, [0] * len(chunk)).to(device)).float().cpu()
-                logits += [lg[j, :rec.question.k] for j, rec in enumerate(chunk)]
-                bar.update(len(logits))
+            logits = CachedFeatures(features, device).logits(model, split, records, on_rows=advance)
         elif shared:
-            from rlcd.model.case_scoring import score_records
-
-            done = [0]
-
-            def advance(n: int) -> None:
-                done[0] += n
-                bar.update(done[0])
-
-            logits = score_records(model, records, image_root=collator.image_root, max_rows=max(batch_size, 64),
-                                   on_rows=advance)
+            logits = LiveSource(collator, device, max_rows=max(batch_size, 64)).logits(model, split, records,
+                                                                                       on_rows=advance)
         else:
-            logits = []
-            for i in range(0, len(records), batch_size):
-                chunk = records[i:i + batch_size]
-                lg = model(collator(chunk).to(device)).float().cpu()
-                logits += [lg[j, :rec.question.k] for j, rec in enumerate(chunk)]
-                bar.update(len(logits))
+            logits = full_row_logits(model, collator, records, batch_size=batch_size, device=device, on_rows=advance)
     rows = []
     for rec, lg in zip(records, logits):
         row = {"id": rec.id, "group": rec.group, "type": rec.question.type, "labels": rec.question.labels,
@@ -258,16 +249,7 @@ def _evaluate_run(run: Run, *, placement: Placement | None, print_fn: Callable[[
     data_dir = Path(config["data_dir"])
     baseline = majority_baseline(_records(config, "train"), records["test"]) if records["test"] else None
     meta = {
-        "run": str(run.root),
-        "model": config["model"],
-        "objective": config["recipe"]["objective"],
-        "sigma": config["recipe"]["sigma"],
-        "ce_weight": config["recipe"]["ce_weight"],
-        "seed": config["recipe"]["seed"],
-        "steps": config["recipe"]["steps"],
-        "recipe_deviations": config.get("recipe_deviations", {}),
-        **checkpoint_identity(state, which),
-        "checkpoint_sha256": ckpt.weights_sha256(run.require_checkpoint(which)),
+        **_run_meta(run, config, state, which),
         "data_hashes": data_hashes(data_dir),
         "calibration": infos,
         "temperatures_source": str(run.temperatures_path.relative_to(run.root)),
@@ -289,6 +271,16 @@ def _evaluate_run(run: Run, *, placement: Placement | None, print_fn: Callable[[
     say(f"report: {run.report_md}, {run.report_md.with_suffix('.html')} and their plots")
     write_report(run, ev=ev)
     return ev
+
+
+def _run_meta(run: Run, config: dict, state: dict, which: str) -> dict[str, Any]:
+    """Which run and checkpoint an evaluation.json scores (its meta block's first keys, eval/ and eval-NAME/ alike)."""
+    recipe = config["recipe"]
+    return {"run": str(run.root), "model": config["model"], "objective": recipe["objective"],
+            "sigma": recipe["sigma"], "ce_weight": recipe["ce_weight"], "seed": recipe["seed"],
+            "steps": recipe["steps"], "recipe_deviations": config.get("recipe_deviations", {}),
+            **checkpoint_identity(state, which),
+            "checkpoint_sha256": ckpt.weights_sha256(run.require_checkpoint(which))}
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -377,14 +369,7 @@ def evaluate_on_data(run: Run | Path, data_dir: Path, *, name: str | None = None
     train_rows = load_split(other, "train") if (other / "train.jsonl").is_file() else []
     baseline = majority_baseline(train_rows, records["test"]) if records.get("test") and train_rows else None
     meta = {
-        "run": str(run.root),
-        "model": config["model"],
-        "objective": config["recipe"]["objective"],
-        "seed": config["recipe"]["seed"],
-        "steps": config["recipe"]["steps"],
-        "recipe_deviations": config.get("recipe_deviations", {}),
-        **checkpoint_identity(state, which),
-        "checkpoint_sha256": ckpt.weights_sha256(run.require_checkpoint(which)),
+        **_run_meta(run, config, state, which),
         "trained_on": str(config["data_dir"]),
         "evaluated_on": str(other),
         "data_hashes": data_hashes(other),

@@ -67,6 +67,13 @@ def _run_name(path: Path) -> str:
     return path.name or "rlcd"
 
 
+def _reads_images(meta: Mapping[str, Any]) -> bool:
+    """Whether the export's backbone family reads images (what a loaded model's `supports_images` says)."""
+    from .model.families import family_named
+
+    return bool(family_named(str((meta.get("backbone") or {}).get("family", "qwen3.5"))).supports_images)
+
+
 class Predictor:
     """Answers typed-decision requests with one merged, calibrated model.
 
@@ -76,7 +83,7 @@ class Predictor:
     """
 
     def __init__(self, model: Any, meta: Mapping[str, Any], *, name: str | None = None,
-                 limits: Limits | None = None, strict_model: bool = False):
+                 limits: Limits | None = None, strict_model: bool = False, loader: Any = None):
         temps = dict(meta.get("temperatures") or {})
         missing = [t for t in QUESTION_TYPES if t not in temps]
         if missing:
@@ -84,24 +91,47 @@ class Predictor:
         for t in QUESTION_TYPES:
             if not (isinstance(temps[t], (int, float)) and math.isfinite(temps[t]) and temps[t] > 0):
                 raise ValueError(f"temperature for {t} must be a positive finite number, got {temps[t]!r}")
-        self.model = model
+        if model is None and loader is None:
+            raise ValueError("a Predictor needs a model or a loader of one")
+        self._model, self._loader = model, loader
         self.meta = dict(meta)
         self.temperatures = {t: float(temps[t]) for t in QUESTION_TYPES}
         self.name = name or str(meta.get("model") or "rlcd")
         self.limits = limits or Limits()
         self.strict_model = bool(strict_model)
-        self.takes_images = bool(getattr(model, "supports_images", True))
-        self._lock = threading.Lock()
-        model.eval()
+        self.takes_images = (bool(getattr(model, "supports_images", True)) if model is not None
+                             else _reads_images(self.meta))
+        self._lock = threading.Lock()  # around every model call
+        self._loading = threading.Lock()
+        if model is not None:
+            model.eval()
+
+    @property
+    def model(self) -> Any:
+        """The merged model; a lazy Predictor (`from_run(lazy=True)`) loads it when a request first needs it."""
+        if self._model is None:
+            with self._loading:
+                if self._model is None:
+                    self._model = self._loader()
+                    self._model.eval()
+        return self._model
 
     @classmethod
     def from_run(cls, path: str | Path, *, placement: Placement | None = None, name: str | None = None,
-                 limits: Limits | None = None, strict_model: bool = False) -> "Predictor":
-        """Load from a run dir (its `export/`) or an export dir (merged model, temperatures)."""
-        from .export import load_export
+                 limits: Limits | None = None, strict_model: bool = False, lazy: bool = False) -> "Predictor":
+        """Load from a run dir (its `export/`) or an export dir (merged model, temperatures). `lazy`: read only
+        the export's metadata now and load the model when a request first needs it (`rlcd predict`: a request
+        whose every question has one option is answered without it)."""
+        from .export import load_export, read_export_meta
+        from .run import find_export
 
+        name = name or _run_name(Path(path))
+        if lazy:
+            meta = read_export_meta(find_export(Path(path)))
+            return cls(None, meta, name=name, limits=limits, strict_model=strict_model,
+                       loader=lambda: load_export(Path(path), placement=placement)[0])
         model, meta = load_export(Path(path), placement=placement)
-        return cls(model, meta, name=name or _run_name(Path(path)), limits=limits, strict_model=strict_model)
+        return cls(model, meta, name=name, limits=limits, strict_model=strict_model)
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -127,7 +157,7 @@ class Predictor:
             "images": self.takes_images,
             "confidence": "transformers' System One definitions: choice (p_max - 1/K) / (1 - 1/K); score "
                           "1 - E|level - argmax| / E_uniform|level - middle|; noul has none (its answer is P(true))",
-            "placement": getattr(self.model, "placement", None),
+            "placement": getattr(self._model, "placement", None),
         }
 
     # ------------------------------------------------------------------ answering

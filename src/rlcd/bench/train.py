@@ -281,11 +281,13 @@ def format_report(res: dict) -> list[str]:
 def use_batch_by(s: Any, batch_by: str) -> None:
     """Switch a bench session's sampling between `row` and `case` (same model, same data)."""
     from rlcd.data.sampling import Sampler
+    from rlcd.train import plan_sources
 
     s.recipe = s.recipe.with_(batch_by=batch_by)
     pool = s.bench_pool
     case_of = {i: s.records[i].case_id for ids in pool.values() for i in ids} if batch_by == "case" else None
     s.sampler = Sampler(pool, case_of)
+    s.sources = plan_sources(s.recipe, collator=s.collator, device=s.device)
 
 
 def _tokens_run(model: Any, b: Any) -> tuple[int, int, int]:

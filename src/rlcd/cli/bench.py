@@ -14,6 +14,22 @@ app = typer.Typer(help="Benchmarks that print ratios measured in one run.", no_a
 RESULTS = Path("benchmarks/results")
 
 
+def _save(kind: str, json_out: Optional[Path], result: dict, *flags: tuple, command: Optional[str] = None,
+          positional: tuple = ()) -> None:
+    """Write `result` as bench result `kind` (when --json was given) with the command that reproduces it:
+    `rlcd bench COMMAND [POSITIONAL] --flag value ...` for every (flag, value, default) whose value is set and
+    differs from its default (default None: always written when set), then `--json PATH`."""
+    if json_out is None:
+        return
+    from rlcd.bench.report import invocation, save_result
+
+    args = ["rlcd", "bench", command or kind, *map(str, positional)]
+    for flag, value, default in flags:
+        if value is not None and value != default:
+            args += [flag, str(getattr(value, "value", value))]
+    save_result(kind, invocation(shlex.join([*args, "--json", str(json_out)])), result, path=json_out)
+
+
 def _threads(threads: Optional[int]) -> None:
     if threads:
         import torch
@@ -35,7 +51,6 @@ def prefix(
 ) -> None:
     """Shared prefix vs row-by-row forwards: max |diff|, speedup, token bound."""
     from rlcd.bench.prefix import run_prefix_bench
-    from rlcd.bench.report import invocation, save_result
     from rlcd.model.backbone import check_backbone_spec
 
     check_backbone_spec(model)
@@ -43,13 +58,9 @@ def prefix(
     _threads(threads)
     res = run_prefix_bench(model=model, questions=questions, state_tokens=state_tokens, repeats=repeats, seed=seed,
                            placement=pl)
-    extra = [] if dtype == DType.auto else ["--dtype", dtype.value]
-    for flag, value, default in (("--questions", questions, 32), ("--state-tokens", state_tokens, 512),
-                                 ("--repeats", repeats, 5), ("--seed", seed, 0), ("--threads", threads, None)):
-        if value != default:
-            extra += [flag, str(value)]
-    save_result("prefix", invocation(shlex.join(["rlcd", "bench", "prefix", "--model", model, *extra,
-                                                 "--json", str(json_out)])), res, path=json_out)
+    _save("prefix", json_out, res, ("--model", model, None), ("--dtype", dtype, DType.auto),
+          ("--device", device, "auto"), ("--questions", questions, 32), ("--state-tokens", state_tokens, 512),
+          ("--repeats", repeats, 5), ("--seed", seed, 0), ("--threads", threads, None))
 
 
 @app.command("pipeline")
@@ -68,7 +79,6 @@ def pipeline_cmd(
     """rlcd's Predictor vs transformers' pipeline("decision") on one export (p50, ratio, max |dp|); evaluation
     rows/s through shared prefixes vs full rows."""
     from rlcd.bench.pipeline import run_pipeline_bench
-    from rlcd.bench.report import invocation, save_result
     from rlcd.model.backbone import check_backbone_spec
 
     check_backbone_spec(model)
@@ -82,11 +92,9 @@ def pipeline_cmd(
     _threads(threads)
     res = run_pipeline_bench(model=model, sizes=size_t, repeats=repeats, state_tokens=state_tokens,
                              eval_cases=eval_cases, seed=seed, placement=pl)
-    if json_out is not None:
-        cmd = ["rlcd", "bench", "pipeline", "--model", model, "--sizes", sizes, "--repeats", str(repeats),
-               "--eval-cases", str(eval_cases)] + (["--threads", str(threads)] if threads else []) \
-            + ([] if dtype == DType.auto else ["--dtype", dtype.value]) + ["--json", str(json_out)]
-        save_result("pipeline", invocation(shlex.join(cmd)), res, path=json_out)
+    _save("pipeline", json_out, res, ("--model", model, None), ("--sizes", sizes, None), ("--repeats", repeats, None),
+          ("--state-tokens", state_tokens, 150), ("--eval-cases", eval_cases, None), ("--seed", seed, 0),
+          ("--threads", threads, None), ("--device", device, "auto"), ("--dtype", dtype, DType.auto))
 
 
 @app.command("train")
@@ -116,7 +124,6 @@ def train(
 ) -> None:
     """Training-loop throughput and per-part share of an update; sampler rows/s (or --case-vs-row: training
     examples/s with batch_by case vs row, then evaluation rows/s shared vs full rows, per model)."""
-    from rlcd.bench.report import invocation, save_result
     from rlcd.bench.train import run_case_vs_row, run_train_bench
     from rlcd.model.backbone import check_backbone_spec
 
@@ -129,24 +136,20 @@ def train(
         res = run_case_vs_row(models, updates=updates, warmup=warmup, rounds=rounds, cases=cases, seed=seed,
                               state_tokens=state_tokens, threads=threads, eval_cases=eval_cases,
                               placement=placement(device, dtype))
-        if json_out is not None:
-            cmd = invocation(shlex.join(["rlcd", "bench", "train", "--case-vs-row", case_vs_row, "--updates",
-                                         str(updates), "--warmup", str(warmup), "--rounds", str(rounds), "--cases",
-                                         str(cases), "--eval-cases", str(eval_cases),
-                                         *(["--threads", str(threads)] if threads else []),
-                                         *(["--state-tokens", str(state_tokens)] if state_tokens else []),
-                                         "--json", str(json_out)]))
-            save_result("train-case", cmd, res, path=json_out)
+        _save("train-case", json_out, res, ("--case-vs-row", case_vs_row, None), ("--updates", updates, None),
+              ("--warmup", warmup, None), ("--rounds", rounds, None), ("--cases", cases, None),
+              ("--eval-cases", eval_cases, None), ("--state-tokens", state_tokens, None), ("--seed", seed, 0),
+              ("--threads", threads, None), ("--device", device, "auto"), ("--dtype", dtype, DType.auto),
+              command="train")
         return
     check_backbone_spec(model)
     if data is not None and not (data / "train.jsonl").is_file():
         raise typer.BadParameter(f"{data}: not a processed data directory (no train.jsonl)", param_hint="--data")
     res = run_train_bench(model=model, updates=updates, seed=seed, data_dir=data, warmup=warmup,
                           sampler_calls=sampler_calls, threads=threads, placement=placement(device, dtype))
-    if json_out is not None:
-        cmd = invocation(shlex.join(["rlcd", "bench", "train", "--model", model, "--updates", str(updates),
-                                     "--json", str(json_out)]))
-        save_result("train", cmd, res, path=json_out)
+    _save("train", json_out, res, ("--model", model, None), ("--updates", updates, None), ("--warmup", warmup, 2),
+          ("--seed", seed, 0), ("--data", data, None), ("--sampler-calls", sampler_calls, 20_000),
+          ("--threads", threads, None), ("--device", device, "auto"), ("--dtype", dtype, DType.auto))
 
 
 @app.command("features")
@@ -162,7 +165,6 @@ def features(
 ) -> None:
     """Feature extraction with vs without prefix sharing; head-only updates on the cache vs LoRA updates live."""
     from rlcd.bench.features import run_features_bench
-    from rlcd.bench.report import invocation, save_result
     from rlcd.model.backbone import check_backbone_spec
     from rlcd.progress import echo
 
@@ -170,10 +172,9 @@ def features(
     _threads(threads)
     res = run_features_bench(model, cases=cases, head_updates=head_updates, lora_updates=lora_updates,
                              placement=placement(device, dtype), threads=threads, say=echo)
-    if json_out is not None:
-        cmd = invocation(shlex.join(["rlcd", "bench", "features", "--model", model, "--cases", str(cases),
-                                     "--json", str(json_out)]))
-        save_result("features", cmd, res, path=json_out)
+    _save("features", json_out, res, ("--model", model, None), ("--cases", cases, None),
+          ("--head-updates", head_updates, 200), ("--lora-updates", lora_updates, 3), ("--threads", threads, None),
+          ("--device", device, "cpu"), ("--dtype", dtype, DType.auto))
 
 
 @app.command("serve")
@@ -194,7 +195,6 @@ def serve(
     dtype: DTypeOpt = DType.auto,
 ) -> None:
     """Loopback load on the server at several concurrencies, batching on and off: decisions/s, p50/p95/p99, 4xx/5xx."""
-    from rlcd.bench.report import invocation, save_result
     from rlcd.bench.serve import run_serve_bench
     from rlcd.run import find_export
 
@@ -208,8 +208,9 @@ def serve(
     summary = run_serve_bench(path, requests=requests, levels=level_t, malformed=malformed, sizes=size_t, seed=seed,
                               port=port, window_ms=window_ms, timeout=timeout, total_timeout=total_timeout,
                               placement=placement(device, dtype))
-    if json_out is not None:
-        save_result("serve", invocation(f"rlcd bench serve {path} --json {json_out}"), summary, path=json_out)
+    _save("serve", json_out, summary, ("--requests", requests, 96), ("--levels", levels, "1,4,16,64"),
+          ("--malformed", malformed, 0.10), ("--sizes", sizes, "1,5,50"), ("--window-ms", window_ms, None),
+          ("--seed", seed, 0), ("--device", device, "auto"), ("--dtype", dtype, DType.auto), positional=(path,))
     if summary["c5xx"] or summary["crashes"]:
         raise typer.Exit(1)
 
@@ -237,8 +238,6 @@ def data(
 ) -> None:
     """Data layer speed: cases -> prepared splits (rows/s) and sampler rows/s."""
     from rlcd.bench.data import run_data_bench
-    from rlcd.bench.report import invocation, save_result
 
     res = run_data_bench(cases=cases, easy_vqa=easy_vqa, seed=seed)
-    if json_out is not None:
-        save_result("data", invocation(f"rlcd bench data --json {json_out}"), res, path=json_out)
+    _save("data", json_out, res, ("--cases", cases, 400), ("--easy-vqa", easy_vqa, 400), ("--seed", seed, 0))

@@ -66,7 +66,7 @@ def predict(
     parse_request(req, Limits())  # before the model loads (and before torch is imported)
     from rlcd.predict import Predictor
 
-    predictor = Predictor.from_run(path, placement=placement(device, dtype))
+    predictor = Predictor.from_run(path, placement=placement(device, dtype), lazy=True)  # loaded only if needed
     echo_json(predictor.predict(req, img))
 
 

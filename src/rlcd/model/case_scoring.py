@@ -74,4 +74,19 @@ def score_records(model: Any, records: Sequence[Record], *, image_root: Any = No
     return out  # type: ignore[return-value]
 
 
-__all__ = ["group_cases", "pack_cases", "score_records"]
+@torch.no_grad()
+def full_row_logits(model: Any, collator: Any, records: Sequence[Record], *, batch_size: int, device: Any,
+                    on_rows: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+    """The reference: every record as a full row, `batch_size` rows per forward; logits [k] in input order."""
+    records = list(records)
+    out: list[torch.Tensor] = []
+    for i in range(0, len(records), batch_size):
+        chunk = records[i:i + batch_size]
+        host = model(collator(chunk).to(device)).float().cpu()
+        out += [host[j, :rec.question.k] for j, rec in enumerate(chunk)]
+        if on_rows is not None:
+            on_rows(len(chunk))
+    return out
+
+
+__all__ = ["group_cases", "pack_cases", "score_records", "full_row_logits"]

@@ -1,0 +1,119 @@
+"""Dev evaluation and checkpoint selection: the frozen dev subset, scored every `eval_every` updates.
+
+Selection is by the unweighted group-macro top-1 accuracy (test never selects), compared as exact
+rationals; `patience` evaluations without strict improvement stop a run early. Rank 0 alone evaluates.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+from rlcd.diagnostics import dev_scores
+from rlcd.schema import Record
+
+from .distributed import Dist, broadcast_flag
+
+
+@torch.no_grad()
+def dev_accuracy(model, dev: dict[str, list[Record]], collator, device, batch_size: int = 16, *,
+                 shared: bool = True, features=None, keep: list | None = None, source=None) -> dict[str, Any]:
+    """Top-1 accuracy per sampling group and the unweighted group macro (the selection score), plus the
+    dev scoring rules of `rlcd.diagnostics.dev_scores` (NLL, Brier, ECE overall and per type) from the same
+    forward. `source` (what training passes): the `rlcd.train.sources` source that scores the rows. Without
+    one: `features`, a `FeatureCache` holding the dev rows, read instead of running the (frozen) backbone;
+    else `shared` (default) runs every dev case's state once, its questions as suffixes on its cache
+    (`rlcd.model.case_scoring.score_records`, logits equal to full rows up to float32 noise); False: full
+    rows, `batch_size` per forward. `keep`: a list that receives the scored rows (id, group, type, target, logits)."""
+    from rlcd.model.case_scoring import full_row_logits
+
+    from .sources import CachedFeatures, LiveSource
+
+    was_training = model.training
+    model.eval()
+    flat = [(group, rec) for group in sorted(dev) for rec in dev[group]]
+    recs = [rec for _, rec in flat]
+    if source is None and features is not None:
+        source = CachedFeatures(features, device)
+    elif source is None and shared:
+        source = LiveSource(collator, device)
+    logits = (source.logits(model, "dev", recs) if source is not None
+              else full_row_logits(model, collator, recs, batch_size=batch_size, device=device))
+    model.train(was_training)
+    correct: dict[str, int] = {group: 0 for group in dev}
+    scored = []
+    for (group, rec), lg in zip(flat, logits):
+        correct[group] += int(int(lg.argmax()) == int(torch.tensor(rec.target).argmax()))
+        scored.append({"id": rec.id, "group": group, "type": rec.question.type, "target": rec.target,
+                       "logits": lg.tolist()})
+    per_group = {group: correct[group] / max(1, len(dev[group])) for group in sorted(dev)}
+    if keep is not None:
+        keep.extend(scored)
+    macro = sum(per_group.values()) / max(1, len(per_group))
+    return {"dev_accuracy": per_group, "dev_macro_accuracy": macro, **dev_scores(scored)}
+
+
+def improves_on(per_group: dict[str, float], dev: dict[str, list], best_score: float | None) -> bool:
+    """Whether this dev evaluation beats the best so far, compared as exact rationals, not floats.
+
+    Float macro averages of the same counts can differ by an ulp (0.3611111111111111 vs
+    0.36111111111111116), which must not select a new checkpoint. Each group's accuracy is
+    correct / n with n = its frozen dev size, so the macro is a fraction with denominator at most
+    D = groups * lcm(n); the stored best (a float) is read back as the nearest such fraction.
+    """
+    if best_score is None:
+        return True
+    sizes = {g: max(1, len(dev.get(g, ()))) for g in per_group}
+    new = sum((Fraction(round(acc * sizes[g]), sizes[g]) for g, acc in per_group.items()), Fraction(0))
+    new /= max(1, len(per_group))
+    denom = max(1, len(per_group)) * math.lcm(*sizes.values(), 1)
+    if denom > 10**7:  # too fine to recover exactly from a float: compare at 12 decimals
+        return round(float(new), 12) > round(best_score, 12)
+    return new > Fraction(best_score).limit_denominator(denom)
+
+
+def patience_exhausted(patience: int | None, evals_since_best: int, d: Dist) -> bool:
+    """Whether `patience` dev evaluations in a row brought no strict improvement (rank 0 decides, every
+    rank gets its answer); None is the recipe's fixed budget: never."""
+    if patience is None:
+        return False
+    return broadcast_flag(evals_since_best >= patience, d)
+
+
+class DevSelection:
+    """Evaluate the dev subset after `step` updates, keep its logits, select `best`, count toward patience.
+
+    Rank 0 scores (through the plan's source for that step), writes `dev-evals/step-N.jsonl.gz`, logs the
+    "eval" event and checkpoints `best` on a strict improvement; every rank then learns whether patience
+    ran out (the "stopped_early" event)."""
+
+    def __init__(self, run, session, state, writer):
+        self.run, self.s, self.state, self.writer = run, session, state, writer
+
+    def __call__(self, step: int) -> None:
+        from rlcd.dev_evals import write_dev_eval
+
+        s, state, r = self.s, self.state, self.s.recipe
+        if s.dist.main:
+            scored: list[dict] = []
+            ev = dev_accuracy(s.model, s.dev, s.collator, s.device, source=s.sources.for_eval(step), keep=scored)
+            write_dev_eval(self.run, step, scored)
+            state.score = ev["dev_macro_accuracy"]
+            self.writer.log({"event": "eval", "step": step, **ev})
+            if improves_on(ev["dev_accuracy"], s.dev, state.best_score):
+                state.best_score, state.best_step = ev["dev_macro_accuracy"], step
+                state.evals_since_best = 0
+                self.writer.checkpoint("best", s, state)
+            else:
+                state.evals_since_best += 1
+        s.dist.barrier()
+        if patience_exhausted(r.patience, state.evals_since_best, s.dist):
+            state.stopped_early = step
+            self.writer.log({"event": "stopped_early", "step": step, "patience": r.patience,
+                             "best_step": state.best_step, "best_score": state.best_score})
+
+
+__all__ = ["dev_accuracy", "improves_on", "patience_exhausted", "DevSelection"]

@@ -1,0 +1,291 @@
+"""Setup: a new run, a resume or an `--init` start -> a ready `Trainer` for the loop (`rlcd.train.loop`).
+
+Every input is checked and the model is built before anything is written, so a failed start leaves no
+run directory behind. Order (`setup`): the run's inputs (`_new_start` / `_resume_start`: config, samples,
+placement, the resume checkpoint or the `--init` source) -> `build_session` (model, resume/init weights
+loaded *before* the feature cache is looked up, since a LoRA they bring is part of the frozen backbone,
+the sources, optimizer, DDP) -> the training state restored (resume) or the centring estimated (new run)
+-> the run directory created and locked -> the tracker and the "session" event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from rlcd import checkpoint as ckpt
+from rlcd.device import Placement, describe, resolve_placement
+from rlcd.errors import OptionError
+from rlcd.progress import echo
+from rlcd.recipe import Recipe
+from rlcd.run import Run
+from rlcd.schema import Record
+from rlcd.tracking import check_tracker, open_tracker
+
+from .distributed import Dist, init_distributed, local_accum
+from .inputs import (ResumeRefused, check_data_dir, check_resume, deviation_notice, init_source, load_init_weights,
+                     load_records, new_run)
+from .selection import DevSelection
+from .session import Session
+from .sources import plan_sources
+from .writer import RunWriter, TrainState
+
+
+def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement | None = None, backbone=None,
+                  objective_fn=None, records=None, feature_cache: bool = True, progress: bool = True,
+                  print_fn: Callable[[str], None] | None = None,
+                  load_weights: Callable[[Any], None] | None = None, start_step: int = 0) -> Session:
+    """Model, optimizer, sampler, dev subset and feature sources of a run. `records`: the (train, dev) rows
+    if the caller already read them; `backbone`: a ready backbone for `build_model` (tests, benchmarks);
+    `load_weights` puts a resume's or an `--init`'s trainable weights into the built model before the feature
+    cache is looked up, since a LoRA they bring is part of the frozen backbone whose features the cache holds.
+    `start_step`: the update a resume continues from; a run whose head phase lies behind it (an LP-FT run
+    past its warm-up, LoRA moved) reads no cache and extracts none.
+
+    A run whose head learns alone for a while (`head_only`, `head_warmup`) reads its frozen features from
+    the data directory's feature cache (`rlcd.features`; extracted here on first need, by rank 0 while the
+    other ranks wait) unless `feature_cache` is False (the backbone then runs live, without gradients).
+    A head-only run's LoRA adapters stay at B = 0 with requires_grad off, so its export merges to the base."""
+    from rlcd.data.sampling import Sampler
+    from rlcd.model.build import build_model
+
+    recipe = Recipe.from_dict(config["recipe"])
+    local_accum(recipe.grad_accum, d.world, recipe.batch_size)
+    data_dir = Path(config["data_dir"])
+    train, dev_rows = records or load_records(data_dir)
+    by_id = {r.id: r for r in train}
+    pool = {g: list(ids) for g, ids in samples["train"].items()}
+    dev_by_id = {r.id: r for r in dev_rows}
+    dev = {g: [dev_by_id[i] for i in ids] for g, ids in samples["dev"].items()}
+    placement = placement or resolve_placement(config.get("device", "auto"), config.get("dtype", "auto"),
+                                               local_rank=d.local_rank if d.active else None)
+    device = placement.torch_device
+    torch.manual_seed(recipe.seed)
+    model = build_model(config, device=device, dtype=placement.torch_dtype, backbone=backbone)
+    model.train()
+    if recipe.head_only:
+        for p in model.param_groups()["lora"]:
+            p.requires_grad_(False)
+    if load_weights is not None:
+        load_weights(model)
+    features = None
+    if feature_cache and (recipe.head_only or start_step < recipe.head_warmup):
+        from rlcd.features import ensure_features
+
+        if d.main:
+            features = ensure_features(model, data_dir, progress=progress, say=print_fn,
+                                       records={"train": train, "dev": dev_rows})
+        if d.active:
+            d.barrier()
+            if not d.main:
+                features = ensure_features(model, data_dir, progress=False)
+    groups = model.param_groups()
+    optimizer = torch.optim.AdamW(
+        [{"params": groups["lora"], "lr": recipe.lr_lora, "name": "lora"},
+         {"params": groups["head"], "lr": recipe.lr_head, "name": "head"}],
+        weight_decay=recipe.weight_decay,
+    )
+    wrapped = model
+    if d.active:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        wrapped = DDP(model, device_ids=[device.index or 0] if device.type == "cuda" else None,
+                      find_unused_parameters=recipe.head_warmup > 0)  # LoRA gets no gradient in the warm-up
+    check_special_tokens(model.encoder, [by_id[i] for ids in pool.values() for i in ids],
+                         [r for rows in dev.values() for r in rows])
+    collator = model.collator(image_root=data_dir)
+    case_of = {i: by_id[i].case_id for ids in pool.values() for i in ids} if recipe.batch_by == "case" else None
+    sources = plan_sources(recipe, collator=collator, device=device, features=features, start_step=start_step)
+    return Session(recipe=recipe, horizon=int(config["decay_horizon"]), model=model, wrapped=wrapped,
+                   optimizer=optimizer, collator=collator, records=by_id, dev=dev,
+                   sampler=Sampler(pool, case_of), dist=d, device=device, sources=sources,
+                   objective_fn=objective_fn)
+
+
+def check_special_tokens(encoder, *splits) -> None:
+    """Refuse, before the first update, a row holding special-token text of this backbone.
+
+    Records already meet the data-level rule (the Qwen3.5 specials, `schema.RESERVED_TOKENS`); a
+    backbone with other special tokens (SmolLM2's `<|im_start|>`, `<repo_name>`, ...) would otherwise
+    meet such a row only when the sampler draws it, mid-run. Raises the encoder's `RecordError`.
+    """
+    from rlcd.schema import RESERVED_TOKENS
+
+    if set(encoder.reserved) <= set(RESERVED_TOKENS):
+        return  # nothing beyond what the records were validated against
+    for rows in splits:
+        for rec in rows:
+            encoder.check_inputs(rec.state, rec.question, row=rec.id)
+
+
+def init_centring(s: Session, n_batches: int = 4) -> None:
+    """Estimate the scorer's centring statistics from fixed micro-batches before the first update.
+
+    Uses micro-batch indices far outside the training stream (negative-free offset), so the
+    estimate is identical on every rank and for every world size; rows, never whole cases.
+    """
+    src = s.sources.for_update(0)
+    batches = [s.batch_of(s.sampler.microbatch(s.recipe.seed + 7919, i, s.recipe.batch_size), src)
+               for i in range(n_batches)]
+    s.model.init_centring(batches)
+
+
+# ----------------------------------------------------------------------------------------------
+# a run's start
+
+
+@dataclass
+class Start:
+    """The checked inputs of a start: frozen config and samples, placement, and what the weights come from."""
+
+    config: dict
+    samples: dict
+    placement: Placement
+    records: tuple[list[Record], list[Record]] | None = None
+    loaded: dict | None = None   # a resume's checkpoints/last
+    source: dict | None = None   # an --init start's source run (init_source)
+
+
+@dataclass
+class Trainer:
+    """A ready run: what `setup` hands the loop. `finished`: a resume with nothing left to do (stopped early)."""
+
+    run: Run
+    session: Session
+    state: TrainState
+    writer: RunWriter
+    select: DevSelection
+    progress: bool = True
+    stop_after: int | None = None
+    print_fn: Callable[[str], None] = echo
+    finished: dict | None = None
+
+
+def _resume_start(run: Run, d: Dist, held: contextlib.ExitStack, *, steps: int | None, log: str | None,
+                  device: str, dtype: str) -> Start:
+    if not run.exists():
+        raise ResumeRefused(f"refusing to resume {run.root}: no config.json there (start it with "
+                            f"`rlcd train {run.root} --data DATA`)")
+    if d.main:  # one writer per run (rank 0 writes; the other ranks never touch the directory)
+        held.enter_context(run.lock("train --resume"))
+    samples = run.samples()
+    config = check_resume(run, run.config(), samples, steps)
+    if log is not None and log != config.get("log", "none"):
+        config = {**config, "log": log}
+    check_tracker(config.get("log", "none"))
+    placement = resolve_placement(device, dtype if dtype != "auto" else config.get("dtype", "auto"),
+                                  local_rank=d.local_rank if d.active else None)
+    loaded = ckpt.load(run.checkpoint("last"), map_location=str(placement.torch_device))
+    return Start(config, samples, placement, loaded=loaded)
+
+
+def _new_start(run: Run, d: Dist, *, data_dir: Path | None, model: str, recipe: Recipe | None, steps: int | None,
+               model_seed: int, device: str, dtype: str, log: str | None, init: Path | None) -> Start:
+    from rlcd.model.backbone import check_backbone_spec
+
+    if data_dir is None:
+        raise OptionError("a new run needs --data (a processed data directory)")
+    if run.exists():
+        raise OptionError(f"{run.root} already holds a run; resume it with `rlcd train --resume {run.root}` "
+                          "or choose another run directory")
+    check_backbone_spec(model)
+    log = check_tracker(log or "none")
+    data_dir = check_data_dir(Path(data_dir))
+    recipe = recipe or Recipe()
+    if steps is not None:
+        recipe = recipe.with_(steps=steps)
+    local_accum(recipe.grad_accum, d.world, recipe.batch_size)
+    source = init_source(Path(init), model, model_seed, recipe) if init is not None else None
+    placement = resolve_placement(device, dtype, local_rank=d.local_rank if d.active else None)
+    records = load_records(data_dir)
+    config, samples = new_run(run.root, data_dir, model, recipe, model_seed=model_seed, world_size=d.world,
+                              dtype=dtype, records=records, log=log)
+    if source is not None:
+        config["init"] = source["record"]
+    return Start(config, samples, placement, records=records, source=source)
+
+
+def setup(run_dir: Path, *, held: contextlib.ExitStack, data_dir: Path | None = None, model: str = "qwen3.5-0.8b",
+          recipe: Recipe | None = None, resume: bool = False, steps: int | None = None,
+          stop_after: int | None = None, progress: bool = True, model_seed: int = 0,
+          objective_fn: Callable | None = None, device: str = "auto", dtype: str = "auto",
+          backbone=None, log: str | None = None, print_fn: Callable[[str], None] = echo,
+          feature_cache: bool = True, init: Path | None = None) -> Trainer:
+    """The run at `run_dir` ready to train: a new run (`data_dir`, `model`, `recipe`, `init`) or a resume
+    (`resume=True`; `steps` may extend it, `log`/`device`/`dtype` may change). See `rlcd.train.train`."""
+    run = Run(run_dir)
+    d = init_distributed()
+    if resume and init is not None:
+        raise OptionError(f"--init {init} starts a new run; a resume continues {run.root} from its own checkpoint")
+    start = (_resume_start(run, d, held, steps=steps, log=log, device=device, dtype=dtype) if resume else
+             _new_start(run, d, data_dir=data_dir, model=model, recipe=recipe, steps=steps, model_seed=model_seed,
+                        device=device, dtype=dtype, log=log, init=init))
+    config, loaded, fingerprint = start.config, start.loaded, {}
+
+    def load_weights(model) -> None:
+        if loaded is not None:
+            model.load_trainable_state_dict(loaded["weights"])
+        elif start.source is not None:
+            fingerprint["found"] = load_init_weights(model, start.source)  # the centring buffers come with it
+
+    s = build_session(config, start.samples, d, placement=start.placement, backbone=backbone,
+                      objective_fn=objective_fn, records=start.records, feature_cache=feature_cache,
+                      progress=progress, print_fn=print_fn if d.main else None, load_weights=load_weights,
+                      start_step=int(loaded["state"]["step"]) if loaded is not None else 0)
+    r = s.recipe
+    if d.main:
+        notice = deviation_notice(r)
+        if notice:
+            print_fn(notice)
+        print_fn(f"train: {run.root} on {describe(start.placement)}, {d.world} process(es), "
+                 f"{r.grad_accum // d.world} x {r.batch_size} examples per process per update")
+    state = TrainState()
+    if loaded is not None:
+        s.optimizer.load_state_dict(loaded["optimizer"])
+        ckpt.set_rng_state(loaded["rng"])
+        state = TrainState.from_checkpoint(loaded["state"])
+        s.consumed.update(loaded["state"]["consumed"])
+    writer = RunWriter(run, enabled=d.main)
+    t = Trainer(run, s, state, writer, DevSelection(run, s, state, writer), progress=progress,
+                stop_after=stop_after, print_fn=print_fn)
+    if state.stopped_early is not None:
+        if d.main:
+            print_fn(early_stop_notice(run, state, r))
+        t.finished = {**loaded["state"], "stopped_early": state.stopped_early}
+        return t
+    if loaded is not None:
+        if d.main:
+            if config != run.config():
+                run.write_config(config)
+            run.trim_metrics(state.step)
+            from rlcd.dev_evals import trim_dev_evals
+
+            trim_dev_evals(run, state.step)
+    else:
+        if start.source is not None:
+            config["init"]["backbone_fingerprint"] = fingerprint["found"]
+        else:
+            init_centring(s)
+        if d.main:
+            Run.create(run.root, config, start.samples)
+            held.enter_context(run.lock("train"))
+    if d.main:
+        writer.tracker = open_tracker(config.get("log", "none"), run, resume_step=state.step if resume else None)
+    writer.log({"event": "session", "step": state.step, "world_size": d.world, **start.placement.to_dict(),
+                "resume": bool(resume), "features": s.sources.cache_root})
+    return t
+
+
+def early_stop_notice(run: Run, state: TrainState, r: Recipe) -> str:
+    return (f"train: {run.root} stopped early at update {state.stopped_early}: {r.patience} dev evaluation(s) "
+            f"without strict improvement (patience {r.patience}); best update {state.best_step} "
+            f"(dev macro accuracy {state.best_score}). A resume has nothing left to do; start a new run "
+            "(e.g. with --init) to train further")
+
+
+__all__ = ["build_session", "check_special_tokens", "init_centring", "setup", "Trainer", "Start",
+           "early_stop_notice"]
