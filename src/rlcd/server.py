@@ -8,21 +8,28 @@ Endpoints:
   root only: absolute paths, `..` and symlinks leading outside are refused; without an image root every
   path is refused; URLs are refused, the server does not fetch) or as `image: {"base64"|"path"}`.
 * `GET /health` and `GET /healthz`: `{"status": "ok", "model": name}`.
-* `GET /v1/models`: `{"object": "list", "data": [{"id", "object": "model", "created", "owned_by", ...}]}`
-  (+ backbone, temperatures, limits, placement).
+* `GET /v1/models`: `{"object": "list", "data": [{"id", "object": "model", "created", "owned_by", ...}],
+  "models": [{"name", "description", "release_date"}]}`: transformers' (OpenAI's) list and the official SDK's in one
+  object (+ backbone, temperatures, limits, placement in `data`).
+
+Bodies may be gzip or zstd (`Content-Encoding`, decoded under `max_request_bytes`) and multipart/form-data (the
+official SDK's image form): `rlcd.serving.bodies`. `"x_gate": true` in a request adds gate decisions from a
+thresholds.json (`rlcd.serving.gating`).
 * `/openapi.json` declares the request, response and error schemas; `/docs` serves Swagger UI.
 
 With an API key (`rlcd.serving.access`), every `/v1/*` request needs `Authorization: Bearer KEY`
-(401 `{"detail": "..."}` and `WWW-Authenticate: Bearer` otherwise); `/health` stays open; the OpenAPI
+(401 `{"detail": {"error_type": "authentication_error", "message"}}`, the official API's shape, and
+`WWW-Authenticate: Bearer` otherwise); `/health` stays open; the OpenAPI
 document declares the bearer scheme. With `access_log`, each request writes one line on stderr
 (`rlcd.serving.access.access_line`: request id, status, questions, input tokens, queue wait, model time).
 
-Every response carries `X-Request-ID` (the client's, else a new one). Every bad input gets FastAPI's
-and transformers' error body `{"detail": [{"loc", "msg", "type"}]}` (+ `question` when one question
-is at fault): 400 undecodable input (JSON, base64, image bytes), 403 an image path outside the root,
+Every response carries `X-Request-ID` and `x-typesafe-request-id` (the client's, else a new one). Every bad input
+gets FastAPI's and transformers' error body `{"detail": [{"loc", "msg", "type"}]}` (+ `question` when one question
+is at fault): 400 undecodable input (base64, image bytes, compressed data), 403 an image path outside the root,
 404 an unknown model (only with `strict_model`) or image file, 413 size limits (body bytes -- the
 `Content-Length` header and the bytes actually received --, questions, candidates, tokens, image
-pixels), 422 rule violations. Unknown routes and methods keep FastAPI's `{"detail": "Not Found"}`.
+pixels, decoded body bytes), 415 an unknown Content-Encoding, 422 rule violations (a body that is not a JSON
+object too: `json_invalid`). Unknown routes and methods keep FastAPI's `{"detail": "Not Found"}`.
 An unexpected failure is a 500 with the same JSON shape, and the server keeps serving.
 
 Concurrency: body parsing, validation and image decoding run in a bounded pool of worker threads;
