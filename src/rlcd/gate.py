@@ -516,8 +516,12 @@ def default_gates(run: Any, say: Any = None) -> Path | None:
 def summary_lines(doc: Mapping[str, Any]) -> list[str]:
     """One line per gate that was chosen (and one per gate that was not, saying why)."""
     lines = []
-    for g in doc.get("x_rlcd", {}).get("gates", []):
+    listed = doc.get("x_rlcd", {}).get("gates", [])
+    refused = [g["name"] for g in listed if g.get("status") == "refused"]
+    for g in listed:
         what = f"{g['name']} ({g['kind']}{', ' + g['type'] if g.get('type') and g['kind'] != 'type' else ''}, n={g['n']})"
+        if g.get("status") == "refused":
+            continue
         if not usable(g):
             why = {"refused": f"refused: fewer than {doc['x_rlcd']['minRows']} rows",
                    "unreachable": "no gate reaches the goal", "unstable": "unstable under the bootstrap guard"}
@@ -529,7 +533,15 @@ def summary_lines(doc: Mapping[str, Any]) -> list[str]:
                 f"{_range(t['coverage95'])} (n={t['n']})")
         lines.append(f"{what}: gate at {g['threshold']:.4f}{' (provisional)' if g['status'] == 'warn' else ''}: "
                      f"auto {_pct(g['coverage'])} at {_pct(g['accuracy'])} out-of-bag; {held}")
+    if refused:
+        lines.append(f"refused (fewer than {doc['x_rlcd']['minRows']} calibration rows): {refused_names(refused)}")
     return lines
+
+
+def refused_names(names: Sequence[str], shown: int = 6) -> str:
+    """`a, b, c and 12 more` (the report and the summary list refused gates in one line)."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more ({len(names)} gates)" if more > 0 else "")
 
 
 def _pct(x: float | None) -> str:

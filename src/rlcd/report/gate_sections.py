@@ -11,6 +11,7 @@ import json
 from typing import Any, Mapping
 
 from rlcd.report.context import Context
+from rlcd.gate import refused_names
 from rlcd.report.document import Section, Table, Text, fmt, fmt_ci
 
 
@@ -43,9 +44,12 @@ def gates(ctx: Context) -> Section | None:
                f"the test columns apply the same threshold to the **{ext.get('heldOut', 'test')}** split, 95% "
                "grouped-bootstrap intervals."))
     rows = []
+    refused = [g["name"] for g in listed if g.get("status") == "refused"]
     for g in listed:
         kind = g.get("kind")
         name = g.get("name") if kind != "type" else f"{g.get('name')} (all rows)"
+        if g.get("status") == "refused":
+            continue
         if g.get("status") not in ("ok", "warn"):
             rows.append([name, kind, g.get("n"), _why(g, ext.get("minRows")), "", "", "", ""])
             continue
@@ -56,6 +60,10 @@ def gates(ctx: Context) -> Section | None:
                      fmt_ci(t.get("coverage"), t.get("coverage95")) if t else ""])
     s.add(Table(["gate", "kind", "calibration rows", "threshold", "accuracy (out-of-bag) [95%]", "coverage (out-of-bag)",
                  "test accuracy [95% CI]", "test coverage [95% CI]"], rows))
+    if refused:
+        s.add(Text(f"Not chosen, fewer than {ext.get('minRows')} calibration rows: {refused_names(refused, 8)}. "
+                   "`rlcd gate RUN --min-rows N` lowers the floor (jev-eval refuses below 50 and calls a gate "
+                   "provisional below 200)."))
     chosen = [g for g in listed if g.get("status") in ("ok", "warn") and g.get("test")]
     misses = [g["name"] for g in chosen if g["test"].get("accuracy95") and "targetAccuracy" in goal
               and g["test"]["accuracy95"][1] < goal["targetAccuracy"] and g.get("kind") != "yesAt"
