@@ -58,7 +58,9 @@ def test_v1_needs_the_key_and_health_does_not(client, predictor, capsys):
                              ({"Authorization": f"Basic {KEY}"}, "must be 'Bearer"), (_bearer(""), "must be 'Bearer")):
             r = call(headers)
             assert r.status_code == 401, (path, headers)
-            assert set(r.json()) == {"detail"} and why in r.json()["detail"]
+            # the official API's shape: {"detail": {"error_type": "authentication_error", "message": ...}}
+            assert set(r.json()) == {"detail"} and r.json()["detail"]["error_type"] == "authentication_error"
+            assert why in r.json()["detail"]["message"]
             assert r.headers["www-authenticate"] == "Bearer" and r.headers["x-request-id"]
             assert KEY not in r.text and WRONG not in r.text
         assert call(_bearer(KEY)).status_code == 200

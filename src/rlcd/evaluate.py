@@ -268,6 +268,8 @@ def _evaluate_run(run: Run, *, placement: Placement | None, print_fn: Callable[[
         write_hf(run, model=model if cpu_fp32 else None, evaluation=ev)
     else:
         say(f"export: not written (`rlcd export {run.root}` writes export/ and export/hf/)")
+    from rlcd.gate import default_gates  # eval/thresholds.json at the default target, before the report shows it
+    default_gates(run, say)
     say(f"report: {run.report_md}, {run.report_md.with_suffix('.html')} and their plots")
     write_report(run, ev=ev)
     return ev

@@ -74,6 +74,16 @@ def _reads_images(meta: Mapping[str, Any]) -> bool:
     return bool(family_named(str((meta.get("backbone") or {}).get("family", "qwen3.5"))).supports_images)
 
 
+def _export_date(path: Path) -> str | None:
+    """YYYY-MM-DD (UTC) of the export's model.json: the "release date" /v1/models shows."""
+    import datetime
+
+    for meta in (path / "model.json", path / "export" / "model.json"):
+        if meta.is_file():
+            return datetime.datetime.fromtimestamp(meta.stat().st_mtime, datetime.timezone.utc).date().isoformat()
+    return None
+
+
 class Predictor:
     """Answers typed-decision requests with one merged, calibrated model.
 
@@ -103,6 +113,7 @@ class Predictor:
                              else _reads_images(self.meta))
         self._lock = threading.Lock()  # around every model call
         self._loading = threading.Lock()
+        self.release_date: str | None = None  # /v1/models: the day the export was written (from_run sets it)
         if model is not None:
             model.eval()
 
@@ -128,10 +139,14 @@ class Predictor:
         name = name or _run_name(Path(path))
         if lazy:
             meta = read_export_meta(find_export(Path(path)))
-            return cls(None, meta, name=name, limits=limits, strict_model=strict_model,
-                       loader=lambda: load_export(Path(path), placement=placement)[0])
+            predictor = cls(None, meta, name=name, limits=limits, strict_model=strict_model,
+                            loader=lambda: load_export(Path(path), placement=placement)[0])
+            predictor.release_date = _export_date(Path(path))
+            return predictor
         model, meta = load_export(Path(path), placement=placement)
-        return cls(model, meta, name=name, limits=limits, strict_model=strict_model)
+        predictor = cls(model, meta, name=name, limits=limits, strict_model=strict_model)
+        predictor.release_date = _export_date(Path(path))
+        return predictor
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -162,9 +177,10 @@ class Predictor:
 
     # ------------------------------------------------------------------ answering
     def prepare(self, request: Any, image: Any = None, *, image_root: Path | None = None,
-                limits: Limits | None = None) -> Prepared:
+                limits: Limits | None = None, parts: Mapping[str, bytes] | None = None) -> Prepared:
         """Validate `request`, decode its image (from `image`, the request's `image`, an asset or a part),
-        tokenise its rows and preprocess the image: everything but the model call, safe to run in threads."""
+        tokenise its rows and preprocess the image: everything but the model call, safe to run in threads.
+        `parts`: the image parts of a multipart body by name (an asset's `{"part": NAME}`)."""
         lim = limits or self.limits
         parsed = parse_request(request, lim, served=self.served_names, strict_model=self.strict_model,
                                takes_images=self.takes_images)
@@ -177,7 +193,7 @@ class Predictor:
             decoded = open_image(image, max_pixels=lim.max_image_pixels)
         elif parsed.images:
             field, spec = parsed.images[0]
-            decoded = load_image_spec(field, spec, image_root, lim)
+            decoded = load_image_spec(field, spec, image_root, lim, parts)
         else:
             decoded = None
         scored = [i for i, q in enumerate(parsed.questions) if q.k > 1]  # one option: a fixed answer, no model

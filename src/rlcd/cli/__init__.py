@@ -24,7 +24,7 @@ import typer
 from typer._click import exceptions as cx  # typer vendors click (typer._click) since 0.2x; pinned
 from typer.core import TyperGroup
 
-from rlcd.cli import analysis, bench, data, demo, evaluate, features, serve, train
+from rlcd.cli import analysis, bench, data, demo, evaluate, features, gate, serve, train
 from rlcd.cli._common import quiet_progress_bars, show_status
 from rlcd.errors import UserError
 
@@ -110,6 +110,7 @@ app.command("calibrate")(evaluate.calibrate)
 app.command("evaluate")(evaluate.evaluate)
 app.command("report")(evaluate.report)
 app.command("export")(evaluate.export)
+app.command("gate")(gate.gate)
 app.command("predict")(serve.predict)
 app.command("serve")(serve.serve)
 app.command("compare")(analysis.compare)

@@ -101,10 +101,14 @@ def serve(
         help="require 'Authorization: Bearer KEY' on every /v1/* request (/health stays open); prefer the "
              "environment variable, which stays out of shell history and ps")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="no access log line per request on stderr")] = False,
+    thresholds: Annotated[Optional[Path], typer.Option(
+        help="thresholds.json that requests with \"x_gate\": true are gated with (default: RUN/eval/thresholds.json, "
+             "written by `rlcd gate` / `rlcd evaluate`)", show_default=False)] = None,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
 ) -> None:
-    """Serve a run over HTTP: POST /v1/systemone (System One, as transformers serve), GET /health, GET /v1/models."""
+    """Serve a run over HTTP: POST /v1/systemone (System One: transformers' clients and TypeSafe's SDK family),
+    GET /health, GET /v1/models."""
     from rlcd.run import find_export
     from rlcd.server import serve as run_server
     from rlcd.serving.access import check_api_key
@@ -119,12 +123,21 @@ def serve(
     find_export(path)
     if image_root is not None and not image_root.is_dir():
         raise typer.BadParameter(f"{image_root}: not a directory", param_hint="--image-root")
+    if thresholds is not None:
+        from rlcd.serving.gating import Gates
+
+        if not thresholds.is_file():
+            raise typer.BadParameter(f"{thresholds}: no such file", param_hint="--thresholds")
+        try:
+            Gates.load(thresholds)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--thresholds") from None
     check_port(host, port)  # before the model loads
     batching = BatchingConfig(window_ms=batch_window_ms, max_batch_questions=max_batch_questions,
                               max_batch_tokens=max_batch_tokens, max_queue=max_queue, timeout_s=request_timeout)
     run_server(path, host=host, port=port, image_root=image_root, placement=placement(device, dtype),
                served_model_name=served_model_name, strict_model=strict_model, batching=batching, workers=workers,
-               api_key=api_key, quiet=quiet, max_questions=max_questions, max_candidates=max_candidates, max_tokens=max_tokens,
+               api_key=api_key, quiet=quiet, thresholds=thresholds, max_questions=max_questions, max_candidates=max_candidates, max_tokens=max_tokens,
                max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels)
 
 

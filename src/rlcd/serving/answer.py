@@ -6,6 +6,7 @@ With p = softmax(logits / T_type) over the K options (float64):
   confidence = max(0, (p_max - 1/K) / (1 - 1/K)): 0 for a uniform answer, 1 for a certain one;
 * noul   -> `{"type", "noul": P(true)}`;
 * score  -> `{"type", "score": sum_l l p_l, "legend": {"0": level, ...}, "confidence", "probabilities"}`
+  (a level sent as null has the legend value "null", the text the model read for it)
   with confidence = max(0, 1 - E|l - argmax| / E_uniform|l - (K-1)/2|): the expected distance to the
   modal level against a uniform distribution's expected distance to the middle.
 
@@ -21,6 +22,8 @@ from typing import Any, Sequence
 import torch
 
 from rlcd.schema import Question
+
+NULL_LEVEL = "null"  # the legend value of a score level given as null: the text the prompt shows for it
 
 
 def probabilities(logits: torch.Tensor | Sequence[float], temperature: float) -> torch.Tensor:
@@ -58,7 +61,9 @@ def make_answer(question: Question, logits: torch.Tensor | Sequence[float], temp
     if question.type == "choice":
         return {"type": "choice", "choice": labels[best], "confidence": choice_confidence(probs[best], len(probs)),
                 "probabilities": by_option}
-    legend = list(levels) if levels is not None else question.descriptions()
+    # a level sent as null reads as "null" in the prompt and shows so in the legend: System One clients parse a
+    # legend value as a string, object or array (the official SDK refuses null), transformers' as anything
+    legend = [NULL_LEVEL if v is None else v for v in levels] if levels is not None else question.descriptions()
     return {"type": "score", "score": math.fsum(i * x for i, x in enumerate(probs)),
             "legend": dict(zip(labels, legend)), "confidence": score_confidence(probs, best),
             "probabilities": by_option}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Mapping
 
 from rlcd.serving.errors import PredictError
 from rlcd.serving.limits import Limits
@@ -128,17 +128,20 @@ def load_request_image(spec: Any, image_root: Path | None, limits: Limits) -> An
     return open_image(path, field="image.path", max_pixels=limits.max_image_pixels)
 
 
-ASSET_SOURCES = ("data_base64", "base64", "path", "url", "image", "image_url")
+ASSET_SOURCES = ("data_base64", "base64", "path", "url", "image", "image_url", "part")
 ASSET_META = ("type", "format", "detail")
 
 
-def load_image_spec(field: str, spec: Any, image_root: Path | None, limits: Limits) -> Any:
+def load_image_spec(field: str, spec: Any, image_root: Path | None, limits: Limits,
+                    parts: Mapping[str, bytes] | None = None) -> Any:
     """An image of a request -> decoded RGB PIL image, whatever way it came.
 
     `field == "image"` is rlcd's alias (`{"base64"}` or `{"path"}`); anything else is a System One asset
     or an image content part: `{"type": "image", "format": "png", "data_base64": ...}`, `{"path": ...}`
-    (under the image root), `{"image": "data:image/png;base64,..." | path}`. URLs are refused: the server
-    does not fetch (it may run offline); send the bytes.
+    (under the image root), `{"image": "data:image/png;base64,..." | path}`, or `{"type": "image", "part": NAME}`:
+    the bytes of part NAME of a multipart body (`parts`, from `rlcd.serving.bodies`; as in the official API,
+    `data_base64` beside `part` is ignored). URLs are refused: the server does not fetch (it may run offline);
+    send the bytes.
     """
     if field == "image":
         return load_request_image(spec, image_root, limits)
@@ -147,6 +150,12 @@ def load_image_spec(field: str, spec: Any, image_root: Path | None, limits: Limi
     unknown = sorted(k for k in spec if k not in ASSET_SOURCES + ASSET_META)
     if unknown:
         raise PredictError(f"{field}.{unknown[0]}", f"unknown field; an image has one of {', '.join(ASSET_SOURCES)}")
+    if "part" in spec:
+        name = spec["part"]
+        if parts is None or not isinstance(name, str) or name not in parts:
+            raise PredictError(f"{field}.part", "names a part of a multipart/form-data body, and this body has no "
+                                                "such part; send the image as that part, or as data_base64 in JSON")
+        return open_image(parts[name], field=f"{field}.part", max_pixels=limits.max_image_pixels)
     sources = [k for k in ASSET_SOURCES if k in spec]
     if len(sources) != 1:
         raise PredictError(field, "give exactly one of data_base64, path or url (data_base64 is what System One sends)")

@@ -21,6 +21,12 @@ A request is `{"model"?, "state", "questions": {qid: question}, "assets"?, "imag
   instructions or the criteria (as transformers does); the placeholder text stays as written and the
   image goes in the prompt's image segment. An asset nothing refers to is not used (a warning says so).
 * `image`: rlcd's alias, `{"base64": ...}` or `{"path": ...}`.
+* `x_gate`: rlcd's extension (a boolean): answer each question with its gate decision from the served run's
+  `thresholds.json` (`rlcd.serving.gating`).
+* Any other top-level field is ignored, as the official API does (jevcompat's `request.unknown-fields`; the
+  SDK's `extra_body` sends such fields) and listed in `ParsedRequest.ignored` -- except `stream` and
+  `temperature`, which ask for an answer this server does not give (streamed; at another temperature than the
+  calibrated one): those are a 422, as any unknown field is in `transformers serve`.
 
 The model reads one image per request: more is a 422, any image for a text-only backbone too.
 Every rule broken is a `PredictError` naming the field (`questions.q1.criteria`), with its status:
@@ -40,6 +46,10 @@ from rlcd.serving.errors import PredictError
 from rlcd.serving.limits import Limits
 
 REQUEST_KEYS = ("model", "state", "questions", "assets", "image")
+EXTENSION_KEYS = ("x_gate",)
+# unknown fields are ignored, but not those asking for an answer this server does not give (a streamed one, one at
+# another temperature than the calibrated): ignoring them would answer something else than what was asked
+REFUSED_KEYS = ("stream", "temperature")
 QUESTION_KEYS = ("type", "instructions", "criteria")
 MAX_QID_CHARS = 256
 MAX_ASSETS = 4  # transformers' SystemOneRequest
@@ -58,6 +68,8 @@ class ParsedRequest:
     raw_criteria: dict[str, Any]
     images: list[tuple[str, Any]] = field(default_factory=list)  # (field path, image spec) not yet decoded
     warnings: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)  # unknown top-level fields, ignored
+    gate: bool = False  # x_gate: the answers carry their gate decision
 
 
 # ---------------------------------------------------------------------------------------------- content
@@ -172,9 +184,14 @@ def parse_request(request: Any, limits: Limits, *, served: tuple[str, ...] = (),
     """Check a request against the wire format and the limits (images are found, not decoded)."""
     if not isinstance(request, Mapping):
         raise PredictError("body", f"must be a JSON object, got {type(request).__name__}", status=400)
-    unknown = sorted(str(k) for k in request if k not in REQUEST_KEYS)
-    if unknown:
-        raise PredictError(unknown[0], f"unknown field; a request has {', '.join(REQUEST_KEYS)}")
+    refused = [k for k in REFUSED_KEYS if k in request]
+    if refused:
+        raise PredictError(refused[0], f"unknown field; a request has {', '.join(REQUEST_KEYS)} (answers are not "
+                                       "streamed, and their temperature is the calibrated one)")
+    ignored = sorted(str(k) for k in request if k not in REQUEST_KEYS + EXTENSION_KEYS)
+    gate = request.get("x_gate", False)
+    if not isinstance(gate, bool):
+        raise PredictError("x_gate", "must be true or false (true: each answer carries its gate decision)")
     size = json_size(request)
     if size > limits.max_request_bytes:
         raise PredictError("request", f"is {size} bytes, more than max_request_bytes={limits.max_request_bytes}",
@@ -223,8 +240,8 @@ def parse_request(request: Any, limits: Limits, *, served: tuple[str, ...] = (),
     if len(images) > 1:
         raise PredictError(images[1][0], f"this model reads one image per request, got {len(images)} "
                                          f"({', '.join(f for f, _ in images)})")
-    return ParsedRequest(name, state, qids, questions, raw_criteria, images, warnings)
+    return ParsedRequest(name, state, qids, questions, raw_criteria, images, warnings, ignored, gate)
 
 
 __all__ = ["ParsedRequest", "parse_request", "content_text", "is_content", "json_size", "REQUEST_KEYS",
-           "MAX_QID_CHARS"]
+           "EXTENSION_KEYS", "MAX_QID_CHARS"]

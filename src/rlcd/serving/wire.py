@@ -32,19 +32,33 @@ class ScoreQuestion(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["score"]
     instructions: Optional[Content] = None
-    criteria: list[Content] = Field(description="the levels, lowest first")
+    criteria: list[Optional[Content]] = Field(description=(
+        'the levels, lowest first; a null level (transformers accepts it) reads as "null" and shows so in the legend'))
 
 
 class SystemOneRequest(BaseModel):
-    """A System One request, as `transformers serve` takes it (plus rlcd's optional `model` and `image`)."""
+    """A System One request, as `transformers serve` takes it (plus rlcd's optional `model` and `image`).
 
-    model_config = ConfigDict(extra="forbid")
+    Other top-level fields are ignored, as the official API does (`stream` and `temperature` excepted: a 422). rlcd's extension:
+    `"x_gate": true` adds each answer's gate decision from the run's thresholds.json. The same JSON may come
+    as the `request` part of a multipart/form-data body whose assets name image parts (`{"part": "asset-0"}`)."""
+
+    model_config = ConfigDict(extra="allow")
     model: Optional[str] = Field(None, description="echoed back; checked only with --strict-model")
     state: Union[str, dict[str, Any], list[Any]]
     questions: dict[str, Union[ChoiceQuestion, NoulQuestion, ScoreQuestion]] = Field(min_length=1)
     assets: dict[str, dict[str, Any]] = Field(default_factory=dict, max_length=4, description=(
-        'images keyed by placeholder: {"type": "image", "format": "png", "data_base64": ...} or {"path": ...}'))
+        'images keyed by placeholder: {"type": "image", "format": "png", "data_base64": ...}, {"path": ...}, or '
+        '{"type": "image", "part": "asset-0"} in a multipart body'))
     image: Optional[dict[str, str]] = Field(None, description='rlcd alias: {"base64": ...} or {"path": ...}')
+
+
+class GateDecision(BaseModel):
+    decision: Optional[Literal["auto", "escalate"]] = Field(None, description="absent when no gate applies")
+    confidence: Optional[float] = Field(None, description="choice/score confidence, noul |noul - 0.5| * 2; "
+                                                          "for the response: the min over choice/score answers")
+    threshold: Optional[float] = None
+    gate: Optional[str] = Field(None, description="the thresholds.json entry used, e.g. questions.team")
 
 
 class ChoiceAnswer(BaseModel):
@@ -52,11 +66,13 @@ class ChoiceAnswer(BaseModel):
     choice: str
     confidence: float = Field(description="(p_max - 1/K) / (1 - 1/K)")
     probabilities: dict[str, float]
+    x_gate: Optional[GateDecision] = None
 
 
 class NoulAnswer(BaseModel):
     type: Literal["noul"]
     noul: float = Field(description="P(true)")
+    x_gate: Optional[GateDecision] = None
 
 
 class ScoreAnswer(BaseModel):
@@ -65,6 +81,7 @@ class ScoreAnswer(BaseModel):
     legend: dict[str, Any]
     confidence: float = Field(description="1 - E|level - argmax| / E_uniform|level - middle|")
     probabilities: dict[str, float]
+    x_gate: Optional[GateDecision] = None
 
 
 class Usage(BaseModel):
@@ -78,6 +95,7 @@ class SystemOneResponse(BaseModel):
     answers: dict[str, Union[ChoiceAnswer, NoulAnswer, ScoreAnswer]]
     usage: Usage
     warnings: Optional[list[str]] = None
+    x_gate: Optional[GateDecision] = Field(None, description="the row decision (with x_gate in the request)")
 
 
 class ErrorItem(BaseModel):
@@ -91,6 +109,17 @@ class ErrorResponse(BaseModel):
     detail: list[ErrorItem]
 
 
+class AuthError(BaseModel):
+    error_type: Literal["authentication_error"]
+    message: str
+
+
+class AuthErrorResponse(BaseModel):
+    """401: the official API's shape for errors that are not validation errors."""
+
+    detail: AuthError
+
+
 class ModelCard(BaseModel):
     model_config = ConfigDict(extra="allow")
     id: str
@@ -99,6 +128,15 @@ class ModelCard(BaseModel):
     owned_by: str
 
 
+class ModelMetadata(BaseModel):
+    name: str
+    description: str
+    release_date: str = Field(description="YYYY-MM-DD: the day the export was written")
+
+
 class ModelList(BaseModel):
+    """transformers' (OpenAI's) list and the official SDK's `models` in one object; each client reads its own."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    models: list[ModelMetadata]
