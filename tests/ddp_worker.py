@@ -1,7 +1,8 @@
 """Worker for the DDP tests, launched by torchrun (2 gloo ranks) or plainly (1 process).
 
 `grads DATA OUT [BATCH_BY]`: first-update gradients of an update of 8 micro-batches (8 // world per
-rank; `BATCH_BY` the recipe's `batch_by`, default row, or `head-only`: a head-only run on the feature cache), saved by rank 0 as OUT/grads-world{N}.pt.
+rank; `BATCH_BY` the recipe's `batch_by`, default row, or `head-only`: a head-only run on the feature cache, or
+`cut`: LoRA on the top 2 layers over the cut-state cache), saved by rank 0 as OUT/grads-world{N}.pt.
 `train DATA RUN`: a 3-update run with the recipe's batch (8 x 4 examples per update, whatever the
 world size).
 
@@ -21,6 +22,7 @@ from rlcd.train import build_session, init_centring, init_distributed, new_run, 
 def grads(data_dir: Path, out: Path, batch_by: str = "row") -> None:
     d = init_distributed()
     recipe = (Recipe(steps=10, grad_accum=8, head_only=True) if batch_by == "head-only"
+              else Recipe(steps=10, grad_accum=8, lora_layers=2) if batch_by == "cut"
               else Recipe(steps=10, grad_accum=8, batch_by=batch_by))
     config, samples = new_run(out / "unused", data_dir, "tiny-toy", recipe, world_size=d.world)
     s = build_session(config, samples, d)

@@ -42,7 +42,7 @@ def state_excerpt(rec: Record) -> str:
 @torch.no_grad()
 def predict_rows(model, records: list[Record], collator, *, device="cpu", batch_size: int = 32,
                  split: str | None = None, progress: bool = False, shared: bool = True,
-                 features=None) -> list[dict[str, Any]]:
+                 features=None, source=None) -> list[dict[str, Any]]:
     """One prediction row per record: id, group, type, labels, target, posterior, raw logits, and for
     reading the errors the question's ``instructions`` and a ``state_excerpt`` (older prediction files
     lack these two; every reader treats them as optional). Rows come back in the order of `records`.
@@ -51,7 +51,8 @@ def predict_rows(model, records: list[Record], collator, *, device="cpu", batch_
     cases per call of at most max(`batch_size`, 64) rows (`rlcd.model.case_scoring.score_records`; logits
     equal the full-row ones up to float32 noise); `shared=False`: every record as a full row,
     `batch_size` rows per forward (the reference). `features`: a `rlcd.features.FeatureCache` whose key
-    matches this model, read instead of running the backbone. `progress`: show rows done / total
+    matches this model, read instead of running the backbone; `source`: any `rlcd.train.sources` source
+    (the cut-state cache of a `lora_layers` run: only the layers above the cut run). `progress`: show rows done / total
     ("score <split>") on stderr while scoring.
     """
     from rlcd.model.case_scoring import full_row_logits
@@ -64,8 +65,10 @@ def predict_rows(model, records: list[Record], collator, *, device="cpu", batch_
             done[0] += n
             bar.update(done[0])
 
-        if features is not None:
-            logits = CachedFeatures(features, device).logits(model, split, records, on_rows=advance)
+        if source is None and features is not None:
+            source = CachedFeatures(features, device)
+        if source is not None:
+            logits = source.logits(model, split, records, on_rows=advance)
         elif shared:
             logits = LiveSource(collator, device, max_rows=max(batch_size, 64)).logits(model, split, records,
                                                                                        on_rows=advance)
@@ -97,23 +100,36 @@ def _records(config: dict, split: str) -> list[Record]:
 
 
 def _score(model, config: dict, split: str, records: list[Record], placement: Placement,
-           progress: bool, features=None) -> list[dict]:
-    usable = features is not None and features.has(split, (r.id for r in records))
+           progress: bool, source=None) -> list[dict]:
+    usable = source is not None and source.cache.has(split, (r.id for r in records))
     return predict_rows(model, records, _collator(model, Path(config["data_dir"])), split=split,
-                        device=placement.torch_device, progress=progress, features=features if usable else None)
+                        device=placement.torch_device, progress=progress, source=source if usable else None)
 
 
 def _features(model, config: dict, use: bool, say: Callable[[str], None] | None = None):
-    """The data directory's feature cache when its key matches this (merged) model -- a head-only run, whose
-    LoRA merges to the base weights -- else None (the backbone runs)."""
+    """Where the merged model's features come from, as a `rlcd.train.sources` source: the data directory's
+    feature cache when its key matches (a head-only run, whose LoRA merges to the base weights), else its
+    cut-state cache (a `lora_layers` run: the layers below the cut are untouched by the merge), else None
+    (the backbone runs)."""
     if not use:
         return None
+    from rlcd.cut_cache import find_cut_states
     from rlcd.features import find_features
+    from rlcd.train.sources import CachedFeatures, CutStates
 
-    found = find_features(model, Path(config["data_dir"]))
-    if found is not None and say:
-        say(f"features: reading the cached frozen features {found.root} (--no-cache runs the backbone)")
-    return found
+    data_dir, device = Path(config["data_dir"]), model.device
+    found = find_features(model, data_dir)
+    if found is not None:
+        if say:
+            say(f"features: reading the cached frozen features {found.root} (--no-cache runs the backbone)")
+        return CachedFeatures(found, device)
+    cut = find_cut_states(model, data_dir)
+    if cut is not None:
+        if say:
+            say(f"cut states: reading {cut.root}; layers {model.cut_layer}..{model.num_layers - 1} run "
+                "(--no-cache runs the backbone)")
+        return CutStates(cut, device)
+    return None
 
 
 def _calibration_key(run: Run, placement: Placement, which: str = "best") -> dict[str, Any]:

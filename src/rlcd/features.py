@@ -249,7 +249,7 @@ def cache_root(data_dir: Path) -> Path:
     return Path(data_dir) / FEATURES_DIR
 
 
-def _entries(split: str, records: Sequence[Record]) -> list[tuple[Record, int]]:
+def cache_entries(split: str, records: Sequence[Record]) -> list[tuple[Record, int]]:
     """(record in its fixed order, order) for every cached entry of a split."""
     out = []
     for r in records:
@@ -258,7 +258,7 @@ def _entries(split: str, records: Sequence[Record]) -> list[tuple[Record, int]]:
     return out
 
 
-def _by_case(entries: list[tuple[Record, int]]) -> list[list[int]]:
+def entries_by_case(entries: list[tuple[Record, int]]) -> list[list[int]]:
     cases: dict[str, list[int]] = defaultdict(list)
     for j, (r, _) in enumerate(entries):
         cases[r.case_id if r.case_id is not None else f"\0{r.id}"].append(j)
@@ -275,7 +275,7 @@ def extract_split(model, records: Sequence[Record], collator, split: str, *, row
     otherwise (or `shared=False`, the per-row reference of `rlcd bench features`) full rows are run,
     `rows_per_call` at a time. A zero LoRA is switched off unless `lora_off=False` (what the bench compares).
     """
-    entries = _entries(split, records)
+    entries = cache_entries(split, records)
     n = len(entries)
     h_dec: list[torch.Tensor | None] = [None] * n
     h_cand: list[torch.Tensor | None] = [None] * n
@@ -284,7 +284,7 @@ def extract_split(model, records: Sequence[Record], collator, split: str, *, row
     model.eval()
     done = 0
     shared = getattr(model, "case_features", None) if shared else None
-    groups = _by_case(entries) if shared is not None else [[j] for j in range(n)]
+    groups = entries_by_case(entries) if shared is not None else [[j] for j in range(n)]
     call: list[list[int]] = []
 
     def flush(call: list[list[int]]) -> None:
@@ -331,7 +331,7 @@ def extract_split(model, records: Sequence[Record], collator, split: str, *, row
     return tensors, [[r.id, o] for r, o in entries]
 
 
-def _check_writable(root: Path) -> None:
+def check_writable(root: Path) -> None:
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe = root / f".probe-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -361,8 +361,8 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
     if found is not None:
         say(f"features: reusing {final}")
         return found
-    _check_writable(root)
-    _remove_dead_tmp(root)
+    check_writable(root)
+    remove_dead_tmp(root)
     if final.exists():  # incomplete or another key under this name: never read, rebuilt
         shutil.rmtree(final, ignore_errors=True)
     tmp = root / f".tmp-{kid}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -375,7 +375,7 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
             recs = (records or {}).get(split)
             if recs is None:
                 recs = load_split(data_dir, split) if (data_dir / f"{split}.jsonl").is_file() else []
-            n = len(_entries(split, recs))
+            n = len(cache_entries(split, recs))
             with Progress(f"features {split}", n, unit="rows", enabled=progress and n > 0) as bar:
                 tensors, index = extract_split(model, recs, collator, split, progress=bar.update)
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / f"{split}.safetensors"))
@@ -387,7 +387,7 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
                     "seconds": round(seconds, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "shared_prefix": hasattr(model, "case_features")}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        _fsync_dir(tmp)
+        fsync_files(tmp)
         try:
             os.rename(tmp, final)
         except OSError:  # another process published the same key first: keep theirs
@@ -411,7 +411,7 @@ def find_features(model, data_dir: Path) -> FeatureCache | None:
     return FeatureCache.load(cache_root(Path(data_dir)) / key_id(key), key)
 
 
-def _remove_dead_tmp(root: Path) -> None:
+def remove_dead_tmp(root: Path) -> None:
     """Remove `.tmp-*` directories whose writer process is gone (a killed extraction)."""
     for d in root.glob(".tmp-*"):
         try:
@@ -433,7 +433,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _fsync_dir(d: Path) -> None:
+def fsync_files(d: Path) -> None:
     for f in d.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())

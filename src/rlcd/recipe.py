@@ -37,6 +37,7 @@ class Recipe:
     # --- what learns (LP-FT) -------------------------------------------------------------------
     head_only: bool = False      # the scorer alone learns on frozen (cached) backbone features; LoRA stays 0
     head_warmup: int = 0         # head-only updates before LoRA joins (schedule and horizon unchanged)
+    lora_layers: int | None = None  # LoRA on the top K decoder layers only (None: every layer); below is frozen
     # --- sampling ----------------------------------------------------------------------------
     batch_size: int = 8          # examples per micro-batch
     grad_accum: int = 4          # micro-batches per update, split over DDP ranks (global batch 32)
@@ -95,6 +96,14 @@ class Recipe:
         if self.head_only and self.head_warmup:
             raise OptionError("head_only=true and head_warmup>0 both given: a head-only run never lets LoRA join; "
                               "use one of them")
+        if self.lora_layers is not None:
+            if not (isinstance(self.lora_layers, int) and not isinstance(self.lora_layers, bool)
+                    and self.lora_layers >= 1):
+                raise OptionError(f"lora_layers must be none (LoRA on every layer) or an integer >= 1 (LoRA on the top "
+                                  f"K decoder layers), got {self.lora_layers!r}")
+            if self.head_only:
+                raise OptionError("lora_layers and head_only=true both given: a head-only run trains no LoRA, so there "
+                                  "are no LoRA layers to choose; use one of them")
         if self.diagnostics_every < 0:
             raise OptionError(f"diagnostics_every must be >= 0 (0 = off), got {self.diagnostics_every}")
         if self.patience is not None and not (isinstance(self.patience, int) and not isinstance(self.patience, bool)

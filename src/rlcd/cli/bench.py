@@ -1,4 +1,4 @@
-"""`rlcd bench data|prefix|pipeline|train|serve|report`: ratios measured in one run, saved as result JSON."""
+"""`rlcd bench data|prefix|pipeline|train|features|cut|serve|report`: ratios measured in one run, saved as result JSON."""
 
 from __future__ import annotations
 
@@ -175,6 +175,42 @@ def features(
     _save("features", json_out, res, ("--model", model, None), ("--cases", cases, None),
           ("--head-updates", head_updates, 200), ("--lora-updates", lora_updates, 3), ("--threads", threads, None),
           ("--device", device, "cpu"), ("--dtype", dtype, DType.auto))
+
+
+@app.command("cut")
+def cut(
+    model: Annotated[str, typer.Option(help="backbone preset (smollm2-135m, tiny-llama, tiny, ...) or local dir")] = "smollm2-135m",
+    ks: Annotated[str, typer.Option(help="top-layer counts K, comma-separated")] = "1,2,4,8",
+    cases: Annotated[int, typer.Option(min=2, help="generated synth cases (six questions each)")] = 8,
+    updates: Annotated[int, typer.Option(min=1, help="measured updates per K and batch_by")] = 2,
+    all_updates: Annotated[int, typer.Option(min=1, help="measured updates with LoRA on every layer")] = 1,
+    batch_size: Annotated[int, typer.Option(min=1, help="rows per micro-batch")] = 8,
+    grad_accum: Annotated[int, typer.Option(min=1, help="micro-batches per update")] = 1,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads (default: torch's)")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the result JSON (bench format) here")] = None,
+    device: DeviceOpt = "cpu",
+    dtype: DTypeOpt = DType.auto,
+) -> None:
+    """Top-K-layer LoRA on the cut-state cache vs LoRA on every layer: updates/s (rows and cases), cut extraction
+    tokens/s, cache size, bfloat16 vs float32 storage error."""
+    from rlcd.bench.cut import run_cut_bench
+    from rlcd.model.backbone import check_backbone_spec
+    from rlcd.progress import echo
+
+    check_backbone_spec(model)
+    try:
+        k_t = tuple(int(x) for x in ks.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter("--ks is comma-separated integers, e.g. 1,2,4,8", param_hint="--ks") from None
+    if not k_t or min(k_t) < 1:
+        raise typer.BadParameter("--ks needs at least one K, each >= 1", param_hint="--ks")
+    _threads(threads)
+    res = run_cut_bench(model, ks=k_t, cases=cases, updates=updates, all_updates=all_updates, batch_size=batch_size,
+                        grad_accum=grad_accum, placement=placement(device, dtype), threads=threads, say=echo)
+    _save("cut", json_out, res, ("--model", model, None), ("--ks", ks, "1,2,4,8"), ("--cases", cases, 8),
+          ("--updates", updates, 2), ("--all-updates", all_updates, 1), ("--batch-size", batch_size, 8),
+          ("--grad-accum", grad_accum, 1), ("--threads", threads, None), ("--device", device, "cpu"),
+          ("--dtype", dtype, DType.auto))
 
 
 @app.command("serve")

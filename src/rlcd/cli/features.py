@@ -1,9 +1,10 @@
-"""`rlcd features DATA --model M`: precompute the frozen-feature cache that head-only runs share."""
+"""`rlcd features DATA --model M [--cut K]`: precompute the frozen-feature cache that head-only runs share, or
+the cut-state cache of top-K-layer LoRA runs (`--recipe lora_layers=K`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -16,6 +17,10 @@ def features(
     model: Annotated[str, typer.Option(help="backbone: a preset, a local directory, a .gguf file or a hub id "
                                             "(as for rlcd train)")] = "qwen3.5-0.8b",
     model_seed: Annotated[int, typer.Option(help="seed of a random-weight preset (tiny, tiny-llama)")] = 0,
+    cut: Annotated[Optional[int], typer.Option(
+        "--cut", metavar="K", help="instead: the cut-state cache of runs with LoRA on the top K decoder layers "
+                                   "(--recipe lora_layers=K): every token's hidden state below them")] = None,
+    storage: Annotated[str, typer.Option(help="--cut: storage dtype of the states (float32 or bfloat16)")] = "float32",
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
 ) -> None:
@@ -23,7 +28,9 @@ def features(
 
     Every head-only run (`--recipe head_only=true`) and every head warm-up (`--recipe head_warmup=N`)
     over DATA with this backbone, prompt and dtype reuses the cache in DATA/features/KEY/; `train`
-    builds it on first need too. Prints the cache directory and its counts (JSON) on stdout.
+    builds it on first need too. With `--cut K`: the hidden states of every token entering the top K
+    decoder layers, which every `--recipe lora_layers=K` run over DATA reuses (DATA/features/cut-KEY/).
+    Prints the cache directory, its counts, size and time (JSON) on stdout.
     """
     import time
 
@@ -38,8 +45,23 @@ def features(
     check_backbone_spec(model)
     where = resolve(device, dtype)
     t0 = time.perf_counter()
-    m = build_model({"model": model, "model_seed": model_seed, "recipe": {}}, device=where.torch_device,
-                    dtype=where.torch_dtype)
+    if cut is not None and cut < 1:
+        raise typer.BadParameter(f"{cut}: K is the number of top decoder layers with LoRA, 1 or more", param_hint="--cut")
+    if storage not in ("float32", "bfloat16"):
+        raise typer.BadParameter(f"{storage!r}: float32 or bfloat16", param_hint="--storage")
+    m = build_model({"model": model, "model_seed": model_seed, "recipe": {"lora_layers": cut}},
+                    device=where.torch_device, dtype=where.torch_dtype)
+    if cut is not None:
+        from rlcd.cut_cache import ensure_cut_states
+
+        cs = ensure_cut_states(m, data_dir, storage=storage, progress=True, say=echo)
+        mf = cs.manifest
+        echo_json({"cut_states": str(cs.root), "key_id": mf["key_id"], "cut_layer": m.cut_layer,
+                   "layers": m.num_layers, "entries": {s: v["entries"] for s, v in mf["splits"].items()},
+                   "stored_tokens": mf["stored_tokens"], "row_tokens": mf["row_tokens"], "bytes": mf["bytes"],
+                   "storage": mf["storage"], "extract_seconds": mf["seconds"],
+                   "seconds": round(time.perf_counter() - t0, 3)})
+        return
     cache = ensure_features(m, data_dir, progress=True, say=echo)
     echo_json({"features": str(cache.root), "key_id": cache.manifest["key_id"], "entries": cache.manifest["splits"],
                "row_tokens": cache.manifest["row_tokens"], "extract_seconds": cache.manifest["seconds"],

@@ -1,7 +1,7 @@
 """`build_model`: the one place a decision model is built from a run's config.
 
-Every recipe field that concerns the model reaches it (LoRA rank and alpha, projection size,
-centring); the backbone comes from `config["model"]` (preset, local directory or hub id) with the
+Every recipe field that concerns the model reaches it (LoRA rank and alpha, the top layers that get LoRA,
+projection size, centring); the backbone comes from `config["model"]` (preset, local directory or hub id) with the
 config's `model_seed`, or a caller (a test, a benchmark) passes a ready `Backbone` instead of
 patching a loader. Placement: the backbone in `dtype` on `device`, the scorer FP32 on `device`.
 """
@@ -15,7 +15,7 @@ import torch
 from .backbone import Backbone, load_backbone
 from .decision import DecisionModel
 
-MODEL_FIELDS = ("lora_rank", "lora_alpha", "proj_dim", "centring")
+MODEL_FIELDS = ("lora_rank", "lora_alpha", "proj_dim", "centring", "lora_layers")
 
 
 def model_options(recipe: Mapping[str, Any]) -> dict[str, Any]:

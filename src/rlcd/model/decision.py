@@ -89,6 +89,13 @@ class CaseInputs:
         return sum(len(r) for r in self.rows)
 
 
+def _cut_row(h: torch.Tensor, pos: torch.Tensor, i: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row i's hidden states [end - start, H] (float32, CPU) and per-token positions [end - start, P] from a
+    call's states [B, T, H] and its positions ([B, T], or [P, B, T] for M-RoPE)."""
+    p = pos[i, start:end, None] if pos.dim() == 2 else pos[:, i, start:end].T
+    return h[i, start:end].float().cpu().clone(), p.to(torch.int32).cpu().clone()
+
+
 def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
     first = seqs[0]
     n = min(len(s) for s in seqs)
@@ -104,7 +111,7 @@ class DecisionModel(nn.Module):
 
     def __init__(self, backbone: Backbone, *, lora: bool = True, lora_rank: int = 8, lora_alpha: float = 16,
                  proj_dim: int = 256, centring: str = "running_mean", seed: int = 0,
-                 max_tokens: int = DEFAULT_MAX_TOKENS):
+                 max_tokens: int = DEFAULT_MAX_TOKENS, lora_layers: int | None = None):
         super().__init__()
         self.family = backbone.family
         self.backbone_info = dict(backbone.info)
@@ -114,11 +121,23 @@ class DecisionModel(nn.Module):
                                      spec=self.family.prompt_spec(backbone.tokenizer))
         model = backbone.model
         freeze_all(model)
+        self.num_layers = self.family.num_layers(model)
+        if lora_layers is not None and not 1 <= int(lora_layers) <= self.num_layers:
+            from ..errors import OptionError
+
+            raise OptionError(f"lora_layers={lora_layers}: this backbone has {self.num_layers} decoder layers; give "
+                              f"1..{self.num_layers} (or none for LoRA on every layer)")
+        # the first decoder layer with LoRA; everything below it is frozen (None: LoRA on every layer)
+        self.cut_layer = self.num_layers - int(lora_layers) if lora_layers is not None else None
         self.lora_config: dict | None = None
         if lora:
             from peft import LoraConfig, get_peft_model
 
             targets = self.family.lora_targets(model)
+            if self.cut_layer is not None:
+                from .families.base import restrict_to_layers
+
+                targets = restrict_to_layers(targets, list(range(self.cut_layer, self.num_layers)))
             cfg = LoraConfig(r=int(lora_rank), lora_alpha=lora_alpha, lora_dropout=LORA_DROPOUT, bias="none",
                              target_modules=targets)
             with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
@@ -126,7 +145,8 @@ class DecisionModel(nn.Module):
                 torch.manual_seed(seed)
                 model = get_peft_model(model, cfg)
             self.lora_config = {"r": int(lora_rank), "alpha": lora_alpha, "dropout": LORA_DROPOUT,
-                                "target_modules": targets}
+                                "target_modules": targets,
+                                **({"layers": [self.cut_layer, self.num_layers]} if self.cut_layer is not None else {})}
         self.backbone = model
         hidden = int(self.family.text_config(self._causal_lm()).hidden_size)
         dev = next(self.backbone.parameters()).device
@@ -247,13 +267,14 @@ class DecisionModel(nn.Module):
         """Vision tower (frozen, no grad) -> merged features [n_image_tokens, hidden]."""
         return self.family.image_features(self._causal_lm(), pixel_values, image_grid_thw, self.device)
 
-    def _lm(self, ids: torch.Tensor, feats: torch.Tensor | None, attention_mask: torch.Tensor | None,
-            positions: torch.Tensor, cache: Any = None, use_cache: bool = False, chunk_size: int | None = None) -> Any:
+    def _lm(self, ids: torch.Tensor | None, feats: torch.Tensor | None, attention_mask: torch.Tensor | None,
+            positions: torch.Tensor, cache: Any = None, use_cache: bool = False, chunk_size: int | None = None,
+            layers: tuple[int, int] | None = None, inputs_embeds: torch.Tensor | None = None) -> Any:
         return self.family.run(self._causal_lm(), ids, feats, attention_mask, positions, cache=cache,
-                               use_cache=use_cache, chunk_size=chunk_size)
+                               use_cache=use_cache, chunk_size=chunk_size, layers=layers, inputs_embeds=inputs_embeds)
 
-    def hidden_states(self, batch: Batch) -> torch.Tensor:
-        """Last hidden states [B, T, H] of a full forward."""
+    def hidden_states(self, batch: Batch, layers: tuple[int, int] | None = None) -> torch.Tensor:
+        """Last hidden states [B, T, H] of a full forward (`layers=(0, c)`: the states at cut c, un-normed)."""
         dev = self.device
         ids = batch.input_ids.to(dev)
         attn = batch.attention_mask.to(dev)
@@ -264,13 +285,17 @@ class DecisionModel(nn.Module):
             feats = self.image_features(batch.pixel_values, batch.image_grid_thw)
         image_mask = batch.mm_token_type_ids.to(dev) if batch.mm_token_type_ids is not None else None
         pos = self.family.full_positions(ids, image_mask, batch.image_grid_thw, self.merge_size)
-        return self._lm(ids, feats, attn, pos).last_hidden_state
+        return self._lm(ids, feats, attn, pos, layers=layers).last_hidden_state
 
     def features(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(h_decision [B,H], h_markers [B,Kmax,H]) from a full forward (or as given by a cached
         `rlcd.features.FeatureBatch`)."""
         if hasattr(batch, "h_dec"):
             return batch.h_dec, batch.h_cand
+        if hasattr(batch, "suffixes"):  # a CutBatch: the layers above the cut on cached cut states
+            from .cut_forward import cut_features
+
+            return cut_features(self, batch)
         h = self.hidden_states(batch)
         dev = h.device
         rows = torch.arange(h.shape[0], device=dev)
@@ -282,7 +307,7 @@ class DecisionModel(nn.Module):
         """Logits [B, Kmax]. While `frozen_features` is set (head-only training, the head warm-up) the
         backbone runs without gradients: only the head learns, and the features equal the cached ones.
         A `CaseBatch` (Recipe.batch_by="case") shares each state's prefix (`case_train.case_forward`)."""
-        if getattr(batch, "units", None) is not None:
+        if getattr(batch, "units", None) is not None and not hasattr(batch, "suffixes"):
             from .case_train import case_forward
 
             return case_forward(self, batch)
@@ -394,6 +419,30 @@ class DecisionModel(nn.Module):
         (one batched prefix forward + suffix calls, or full forwards where cheaper); the head is not run."""
         return self.case_features_with_usage(cases, max_rows=max_rows, exact=exact, path=path)[0]
 
+    def case_cut_states(self, cases: Sequence[CaseInputs], cut: int, *, max_rows: int = 64
+                        ) -> list[tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]]:
+        """Per case: (prefix, rows) of the hidden states entering decoder layer `cut` -- what the cut-state cache
+        stores. `prefix`: (states [c, H], positions [c, P]) of the shared prefix, or None when the case runs as
+        full rows; `rows`: per row (states [n, H], positions [n, P]) of its tokens after the prefix. Float32, CPU.
+        Computed as `case_features` would (prefix once, suffixes on its cache; `exact` chunk grid), layers
+        [0, cut) only, so the rest of the stack costs nothing."""
+        plan = self.plan_paths(cases, exact=True)
+        rows: list[list[Any]] = [[None] * len(c.rows) for c in cases]
+        prefixes: list[Any] = [None] * len(cases)
+        with torch.inference_mode():
+            pre = [i for i, c in enumerate(plan) if c is not None and cases[i].rows]
+            full = [i for i, c in enumerate(plan) if c is None and cases[i].rows]
+            if pre:
+                got: list[Any] = [None] * len(pre)
+                self._prefix_features([cases[i] for i in pre], [plan[i] for i in pre], [rows[i] for i in pre],
+                                      max_rows=max_rows, exact=True, at_layer=cut, prefixes=got)
+                for i, g in zip(pre, got):
+                    prefixes[i] = g
+            if full:
+                self._full_features([cases[i] for i in full], [rows[i] for i in full], max_rows=max_rows,
+                                    at_layer=cut)
+        return list(zip(prefixes, rows))
+
     def plan_paths(self, cases: Sequence[CaseInputs], *, exact: bool = False, path: str = "auto",
                    overhead: int = CALL_OVERHEAD) -> list[int | None]:
         """Per case: the shared-prefix cut, or None for full forwards.
@@ -446,8 +495,10 @@ class DecisionModel(nn.Module):
                            "path": "prefix" if cut is not None else "full"})
         return feats, usages
 
-    def _full_features(self, cases: Sequence[CaseInputs], out: list[list[Any]], *, max_rows: int) -> int:
-        """Full forwards of the cases' rows (right padded, grouped by length); fills `out`; returns the call count."""
+    def _full_features(self, cases: Sequence[CaseInputs], out: list[list[Any]], *, max_rows: int,
+                       at_layer: int | None = None) -> int:
+        """Full forwards of the cases' rows (right padded, grouped by length); fills `out`; returns the call count.
+        `at_layer`: instead of the features, every row's states entering that layer and their positions (`_cut_row`)."""
         flat = [(ci, ri) for ci, c in enumerate(cases) for ri in range(len(c.rows))]
         groups = plan_suffix_groups([len(cases[ci].rows[ri]) for ci, ri in flat], max_rows=max_rows,
                                     granule=self.family.exact_align or 1)
@@ -459,15 +510,25 @@ class DecisionModel(nn.Module):
             b = pad_rows(chunk, pad_id=self.encoder.pad_id, image_pad_id=self.encoder.image_pad_id,
                          pixel_values=torch.cat(pvs) if pvs else None,
                          image_grid_thw=torch.cat(grids) if grids else None)
+            if at_layer is not None:
+                h = self.hidden_states(b, layers=(0, at_layer))
+                pos = self.family.full_positions(b.input_ids.to(self.device), b.mm_token_type_ids.to(self.device),
+                                                 b.image_grid_thw, self.merge_size)
+                for i, (r, (ci, ri)) in enumerate(zip(chunk, members)):
+                    out[ci][ri] = _cut_row(h, pos, i, 0, len(r))
+                continue
             h_dec, h_cand = self.features(b)
             for i, (r, (ci, ri)) in enumerate(zip(chunk, members)):
                 out[ci][ri] = (h_dec[i], h_cand[i, : r.k])
         return len(groups)
 
     def _prefix_features(self, cases: Sequence[CaseInputs], cuts: Sequence[int], out: list[list[Any]], *,
-                         max_rows: int, exact: bool) -> int:
+                         max_rows: int, exact: bool, at_layer: int | None = None,
+                         prefixes: list[Any] | None = None) -> int:
         """One left-padded prefix forward for `cases` (cut at `cuts`), then the suffix calls; fills `out`
-        with each row's (h_dec, h_cand); returns the call count."""
+        with each row's (h_dec, h_cand); returns the call count. `at_layer` (a decoder layer): instead, the states
+        entering that layer -- each case's prefix into `prefixes`, each row's suffix into `out` (`_cut_row`)."""
+        layers = (0, at_layer) if at_layer is not None else None
         dev, family = self.device, self.family
         width = max(cuts)
         padded = any(cut != width for cut in cuts)
@@ -486,8 +547,12 @@ class DecisionModel(nn.Module):
             positions.append(torch.nn.functional.pad(pos, (width - cut, 0)))  # left pads at position 0
             if c.pixel_values is not None:
                 feats.append(self.image_features(c.pixel_values, c.grid))  # once per request
-        o = self._lm(pids, torch.cat(feats) if feats else None, pmask if padded else None,
-                     torch.cat(positions, dim=-2), use_cache=True)
+        all_pos = torch.cat(positions, dim=-2)
+        o = self._lm(pids, torch.cat(feats) if feats else None, pmask if padded else None, all_pos, use_cache=True,
+                     layers=layers)
+        if prefixes is not None:
+            for i, c in enumerate(cuts):
+                prefixes[i] = _cut_row(o.last_hidden_state, all_pos, i, width - c, width)
         prefix_cache = out_cache(o)
         if prefix_cache is None:
             raise RuntimeError("the language model returned no cache")
@@ -516,7 +581,11 @@ class DecisionModel(nn.Module):
                 attn[i, width: width + len(x)] = 1
             pos = torch.cat([family.suffix_positions(1, s_max, next_pos[ci], dev) for ci, _ in members], dim=-2)
             h = self._lm(sids, None, attn, pos, cache=cache, use_cache=True,
-                         chunk_size=None if exact else family.suffix_chunk).last_hidden_state
+                         chunk_size=None if exact else family.suffix_chunk, layers=layers).last_hidden_state
+            if at_layer is not None:
+                for i, (r, (ci, ri)) in enumerate(zip(chunk, members)):
+                    out[ci][ri] = _cut_row(h, pos, i, 0, len(r) - cuts[ci])
+                continue
             for i, (r, (ci, ri)) in enumerate(zip(chunk, members)):
                 cut = cuts[ci]
                 out[ci][ri] = (h[i, r.decision_pos - cut].clone(),  # a copy: a view would keep all of h alive

@@ -97,23 +97,24 @@ class Session:
     def microbatch(self, index: int):
         """Micro-batch `index`, built by its update's source: whole cases when the source batches by case
         (`Sampler.case_microbatch`; the model then shares each state's prefix), else rows (`batch_of`)."""
-        from rlcd.data.sampling import shuffle_choice
-
         r, src = self.recipe, self.source_of(index)
         if src.by_case:
-            cases = self.sampler.case_microbatch(r.seed, index, r.batch_size)
-            return src.cases([[shuffle_choice(self.records[d.id], d.perm_seed) for d in case] for case in cases])
+            cases = [self.rows_of(case, src) for case in self.sampler.case_microbatch(r.seed, index, r.batch_size)]
+            return src.cases([rows for rows, _ in cases], [orders for _, orders in cases])
         return self.batch_of(self.sampler.microbatch(r.seed, index, r.batch_size), src)
 
     def batch_of(self, draws, src: Source):
-        """The rows of `draws` as `src` builds them. A source with fixed candidate orders (cached features,
-        and the frozen backbone that must see the same rows) gives a choice row one of them
-        (`order_of_draw`); otherwise every choice row is shuffled afresh."""
+        """The rows of `draws` as `src` builds them (`rows_of`)."""
+        return src.rows("train", *self.rows_of(draws, src))
+
+    def rows_of(self, draws, src: Source) -> tuple[list[Record], list[int]]:
+        """The records of `draws` and their candidate orders. A source with fixed candidate orders (the caches,
+        and the frozen backbone that must see the same rows) gives a choice row one of them (`order_of_draw`);
+        otherwise every choice row is shuffled afresh (order 0: no cache entry is read)."""
         from rlcd.data.sampling import order_of_draw, shuffle_choice, with_fixed_order
 
         if not src.fixed_orders:
-            rows = [shuffle_choice(self.records[d.id], d.perm_seed) for d in draws]
-            return src.rows("train", rows, [0] * len(rows))
+            return [shuffle_choice(self.records[d.id], d.perm_seed) for d in draws], [0] * len(draws)
         orders = [order_of_draw(self.records[d.id], d.perm_seed) for d in draws]
         rows = []
         for d, o in zip(draws, orders):
@@ -121,7 +122,7 @@ class Session:
             if key not in self._fixed:  # a pure function of the row: built once per run
                 self._fixed[key] = with_fixed_order(self.records[d.id], o)
             rows.append(self._fixed[key])
-        return src.rows("train", rows, orders)
+        return rows, orders
 
     def draws(self, index: int) -> list:
         """The sampler draws of micro-batch `index` (a case micro-batch's cases flattened)."""

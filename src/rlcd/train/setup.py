@@ -48,7 +48,9 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
 
     A run whose head learns alone for a while (`head_only`, `head_warmup`) reads its frozen features from
     the data directory's feature cache (`rlcd.features`; extracted here on first need, by rank 0 while the
-    other ranks wait) unless `feature_cache` is False (the backbone then runs live, without gradients).
+    other ranks wait) unless `feature_cache` is False (the backbone then runs live, without gradients). A
+    `lora_layers` run trains on the cut-state cache (`rlcd.cut_cache`, the same way) unless `feature_cache`
+    is False (the backbone then runs live, autograd building no graph below the first LoRA layer).
     A head-only run's LoRA adapters stay at B = 0 with requires_grad off, so its export merges to the base."""
     from rlcd.data.sampling import Sampler
     from rlcd.model.build import build_model
@@ -72,17 +74,18 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
             p.requires_grad_(False)
     if load_weights is not None:
         load_weights(model)
-    features = None
+    features = cut_states = None
+    known = {"train": train, "dev": dev_rows}
     if feature_cache and (recipe.head_only or start_step < recipe.head_warmup):
         from rlcd.features import ensure_features
 
-        if d.main:
-            features = ensure_features(model, data_dir, progress=progress, say=print_fn,
-                                       records={"train": train, "dev": dev_rows})
-        if d.active:
-            d.barrier()
-            if not d.main:
-                features = ensure_features(model, data_dir, progress=False)
+        features = _rank0_first(d, lambda main: ensure_features(
+            model, data_dir, progress=progress and main, say=print_fn if main else None, records=known))
+    if feature_cache and recipe.lora_layers is not None:
+        from rlcd.cut_cache import ensure_cut_states
+
+        cut_states = _rank0_first(d, lambda main: ensure_cut_states(
+            model, data_dir, progress=progress and main, say=print_fn if main else None, records=known))
     groups = model.param_groups()
     optimizer = torch.optim.AdamW(
         [{"params": groups["lora"], "lr": recipe.lr_lora, "name": "lora"},
@@ -99,11 +102,23 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
                          [r for rows in dev.values() for r in rows])
     collator = model.collator(image_root=data_dir)
     case_of = {i: by_id[i].case_id for ids in pool.values() for i in ids} if recipe.batch_by == "case" else None
-    sources = plan_sources(recipe, collator=collator, device=device, features=features, start_step=start_step)
+    sources = plan_sources(recipe, collator=collator, device=device, features=features, cut_states=cut_states,
+                           start_step=start_step)
     return Session(recipe=recipe, horizon=int(config["decay_horizon"]), model=model, wrapped=wrapped,
                    optimizer=optimizer, collator=collator, records=by_id, dev=dev,
                    sampler=Sampler(pool, case_of), dist=d, device=device, sources=sources,
                    objective_fn=objective_fn)
+
+
+def _rank0_first(d: Dist, build: Callable[[bool], Any]) -> Any:
+    """`build(main)` on rank 0 (which extracts a missing cache), then, past a barrier, on the other ranks
+    (which find it complete)."""
+    out = build(True) if d.main else None
+    if d.active:
+        d.barrier()
+        if not d.main:
+            out = build(False)
+    return out
 
 
 def check_special_tokens(encoder, *splits) -> None:

@@ -7,8 +7,11 @@ for an evaluation:
     LiveSource      the backbone runs: token batches of rows, or with `batch_by="case"` whole cases whose
                     state runs once (`rlcd.model.case_train`). `frozen`: the head alone learns (a head
                     phase run with --no-cache), no gradient reaches the backbone and choice rows keep the
-                    feature cache's fixed candidate orders, so both paths see the same rows.
+                    feature cache's fixed candidate orders, so both paths see the same rows (`fixed`: so do
+                    a `lora_layers` run's, with --no-cache, for the cut-state cache's orders).
     CachedFeatures  the data directory's feature cache (`rlcd.features`): the backbone does not run.
+    CutStates       the cut-state cache (`rlcd.cut_cache`) + the decoder layers above the cut, live and with
+                    LoRA (`Recipe.lora_layers`): rows, or whole cases sharing each stored prefix.
 
 `SourcePlan` holds the head-phase source (while only the head learns: `Recipe.head_phase`) and the main
 one (after). Update `step` takes the head-phase source while `step < until`; the evaluation after `done`
@@ -34,8 +37,8 @@ class Source(Protocol):
     def rows(self, split: str, rows: Sequence[Record], orders: Sequence[int]) -> Any:
         """The micro-batch of `rows` (already in their candidate orders `orders`), on the model's device."""
 
-    def cases(self, units: Sequence[Sequence[Record]]) -> Any:
-        """A micro-batch of whole cases (only when `by_case`)."""
+    def cases(self, units: Sequence[Sequence[Record]], orders: Sequence[Sequence[int]]) -> Any:
+        """A micro-batch of whole cases (only when `by_case`; rows in their orders, as for `rows`)."""
 
     def logits(self, model, split: str, records: Sequence[Record], *,
                on_rows: Callable[[int], None] | None = None) -> list[torch.Tensor]:
@@ -52,11 +55,12 @@ class LiveSource:
     batch_by: str = "row"
     frozen: bool = False
     max_rows: int = 64  # rows per scoring call
+    fixed: bool = False  # the cut-state cache's fixed orders, so that --no-cache trains on the same rows
     name: str = "live"
 
     @property
     def fixed_orders(self) -> bool:
-        return self.frozen
+        return self.frozen or self.fixed
 
     @property
     def by_case(self) -> bool:
@@ -65,7 +69,7 @@ class LiveSource:
     def rows(self, split: str, rows: Sequence[Record], orders: Sequence[int]) -> Any:
         return self.collator(list(rows)).to(self.device)
 
-    def cases(self, units: Sequence[Sequence[Record]]) -> Any:
+    def cases(self, units: Sequence[Sequence[Record]], orders: Sequence[Sequence[int]]) -> Any:
         from rlcd.model.case_train import collate_cases
 
         return collate_cases(self.collator, [list(u) for u in units]).to(self.device)
@@ -93,12 +97,50 @@ class CachedFeatures:
     def rows(self, split: str, rows: Sequence[Record], orders: Sequence[int]) -> Any:
         return self.cache.batch(split, list(rows), list(orders)).to(self.device)
 
-    def cases(self, units):  # pragma: no cover - by_case is False
+    def cases(self, units, orders):  # pragma: no cover - by_case is False
         raise TypeError("cached features are read row by row")
 
     @torch.no_grad()
     def logits(self, model, split: str, records: Sequence[Record], *, on_rows: Callable[[int], None] | None = None,
                chunk: int = 256) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for i in range(0, len(records), chunk):
+            part = list(records[i:i + chunk])
+            host = model(self.rows(split, part, [0] * len(part))).float().cpu()
+            out += [host[j, :rec.question.k] for j, rec in enumerate(part)]
+            if on_rows is not None:
+                on_rows(len(part))
+        return out
+
+
+@dataclass
+class CutStates:
+    """Rows (or whole cases) read from a `rlcd.cut_cache.CutCache`: the layers above the cut run, LoRA learns."""
+
+    cache: Any
+    device: torch.device
+    batch_by: str = "row"
+    frozen: bool = False
+    fixed_orders: bool = True
+    name: str = "cut"
+
+    @property
+    def by_case(self) -> bool:
+        return self.batch_by == "case"
+
+    def rows(self, split: str, rows: Sequence[Record], orders: Sequence[int]) -> Any:
+        return self.cache.batch(split, list(rows), list(orders)).to(self.device)
+
+    def cases(self, units: Sequence[Sequence[Record]], orders: Sequence[Sequence[int]]) -> Any:
+        flat, groups = [], []
+        for unit in units:
+            groups.append(list(range(len(flat), len(flat) + len(unit))))
+            flat += list(unit)
+        return self.cache.batch("train", flat, [o for os_ in orders for o in os_], units=groups).to(self.device)
+
+    @torch.no_grad()
+    def logits(self, model, split: str, records: Sequence[Record], *, on_rows: Callable[[int], None] | None = None,
+               chunk: int = 32) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
         for i in range(0, len(records), chunk):
             part = list(records[i:i + chunk])
@@ -134,11 +176,14 @@ class SourcePlan:
         return None
 
 
-def plan_sources(recipe, *, collator, device: torch.device, features=None, start_step: int = 0) -> SourcePlan:
+def plan_sources(recipe, *, collator, device: torch.device, features=None, cut_states=None,
+                 start_step: int = 0) -> SourcePlan:
     """The run's sources: a head-only run reads `features` (or runs the frozen backbone live without them)
-    for all of it; an LP-FT run (`head_warmup`) does so until its warm-up ends, then runs live; the pinned
-    recipe runs live throughout. A resume past the warm-up plans no head phase."""
-    live = LiveSource(collator, device, batch_by=recipe.batch_by)
+    for all of it; an LP-FT run (`head_warmup`) does so until its warm-up ends, then trains LoRA; the pinned
+    recipe trains live throughout. LoRA trains on `cut_states` (the layers above the cut) when given (a
+    `lora_layers` run), else live. A resume past the warm-up plans no head phase."""
+    live = (CutStates(cut_states, device, batch_by=recipe.batch_by) if cut_states is not None
+            else LiveSource(collator, device, batch_by=recipe.batch_by, fixed=recipe.lora_layers is not None))
     head_phase = recipe.head_only or start_step < recipe.head_warmup
     if not head_phase:
         return SourcePlan(main=live)
@@ -149,4 +194,4 @@ def plan_sources(recipe, *, collator, device: torch.device, features=None, start
     return SourcePlan(main=live, head=head, until=recipe.head_warmup)
 
 
-__all__ = ["Source", "LiveSource", "CachedFeatures", "SourcePlan", "plan_sources"]
+__all__ = ["Source", "LiveSource", "CachedFeatures", "CutStates", "SourcePlan", "plan_sources"]

@@ -9,7 +9,10 @@ A family answers, for a loaded model and its tokenizer:
   around the user content, and the image tokens (None for a text-only backbone);
 * the language-model forward: `run(lm, ids, image_features, mask, positions, cache=...)` ->
   last hidden states (+ cache), with explicit positions (`full_positions`, `suffix_positions`);
-* the prefix-cache rule: `select_cache_rows(cache, index)` gives each suffix row its case's prefix state.
+* the prefix-cache rule: `select_cache_rows(cache, index)` gives each suffix row its case's prefix state;
+* stages (`run(..., layers=(start, end), inputs_embeds=h)`): decoder layers [start, end) alone, fed the
+  hidden states at `start` (what the cut-state cache of top-layer LoRA stores), by the decoder's own
+  forward on a view of those layers (`decoder_view`).
 
 Families are stateless singletons; every method takes the (peft-unwrapped) causal LM it drives, so
 one family serves a model before and after LoRA is merged.
@@ -17,6 +20,8 @@ one family serves a model before and after LoRA is merged.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import inspect
 import re
@@ -118,6 +123,59 @@ def fork_cache_rows(cache: Any, index: torch.Tensor) -> Any:
     return new
 
 
+def stage_config(dec: nn.Module, start: int, end: int) -> Any:
+    """`dec`'s config for its layers [start, end) alone: `num_hidden_layers` and `layer_types` sliced (what a
+    cache for those layers, and the decoder's own per-layer mask choice, read)."""
+    cfg = copy.copy(dec.config)
+    cfg.num_hidden_layers = end - start
+    types = getattr(dec.config, "layer_types", None)
+    if types is not None:
+        cfg.layer_types = list(types)[start:end]
+    return cfg
+
+
+def decoder_view(dec: nn.Module, start: int, end: int) -> nn.Module:
+    """A shallow copy of the text decoder `dec` holding only its layers [start, end) (the same modules, no
+    weights copied): its own forward then embeds nothing it is not given (pass `inputs_embeds`), builds its
+    masks and rotary embeddings as usual, runs those layers, and applies the final norm only when `end` is
+    the last layer (the hidden states at a cut are the un-normed residual stream)."""
+    view = copy.copy(dec)
+    view._modules = dict(dec._modules)
+    view._modules["layers"] = nn.ModuleList(list(dec.layers)[start:end])
+    if end < len(dec.layers):
+        view._modules["norm"] = nn.Identity()
+    view.config = stage_config(dec, start, end)
+    return view
+
+
+@contextlib.contextmanager
+def numbered_from(layers: nn.Module, offset: int):
+    """Renumber the `layer_idx` of every module in `layers` by -`offset` while a stage runs, so the layers
+    index a cache built for the stage alone (and its first full-attention layer sizes the mask); restored after."""
+    changed = [(m, m.layer_idx) for m in layers.modules() if isinstance(getattr(m, "layer_idx", None), int)]
+    try:
+        for m, idx in changed:
+            m.layer_idx = idx - offset
+        yield
+    finally:
+        for m, idx in changed:
+            m.layer_idx = idx
+
+
+def run_stage(dec: nn.Module, hidden: torch.Tensor, attention_mask: Any, positions: torch.Tensor,
+              layers: tuple[int, int], *, cache: Any = None, use_cache: bool = False, **kw: Any) -> Any:
+    """Layers [start, end) of text decoder `dec` on `hidden` (the states entering layer `start`)."""
+    start, end = layers
+    if not 0 <= start < end <= len(dec.layers):
+        raise ValueError(f"layers {layers} outside the decoder's 0..{len(dec.layers)}")
+    view = decoder_view(dec, start, end)
+    if cache is not None:
+        kw[cache_kwarg(dec)] = cache
+    with numbered_from(view.layers, start):
+        return view(inputs_embeds=hidden, attention_mask=attention_mask, position_ids=positions,
+                    use_cache=use_cache, **kw)
+
+
 class Family:
     """One kind of decoder. Subclasses: `Qwen35Family`, `CausalLMFamily`."""
 
@@ -140,6 +198,13 @@ class Family:
     def lora_targets(self, lm: nn.Module) -> str:
         return layer_linear_regex(lm)
 
+    def text_decoder(self, lm: nn.Module) -> nn.Module:
+        """The text decoder whose `layers`, `norm` and `config` a stage slices (`run_stage`)."""
+        return self.decoder(lm)
+
+    def num_layers(self, lm: nn.Module) -> int:
+        return len(self.text_decoder(lm).layers)
+
     # ---------------------------------------------------------------- prompt
     def prompt_spec(self, tokenizer: Any) -> PromptSpec:
         raise NotImplementedError
@@ -155,10 +220,15 @@ class Family:
         """Position ids of n suffix rows of `length` tokens that continue at position `start`."""
         return (torch.arange(length, device=device) + start).view(1, -1).expand(n, length)
 
-    def run(self, lm: nn.Module, input_ids: torch.Tensor, image_features: torch.Tensor | None,
+    def run(self, lm: nn.Module, input_ids: torch.Tensor | None, image_features: torch.Tensor | None,
             attention_mask: torch.Tensor | None, positions: torch.Tensor, *, cache: Any = None,
-            use_cache: bool = False, chunk_size: int | None = None) -> Any:
-        """The decoder forward -> an output with `last_hidden_state` (and the cache when `use_cache`)."""
+            use_cache: bool = False, chunk_size: int | None = None, layers: tuple[int, int] | None = None,
+            inputs_embeds: torch.Tensor | None = None) -> Any:
+        """The decoder forward -> an output with `last_hidden_state` (and the cache when `use_cache`).
+
+        `layers=(start, end)`: only those decoder layers (a stage; `last_hidden_state` is then the hidden state
+        after layer end-1, normed only when end is the last layer), fed `inputs_embeds` -- the hidden states
+        entering layer `start` -- or, when start is 0, the embeddings of `input_ids`."""
         raise NotImplementedError
 
     def select_cache_rows(self, cache: Any, index: torch.Tensor, device: Any) -> Any:
@@ -171,4 +241,13 @@ class Family:
         return cache
 
 
-__all__ = ["Family", "PromptSpec", "VISION_WORDS", "cache_kwarg", "out_cache", "layer_linear_regex", "fork_cache_rows"]
+def restrict_to_layers(regex: str, indices: list[int]) -> str:
+    """A LoRA target regex (`<path>\\.\\d+\\.(...)`) narrowed to the decoder layers `indices`."""
+    alt = "(?:" + "|".join(str(i) for i in sorted(indices)) + ")"
+    if r"\.\d+\." not in regex:
+        raise ValueError(f"cannot restrict LoRA targets {regex!r} to layers: no layer index in it")
+    return regex.replace(r"\.\d+\.", r"\." + alt + r"\.")
+
+
+__all__ = ["Family", "PromptSpec", "VISION_WORDS", "cache_kwarg", "out_cache", "layer_linear_regex", "fork_cache_rows",
+           "decoder_view", "numbered_from", "restrict_to_layers", "run_stage", "stage_config"]

@@ -30,7 +30,7 @@ from torch import nn
 
 from ...errors import BackboneError
 from ..tokenizer import atomic_save, cache_dir, smollm2_tokenizer
-from .base import Family, PromptSpec, cache_kwarg
+from .base import Family, PromptSpec, cache_kwarg, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -199,10 +199,13 @@ class CausalLMFamily(Family):
 
     # ---------------------------------------------------------------- forward
     def run(self, lm, input_ids, image_features, attention_mask, positions, *, cache=None, use_cache=False,
-            chunk_size=None):
+            chunk_size=None, layers=None, inputs_embeds=None):
         if image_features is not None:
             raise ValueError("a text-only backbone cannot take image features")
         dec = self.decoder(lm)
+        if layers is not None:
+            hidden = inputs_embeds if inputs_embeds is not None else dec.get_input_embeddings()(input_ids)
+            return run_stage(dec, hidden, attention_mask, positions, layers, cache=cache, use_cache=use_cache)
         kw: dict[str, Any] = {cache_kwarg(dec): cache} if cache is not None else {}
         return dec(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=use_cache,
                    **kw)

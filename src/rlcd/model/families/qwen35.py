@@ -18,7 +18,7 @@ from torch import nn
 
 from ...schema import RESERVED_TOKENS
 from ..tokenizer import QWEN_MARKER, fix_tokenizer, load_tokenizer, qwen_tokenizer, special_ids, toy_tokenizer
-from .base import Family, PromptSpec, cache_kwarg
+from .base import Family, PromptSpec, cache_kwarg, run_stage
 
 # Every nn.Linear of the language model, nothing of the vision tower, never lm_head. peft
 # full-matches a string `target_modules` against module names relative to the model it wraps
@@ -290,11 +290,24 @@ class Qwen35Family(Family):
     def suffix_positions(self, n, length, start, device):
         return (torch.arange(length, device=device) + start).view(1, 1, -1).expand(3, n, length)
 
+    def text_decoder(self, lm: nn.Module) -> nn.Module:
+        return lm.model.language_model
+
     def run(self, lm, input_ids, image_features, attention_mask, positions, *, cache=None, use_cache=False,
-            chunk_size=None):
+            chunk_size=None, layers=None, inputs_embeds=None):
         core = lm.model
-        emb = self.embed(lm, input_ids, image_features)
+        emb = inputs_embeds if inputs_embeds is not None else self.embed(lm, input_ids, image_features)
         core.rope_deltas = None  # never let a previous image prompt shift positions
+        if layers is not None:
+            kw = {"chunk_size": chunk_size} if chunk_size is not None and self._chunk_kw_ok and emb.device.type == "cpu" else {}
+            types = core.language_model.config.layer_types[layers[0]:layers[1]]
+            if "full_attention" not in types:  # transformers sizes a causal mask from a full-attention cache layer
+                from transformers.masking_utils import create_recurrent_attention_mask
+
+                attention_mask = {"full_attention": None, "linear_attention": create_recurrent_attention_mask(
+                    core.language_model.config, emb, attention_mask, cache)}
+            return run_stage(core.language_model, emb, attention_mask, positions, layers, cache=cache,
+                             use_cache=use_cache, **kw)
         kw: dict[str, Any] = {cache_kwarg(core.language_model): cache} if cache is not None else {}
         if chunk_size is not None and self._chunk_kw_ok and emb.device.type == "cpu":
             try:

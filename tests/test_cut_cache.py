@@ -1,0 +1,201 @@
+"""LoRA on the top K layers over the cut-state cache (issue 34): cache == live backbone (rows and cases, both
+families), the cut is part of the key, a killed extraction is never read, resume is exact, evaluate from the
+cache == --no-cache, DDP == one process, and the user's mistakes are one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import ddp_worker
+from conftest import synth_processed, torchrun, user_error
+
+from rlcd import checkpoint as ckpt
+from rlcd.cut_cache import CutCache, cut_key, ensure_cut_states, find_cut_states
+from rlcd.features import cache_root
+from rlcd.recipe import Recipe
+from rlcd.train import Dist, build_session, init_centring, new_run, train
+
+torch.set_num_threads(1)
+FAST = dict(eval_every=2, checkpoint_every=1, log_every=1, diagnostics_every=0)
+ROOT = Path(__file__).resolve().parents[1]
+QUIET = dict(progress=False, print_fn=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return synth_processed(tmp_path_factory.mktemp("data"), 16, seed=3)
+
+
+def _fresh_data(tmp_path, data_dir) -> Path:
+    out = tmp_path / "data"
+    shutil.copytree(data_dir, out, ignore=shutil.ignore_patterns("features"))
+    return out
+
+
+def _model(name="tiny-toy", seed=0, k=2):
+    from rlcd.model.build import build_model
+
+    return build_model({"model": name, "model_seed": seed, "recipe": {"lora_layers": k}})
+
+
+def _first_grads(data, model, batch_by, cache, k=2):
+    recipe = Recipe(steps=3, grad_accum=2, lora_layers=k, batch_by=batch_by)
+    config, samples = new_run(data / "unused", data, model, recipe)
+    s = build_session(config, samples, Dist(), feature_cache=cache, progress=False)
+    init_centring(s)
+    s.set_lr(0)
+    stats = s.accumulate(0)
+    return s, stats, {n: p.grad.clone() for n, p in s.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-toy"])
+@pytest.mark.parametrize("batch_by", ["row", "case"])
+def test_k_layer_updates_on_the_cut_cache_equal_the_live_backbone(tmp_path, data_dir, model, batch_by):
+    """An update's gradients from cached cut states + the top 2 layers equal those of the live backbone with LoRA
+    on the same 2 layers (same rows, same orders), to float32 noise; LoRA exists only above the cut."""
+    data = _fresh_data(tmp_path, data_dir)
+    s, cached_stats, cached = _first_grads(data, model, batch_by, True)
+    assert s.sources.main.name == "cut" and s.model.cut_layer == s.model.num_layers - 2
+    if batch_by == "case":  # the stored prefixes were shared through the top layers' cache
+        b = s.microbatch(0)
+        assert b.units is not None and any(len(u) > 1 for u in b.units) and b.prefixes
+    _, live_stats, live = _first_grads(data, model, batch_by, False)
+    assert cached.keys() == live.keys()
+    layers = {int(n.split(".layers.")[1].split(".")[0]) for n in cached if "lora_" in n}
+    assert layers == {s.model.num_layers - 2, s.model.num_layers - 1}, "LoRA only on the top 2 layers"
+    assert cached_stats["loss"] == pytest.approx(live_stats["loss"], rel=1e-5)
+    assert cached_stats["_tokens"] == live_stats["_tokens"]
+    num = sum(((cached[k] - live[k]) ** 2).sum() for k in live).sqrt()
+    den = sum((live[k] ** 2).sum() for k in live).sqrt()
+    assert float(num / den) < 2e-5
+    for k in live:  # every tensor that gets a real gradient agrees too
+        if live[k].norm() > 1e-3 * den:
+            torch.testing.assert_close(cached[k], live[k], rtol=1e-3, atol=1e-5 * float(den), msg=k)
+
+
+def test_the_cut_is_part_of_the_key_and_the_merge_is_not(tmp_path, data_dir):
+    data = _fresh_data(tmp_path, data_dir)
+    m = _model(k=2)
+    first = ensure_cut_states(m, data, progress=False)
+    assert find_cut_states(m, data).root == first.root
+    assert cut_key(_model(k=1), data) != cut_key(m, data)  # another K
+    assert cut_key(_model(seed=1, k=2), data) != cut_key(m, data)  # another backbone
+    assert cut_key(_model("tiny-llama", k=2), data)["backbone"] != cut_key(m, data)["backbone"]
+    # the LoRA above the cut moves and is merged: the states below the cut are the same, so is the key
+    with torch.no_grad():
+        for n, p in m.backbone.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.1)
+    m.merge()
+    assert find_cut_states(m, data).root == first.root
+    # an edited split: another key, a rebuild; the old directory is never read for it
+    (data / "test.jsonl").write_text("\n".join((data / "test.jsonl").read_text().splitlines()[:-1]) + "\n")
+    fresh = _model(k=2)
+    assert find_cut_states(fresh, data) is None
+    rebuilt = ensure_cut_states(fresh, data, progress=False)
+    assert rebuilt.root != first.root and rebuilt.manifest["splits"]["test"]["entries"] == \
+        first.manifest["splits"]["test"]["entries"] - 1
+    # storage is shared by prefix: fewer stored tokens than row tokens, and the size is what the files hold
+    mf = rebuilt.manifest
+    assert mf["stored_tokens"] < mf["row_tokens"]
+    assert mf["bytes"] == sum(p.stat().st_size for p in rebuilt.root.iterdir() if p.name != "manifest.json")
+    # a file cut short is never read
+    states = rebuilt.root / "train.states.bin"
+    states.write_bytes(states.read_bytes()[:-4])
+    assert CutCache.load(rebuilt.root, mf["key"]) is None
+
+
+def test_a_killed_extraction_leaves_nothing_a_later_run_reads(tmp_path, data_dir):
+    data = _fresh_data(tmp_path, data_dir)
+    script = (
+        "import os, signal\n"
+        "import rlcd.cut_cache as c\n"
+        "from rlcd.model.build import build_model\n"
+        "real = c.extract_split\n"
+        "def dying(model, records, collator, split, out, **kw):\n"
+        "    if split == 'dev':\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return real(model, records, collator, split, out, **kw)\n"
+        "c.extract_split = dying\n"
+        f"c.ensure_cut_states(build_model({{'model': 'tiny-toy', 'model_seed': 0, 'recipe': {{'lora_layers': 2}}}}), "
+        f"{str(data)!r}, progress=False)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    root = cache_root(data)
+    assert [p.name for p in root.iterdir() if p.name.startswith(".tmp-")], "the killed writer left its temp dir"
+    assert not [p for p in root.iterdir() if not p.name.startswith(".")], "nothing was published"
+    m = _model()
+    assert find_cut_states(m, data) is None
+    assert ensure_cut_states(m, data, progress=False).manifest["complete"]
+    assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")], "the dead temp dir was removed"
+
+
+def _train(run, data, steps=4, **kw):
+    recipe = Recipe(steps=steps, lora_layers=2, lr_lora=1e-2, **{**FAST, **kw.pop("recipe", {})})
+    return train(run, data_dir=data, model="tiny-toy", recipe=recipe, **QUIET, **kw)
+
+
+def test_a_cut_run_resumes_bit_exact_and_evaluates_like_the_live_backbone(tmp_path, data_dir):
+    from rlcd.evaluate import evaluate_run
+
+    data = _fresh_data(tmp_path, data_dir)
+    _train(tmp_path / "full", data)
+    _train(tmp_path / "part", data, stop_after=2)
+    train(tmp_path / "part", resume=True, **QUIET)
+    a = ckpt.load(tmp_path / "full" / "checkpoints" / "last")["weights"]
+    b = ckpt.load(tmp_path / "part" / "checkpoints" / "last")["weights"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(torch.count_nonzero(v) for k, v in a.items() if "lora_B" in k), "LoRA moved"
+    session = json.loads((tmp_path / "full" / "metrics.jsonl").read_text().splitlines()[0])
+    cut = find_cut_states(_model(), data).root
+    assert session["features"] == str(cut)  # the session says which cache it reads
+    assert [p.name for p in cache_root(data).iterdir()] == [cut.name]  # one, shared by both runs
+    run = tmp_path / "full"
+    said: list[str] = []
+    evaluate_run(run, progress=False, print_fn=said.append, export=False)
+    assert any(s.startswith("cut states: reading") for s in said)
+    cached = [json.loads(x) for x in (run / "eval" / "predictions-test.jsonl").read_text().splitlines()]
+    evaluate_run(run, progress=False, feature_cache=False, export=False)
+    live = [json.loads(x) for x in (run / "eval" / "predictions-test.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in cached] == [r["id"] for r in live]
+    diff = max(abs(x - y) for r, q in zip(cached, live) for x, y in zip(r["logits"], q["logits"]))
+    assert diff < 1e-4
+
+
+@pytest.mark.slow
+def test_ddp_cut_gradients_match_one_process(tmp_path, data_dir):
+    """2 gloo ranks on the cut-state cache (rank 0 extracts, rank 1 waits and reads) == 1 process, within 1e-5."""
+    data = _fresh_data(tmp_path, data_dir)
+    worker = str(ROOT / "tests" / "ddp_worker.py")
+    torchrun(worker, "grads", data, tmp_path, "cut", cwd=tmp_path, env={"PYTHONPATH": str(ROOT / "src")})
+    ddp_worker.grads(data, tmp_path, "cut")
+    ddp, ref = torch.load(tmp_path / "grads-world2.pt"), torch.load(tmp_path / "grads-world1.pt")
+    assert any("lora_" in n for n in ref) and ddp.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(ddp[name], ref[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_lora_layers_mistakes_are_one_line_and_write_nothing(tmp_path, data_dir):
+    data = _fresh_data(tmp_path, data_dir)
+    base = ["train", tmp_path / "r", "--data", data, "--model", "tiny-toy", "--steps", "1"]
+    user_error(base + ["--recipe", "lora_layers=0"], contains="lora_layers must be none")
+    user_error(base + ["--recipe", "lora_layers=9"], contains="this backbone has 4 decoder layers")
+    user_error(base + ["--recipe", "lora_layers=2", "--recipe", "head_only=true"], contains="head-only run trains no LoRA")
+    assert not (tmp_path / "r").exists() and not cache_root(data).exists()
+    ro = tmp_path / "ro"
+    shutil.copytree(data, ro)
+    (ro / "features").write_text("not a directory")  # an unwritable cache directory, even for root
+    user_error(["train", tmp_path / "r2", "--data", ro, "--model", "tiny-toy", "--steps", "1", "--recipe",
+                "lora_layers=2"], contains="is not writable")
+    user_error(["features", ro, "--model", "tiny-toy", "--cut", "2"], contains="is not writable")
+    assert not (tmp_path / "r2").exists()
+    _train(tmp_path / "ok", data, steps=1)
+    user_error(["train", "--resume", tmp_path / "ok", "--recipe", "lora_layers=1"], contains="would change the run's")
