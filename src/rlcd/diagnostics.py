@@ -1,4 +1,4 @@
-"""What training logs besides the loss: output statistics and reward parts per question type, the
+"""What training logs besides the loss: output statistics, the objective and reward parts per question type, the
 spread of the advantages, and proper scoring rules on the dev subset.
 
 The accumulators sum on the device over the micro-batches of one update and are read once, in
@@ -27,7 +27,7 @@ At the diagnostics cadence, like the reward parts:
 - ``policy_loss/<t>`` (objective rlcd): the policy term over the G x n_t samples,
   ``-(1/(G n_t)) sum A_hat logp`` (as noisy as ``policy_loss``, whose pooled value it splits);
 - ``reward/<t>/mean``, ``reward/<t>/std`` (rlcd, ddof 1): the total reward r the objective optimises,
-  over the G x n_t samples (its parts are the ``reward/<t>/<c>`` keys below);
+  over the G x n_t samples (its parts are the ``reward/<t>/<c>`` keys above);
 - ``grad_norm/<t>``: ``||dL / dz_t||``, the norm of the update's loss ``L = (1/A) sum_i L_i`` (A
   micro-batches over all ranks, ``L_i`` a micro-batch's ``L_pg + ce_weight CE``, CE for objective ce)
   with respect to the logits z of the t rows: ``sqrt(sum_i sum_{b in t} ||dL_i / dz_ib||^2) / A``. The
@@ -36,8 +36,9 @@ At the diagnostics cadence, like the reward parts:
 - ``grad_share/<t>``: ``grad_norm/<t>^2 / sum_u grad_norm/<u>^2`` (absent when the whole gradient is 0).
 
 Why two cadences: the CE rows are one log-softmax over [B, K]; the rest evaluates the [G, B, K] objective
-stage again and backpropagates it (no network), about twice an ``rlcd_loss`` call, and the objective is
-already ~1.4% of a GPU update (benchmarks/BENCHMARKS.md), so it runs where the reward diagnostics do.
+stage again and backpropagates it (no network), more work than the ``rlcd_loss`` call itself, whose share of
+a GPU update benchmarks/BENCHMARKS.md already puts near the 1% target, so it runs where the reward
+diagnostics do.
 
 Evaluation rows (``dev_scores``): ``dev_nll``, ``dev_brier``, ``dev_ece`` over the dev subset and
 ``dev_nll/<t>``, ``dev_brier/<t>``, ``dev_ece/<t>`` per type, as ``rlcd.metrics`` defines them
