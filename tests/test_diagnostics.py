@@ -1,5 +1,6 @@
 """rlcd.diagnostics against independent numpy computations: per-type reward parts, advantage spread,
-extreme advantages pooled over an update's micro-batches, and the dev scoring rules."""
+extreme advantages pooled over an update's micro-batches, the objective per type (CE, policy term, reward,
+logit-gradient split) against the float64 reference of test_objectives, and the dev scoring rules."""
 
 import math
 from types import SimpleNamespace
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlcd.diagnostics import RewardDiagnostics, dev_scores
+from rlcd.diagnostics import ObjectiveDiagnostics, RewardDiagnostics, dev_scores
 from rlcd.objectives import reward_samples
 from rlcd.schema import QUESTION_TYPES
 
@@ -144,3 +145,116 @@ def test_type_diagnostics_pool_over_ranks_with_reduce():
         assert pooled[t]["entropy"] == pytest.approx(vals[:, 0].mean(), rel=1e-5)
         assert pooled[t]["max_prob"] == pytest.approx(vals[:, 1].mean(), rel=1e-5)
         assert pooled[t]["effective_candidates"] == pytest.approx(vals[:, 2].mean(), rel=1e-5)
+
+
+# ------------------------------------------------------------------ the objective per type
+
+
+def _update(seeds, objective="rlcd", *, ce_weight=0.7, sigma=0.5, full=True, K=(5, 7)):
+    """One update of micro-batches (three types, padded K, K varying between micro-batches): the diagnostics,
+    the real loss's stats, the logit gradients of (loss / A).backward(), and the float64 reference terms."""
+    from test_objectives import reference
+
+    from rlcd.objectives import ce_loss, rlcd_loss, row_terms
+
+    diag, stats, grads, refs = ObjectiveDiagnostics(), [], [], []
+    for i, seed in enumerate(seeds):
+        logits, mask, target, ordinal, noise, type_id = micro_batch(seed, K=K[i % len(K)])
+        x = logits.clone().requires_grad_(True)
+        kw = dict(sigma=sigma, ce_weight=ce_weight, noise=noise) if objective == "rlcd" else {}
+        loss, st = (rlcd_loss(x, mask, target, ordinal, **kw) if objective == "rlcd" else ce_loss(x, mask, target))
+        (loss / len(seeds)).backward()
+        diag.add(row_terms(logits, mask, target, ordinal, objective=objective, full=full, **kw), type_id)
+        stats.append(st)
+        grads.append(x.grad)
+        ref = reference(logits.numpy(), mask.numpy(), target.numpy(), ordinal.numpy(), noise.numpy(), sigma, ce_weight)
+        ce_rows = [float(-(target[b][mask[b]].double() * torch.log_softmax(logits[b][mask[b]].double(), -1)).sum())
+                   for b in range(len(mask))]
+        refs.append({**ref, "ce_rows": np.array(ce_rows), "type_id": type_id.numpy(),
+                     "grad": ref["grad"] if objective == "rlcd" else ref["grad_ce"],
+                     "policy": -(ref["a_hat"] * -(ref["eps"] ** 2).sum(-1) / (2 * sigma ** 2))})
+    return diag, stats, grads, refs
+
+
+def _per_type_reference(refs):
+    """Per type, from the float64 reference: mean CE, mean policy term, reward mean / std, and the norm of the
+    update loss's gradient ((1/A) sum_i L_i) with respect to that type's logits."""
+    A = len(refs)
+    out = {}
+    for t, name in enumerate(QUESTION_TYPES):
+        rows = [(r, r["type_id"] == t) for r in refs]
+        ce = np.concatenate([r["ce_rows"][sel] for r, sel in rows])
+        if not len(ce):
+            continue
+        policy = np.concatenate([r["policy"][:, sel].ravel() for r, sel in rows])
+        reward = np.concatenate([r["reward"][:, sel].ravel() for r, sel in rows])
+        grad2 = sum(float((r["grad"][sel] ** 2).sum()) for r, sel in rows)
+        out[name] = {"n": len(ce), "ce": ce.mean(), "policy": policy.mean(), "reward": reward.mean(),
+                     "reward_std": reward.std(ddof=1), "grad_norm": math.sqrt(grad2) / A}
+    return out
+
+
+def test_objective_diagnostics_per_type_against_float64():
+    diag, stats, grads, refs = _update((10, 11, 12))
+    got = diag.summary()
+    ref = _per_type_reference(refs)
+    assert set(ref) == set(QUESTION_TYPES)
+    total = sum(r["grad_norm"] ** 2 for r in ref.values())
+    for t, r in ref.items():
+        assert got[f"ce/{t}"] == pytest.approx(r["ce"], rel=1e-6)
+        assert got[f"policy_loss/{t}"] == pytest.approx(r["policy"], rel=1e-5, abs=1e-6)
+        assert got[f"reward/{t}/mean"] == pytest.approx(r["reward"], rel=1e-5)
+        assert got[f"reward/{t}/std"] == pytest.approx(r["reward_std"], rel=1e-5)
+        assert got[f"grad_norm/{t}"] == pytest.approx(r["grad_norm"], rel=1e-5)
+        assert got[f"grad_share/{t}"] == pytest.approx(r["grad_norm"] ** 2 / total, rel=1e-5)
+    # the split adds up to the update's pooled numbers
+    whole = sum(float(g.double().square().sum()) for g in grads)  # ||dL/dlogits||^2 of the real backward
+    assert sum(got[f"grad_norm/{t}"] ** 2 for t in ref) == pytest.approx(whole, rel=1e-6)
+    assert sum(got[f"grad_share/{t}"] for t in ref) == pytest.approx(1.0, abs=1e-12)
+    n = sum(r["n"] for r in ref.values())  # every micro-batch holds 6 rows: the pooled stats are row means
+    for key, stat in (("ce/{}", "ce_loss"), ("policy_loss/{}", "policy_loss"), ("reward/{}/mean", "reward_mean")):
+        pooled = sum(ref[t]["n"] * got[key.format(t)] for t in ref) / n
+        assert pooled == pytest.approx(np.mean([s[stat] for s in stats]), rel=1e-5, abs=1e-6), key
+    # the types differ, so a split that pooled them would fail above
+    assert len({round(got[f"grad_share/{t}"], 6) for t in ref}) == 3
+
+
+def test_objective_diagnostics_keys_per_objective_and_cadence():
+    types = [f"/{t}" for t in QUESTION_TYPES]
+    rl = _update((20, 21))[0].summary()
+    assert set(rl) == {f"{k}{t}" for k in ("ce", "policy_loss", "grad_norm", "grad_share") for t in types} | {
+        f"reward{t}/{s}" for t in types for s in ("mean", "std")}
+    diag, _, grads, refs = _update((20, 21), "ce")
+    ce = diag.summary()
+    assert set(ce) == {f"{k}{t}" for k in ("ce", "grad_norm", "grad_share") for t in types}
+    for t, r in _per_type_reference(refs).items():
+        assert ce[f"ce/{t}"] == pytest.approx(r["ce"], rel=1e-6)
+        assert ce[f"grad_norm/{t}"] == pytest.approx(r["grad_norm"], rel=1e-5)
+    assert sum(ce[f"grad_norm/{t}"] ** 2 for t in QUESTION_TYPES) == pytest.approx(
+        sum(float(g.double().square().sum()) for g in grads), rel=1e-6)
+    cheap = _update((20, 21), full=False)[0].summary()  # off the diagnostics cadence: CE alone
+    assert set(cheap) == {f"ce{t}" for t in types} and all(cheap[k] == rl[k] for k in cheap)
+    assert ObjectiveDiagnostics().summary() == {}
+
+
+def test_objective_diagnostics_leave_out_absent_types_and_pool_over_ranks():
+    from rlcd.objectives import row_terms
+
+    logits, mask, target, ordinal, noise, type_id = micro_batch(30)
+    keep = type_id != 2  # no score rows in this update
+    only = ObjectiveDiagnostics()
+    only.add(row_terms(logits[keep], mask[keep], target[keep], ordinal[keep], sigma=0.3, noise=noise[:, keep]),
+             type_id[keep])
+    assert not [k for k in only.summary() if k.endswith("/score") or "/score/" in k]
+    # two "ranks" of one update: summary(reduce=sum over ranks) equals one process holding all four micro-batches
+    (one, *_), (two, *_), (both, *_) = _update((31, 32)), _update((33, 34)), _update((31, 32, 33, 34))
+    others = two.sums.clone()
+    local = one.summary()
+    pooled = ObjectiveDiagnostics()
+    pooled.sums = one.sums.clone()
+    pooled = pooled.summary(reduce=lambda t: t.add_(others))
+    want = both.summary()
+    assert pooled.keys() == want.keys()
+    for k in want:
+        assert pooled[k] == pytest.approx(want[k], rel=1e-12), k
+    assert local["grad_norm/choice"] != pytest.approx(want["grad_norm/choice"], rel=1e-3)  # pooling matters

@@ -481,6 +481,58 @@ def test_gradient_diagnostics_match_reference():
         float((ref["grad_pg"] * ref["grad_ce"]).sum() / (n_pg * n_ce)), rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.parametrize("G, per_type, ce_weight", [(4, False, 1.0), (4, True, 0.7), (3, False, 0.0)])
+def test_row_terms_split_the_loss_and_its_logit_gradient_by_row(G, per_type, ce_weight):
+    """row_terms against the float64 reference: per-row CE and policy terms (their means are the loss's terms),
+    each sample's reward, and d loss / d logits equal to the gradient rlcd_loss's own backward leaves."""
+    logits, mask, target, ordinal, _ = random_batch(60 + G)  # mixed K, junk on padding
+    noise = torch.from_numpy(np.random.default_rng(G).normal(size=(G, *logits.shape)).astype(np.float32))
+    groups = torch.tensor([0, 2, 1, 0, 1, 2, 2, 0, 1]) if per_type else None
+    kw = dict(sigma=0.3, ce_weight=ce_weight, noise=noise, n_perturbations=G, norm_groups=groups)
+    x = logits.clone().requires_grad_(True)
+    loss, stats = rlcd_loss(x, mask, target, ordinal, **kw)
+    loss.backward()
+    before = x.grad.clone()
+    rows = obj.row_terms(x, mask, target, ordinal, **kw)
+    assert torch.equal(x.grad, before)  # a detached copy: the caller's .grad is untouched
+    assert set(rows) == {"ce", "policy", "reward", "grad"} and rows["grad"].shape == logits.shape
+    ref = reference(logits.numpy(), mask.numpy(), target.numpy(), ordinal.numpy(), noise.numpy(), 0.3, ce_weight,
+                    norm_groups=None if groups is None else groups.numpy())
+    m = mask.numpy()
+    ce_rows = [-sum(target[b, j].item() * math.log(p) for j, p in zip(np.flatnonzero(m[b]), _softmax(logits[b, m[b]])))
+               for b in range(len(m))]
+    logp = -(ref["eps"] ** 2).sum(-1) / (2 * 0.3 ** 2)
+    policy_rows = -(ref["a_hat"] * logp).mean(0)
+    rel_close(rows["ce"].numpy(), ce_rows)
+    rel_close(rows["policy"].numpy(), policy_rows, rtol=1e-5, scale=ref["policy_scale"])
+    rel_close(rows["reward"].numpy(), ref["reward"], rtol=1e-5)
+    rel_close(rows["grad"].numpy(), ref["grad"])
+    assert (rows["grad"][~mask] == 0).all()
+    torch.testing.assert_close(rows["grad"], before, rtol=1e-6, atol=1e-9)  # what the real backward left
+    assert rows["ce"].mean().item() == pytest.approx(stats["ce_loss"], rel=1e-6)
+    rel_close(rows["policy"].mean().item(), stats["policy_loss"], scale=ref["policy_scale"])
+
+
+def test_row_terms_of_the_ce_arm_and_the_cheap_ce_rows():
+    logits, mask, target, ordinal, noise = random_batch(70)
+    x = logits.clone().requires_grad_(True)
+    loss, _ = ce_loss(x, mask, target)
+    loss.backward()
+    ref = reference(logits.numpy(), mask.numpy(), target.numpy(), ordinal.numpy(), noise.numpy(), 0.3, 1.0)
+    rows = obj.row_terms(logits, mask, target, objective="ce")
+    assert set(rows) == {"ce", "grad"}
+    rel_close(rows["grad"].numpy(), ref["grad_ce"])
+    torch.testing.assert_close(rows["grad"], x.grad, rtol=1e-6, atol=1e-9)
+    assert rows["ce"].mean().item() == pytest.approx(loss.item(), rel=1e-6)
+    for objective in ("ce", "rlcd"):  # full=False: the CE rows alone, no noise needed
+        cheap = obj.row_terms(logits, mask, target, ordinal, objective=objective, full=False)
+        assert set(cheap) == {"ce"} and torch.equal(cheap["ce"], rows["ce"])
+    with pytest.raises(ValueError, match="objective must be"):
+        obj.row_terms(logits, mask, target, objective="rl")
+    with pytest.raises(ValueError, match="needs sigma"):
+        obj.row_terms(logits, mask, target, ordinal, noise=noise)
+
+
 def test_noise_drawn_from_generator():
     logits, mask, target, ordinal, _ = random_batch(12)
     a, _ = rlcd_loss(logits, mask, target, ordinal, generator=torch.Generator().manual_seed(3))

@@ -68,6 +68,13 @@ def make_run(tmp_path, *, with_eval=True, with_log=True, posterior=True, diagnos
                         "per_type": {t: {"entropy": h / step ** 0.3, "max_prob": 1 - 0.5 / step ** 0.3,
                                          "effective_candidates": float(np.exp(h / step ** 0.3)), "n": 10}
                                      for t, h in (("choice", 1.6), ("noul", 0.6), ("score", 1.2))}}
+                line.update({f"ce/{t}": c / step for t, c in (("choice", 1.5), ("noul", 0.5), ("score", 1.0))})
+                if diagnostics and step % 2 == 0:  # the split of the objective at the diagnostics cadence
+                    shares = {"choice": 0.5 + step / 200, "noul": 0.1, "score": 0.4 - step / 200}
+                    line.update({f"grad_share/{t}": v for t, v in shares.items()})
+                    line.update({f"grad_norm/{t}": v ** 0.5 for t, v in shares.items()})
+                    line.update({f"policy_loss/{t}": 0.01 * i for i, t in enumerate(shares)})
+                    line.update({f"reward/{t}/mean": -1 + step / 40 - i / 10 for i, t in enumerate(shares)})
                 if diagnostics:
                     line.update(policy_loss=0.1 - step / 400, reward_mean=-1 + step / 40, log_score_mean=-1.2 + step / 50,
                                 spherical_mean=0.4 + step / 200, advantage_std=1.0, grad_cosine=0.3,
@@ -140,7 +147,8 @@ def test_report_and_plots_exist_for_a_tiny_run(tmp_path):
     assert report == run / "eval" / "report.md"
     text = report.read_text()
     plots = ["reliability_overall", "reliability_choice", "reliability_noul", "reliability_score", "coverage_risk",
-             "group_accuracy", "training_curves", "rlcd_diagnostics", "accuracy_by_k", "type_stats"]
+             "group_accuracy", "training_curves", "rlcd_diagnostics", "accuracy_by_k", "type_stats",
+             "objective_per_type"]
     for name in plots:
         png = run / "eval" / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == PNG and png.stat().st_size > 5000, name
@@ -154,8 +162,14 @@ def test_report_and_plots_exist_for_a_tiny_run(tmp_path):
     assert "| accuracy | 0." in text and "raw [95% CI]" in text and "95% CI (refit per resample)" in text
     for heading in ("## Error analysis (test)", "### Confusion matrices", "### Accuracy by number of candidates K",
                     "### The 20 worst rows by calibrated NLL", "### RLCD diagnostics", "### Recipe",
-                    "### Output sharpness per type"):
+                    "### Output sharpness per type", "### Objective per type"):
         assert heading in text, heading
+    # the per-type objective table: CE first -> last, policy mean, reward first -> last, gradient norm and share means
+    mean_share = np.mean([0.5 + s / 200 for s in range(2, 41, 2)])
+    mean_norm = np.mean([(0.5 + s / 200) ** 0.5 for s in range(2, 41, 2)])
+    assert (f"| choice | {1.5:.3f} → {1.5 / 40:.3f} | 0.0000 | {-1 + 2 / 40:.3f} → {0.0:.3f} | {mean_norm:.4f} | "
+            f"{mean_share:.4f} |") in text
+    assert f"| noul | {0.5:.3f} → {0.5 / 40:.3f} | 0.0100 |" in text
     assert (run / "eval" / "report.html").stat().st_size > 100_000
     assert "1 unreadable line(s) skipped" in text
     assert f"| choice | {1.6:.3f} → {1.6 / 40 ** 0.3:.3f} | {0.5:.3f} → {1 - 0.5 / 40 ** 0.3:.3f} |" in text
@@ -187,6 +201,15 @@ def test_report_without_optional_inputs(tmp_path):
     assert (plots / "training_curves.png").stat().st_size > 0
     assert not (plots / "rlcd_diagnostics.png").exists()
     assert "No reward parts" in text
+    assert "### Objective per type" not in text and not (plots / "objective_per_type.png").exists()
+    # a CE-arm log with the per-type split: CE and the gradient columns, no policy or reward ones
+    with open(run / "metrics.jsonl", "w") as fh:
+        for step in range(1, 5):
+            fh.write(json.dumps({"step": step, "ce_loss": 1.0 / step, "ce/noul": 0.5 / step, "grad_norm/noul": 0.2,
+                                 "grad_share/noul": 1.0}) + "\n")
+    text = write_report(run).read_text()
+    assert "### Objective per type" in text and "policy term" not in text
+    assert f"| noul | {0.5:.3f} → {0.125:.3f} | 0.2000 | 1.0000 |" in text
     assert list(load_predictions(run)) == ["test"]
 
 

@@ -70,6 +70,11 @@ def test_event_files_equal_metrics_jsonl_across_a_resume(tmp_path, data_dir):
     assert kinds == {"session", "train", "eval"}, "train, eval and session rows all reach TensorBoard"
     assert any(t.startswith("train/per_type/") for t in want) and any(t.startswith("eval/dev_accuracy/") for t in want)
     assert any(t == "train/grad_cosine" for t in want), "the gradient diagnostics rows too"
+    types = {t for row in metrics if row["event"] == "train" for t in row["per_type"]}
+    per_type = {f"train/{k}/{t}" for t in types for k in ("ce", "policy_loss", "grad_norm", "grad_share")}
+    per_type |= {f"train/reward/{t}/mean" for t in types}
+    assert len(types) == 3 and per_type <= set(got), "the objective per type is on TensorBoard"
+    assert [s for s, _ in got["train/grad_share/choice"]] == [1, 2, 3, 4]  # diagnostics_every = 1
     assert got == want  # the same tags, steps and (float32) values; update 3 of the killed session is purged
     assert [s for s, _ in got["train/loss"]] == [1, 2, 3, 4]
 

@@ -85,11 +85,47 @@ def _check_diagnostics(run):
                 assert r[f"reward/{t}/{comp}/std"] >= 0.0
                 assert math.isfinite(r[f"reward/{t}/{comp}/mean"])
         assert "reward/choice/rps/mean" not in r  # RPS is in the reward of score rows only
+    _check_objective_per_type(train_rows, rlcd=True)
     for ev in [r for r in rows if r["event"] == "eval"]:
         assert {"dev_nll", "dev_brier", "dev_ece"} <= set(ev)
         assert ev["dev_nll"] > 0 and 0 <= ev["dev_ece"] <= 1 and 0 <= ev["dev_brier"] <= 2
         assert any(k.startswith("dev_nll/") for k in ev)
     return diag
+
+
+def _check_objective_per_type(train_rows, *, rlcd: bool):
+    """Every train row splits CE by type (its row-weighted mean is ce_loss: every micro-batch holds 8 rows); rows
+    at the diagnostics cadence (every second update here) also split the policy term, the reward and the logit
+    gradient (shares summing to 1), and no other row does."""
+    cadence = ("policy_loss", "reward", "grad_norm", "grad_share") if rlcd else ("grad_norm", "grad_share")
+    for r in train_rows:
+        types = set(r["per_type"])
+        n = {t: b["n"] for t, b in r["per_type"].items()}
+        assert {k.split("/")[1] for k in r if k.startswith("ce/")} == types
+        assert sum(n[t] * r[f"ce/{t}"] for t in types) / sum(n.values()) == pytest.approx(r["ce_loss"], rel=1e-5)
+        split = {k for k in r if k.split("/")[0] in cadence and "/" in k and k.count("/") < 3}
+        if r["step"] % 2:
+            assert not split, r["step"]
+            continue
+        want = {f"{k}/{t}" for k in cadence if k != "reward" for t in types}
+        want |= {f"reward/{t}/{s}" for t in types for s in ("mean", "std")} if rlcd else set()
+        assert split == want, r["step"]
+        assert sum(r[f"grad_share/{t}"] for t in types) == pytest.approx(1.0, abs=1e-9)
+        assert all(r[f"grad_norm/{t}"] > 0 for t in types)
+        if rlcd:
+            assert sum(n[t] * r[f"reward/{t}/mean"] for t in types) / sum(n.values()) == pytest.approx(
+                r["reward_mean"], rel=1e-5)
+            assert sum(n[t] * r[f"policy_loss/{t}"] for t in types) / sum(n.values()) == pytest.approx(
+                r["policy_loss"], rel=1e-4, abs=1e-6)
+
+
+def test_ce_objective_logs_the_per_type_split_without_policy_or_reward(tmp_path, data_dir):
+    run = tmp_path / "run"
+    _train(run, data_dir, steps=2, recipe={"objective": "ce"})
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+    assert [r["step"] for r in rows] == [1, 2] and len(rows[-1]["per_type"]) == 3
+    _check_objective_per_type(rows, rlcd=False)
+    assert not [k for r in rows for k in r if k.startswith(("policy_loss/", "reward/"))]
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path, data_dir):
@@ -215,8 +251,10 @@ def test_ddp_keeps_the_recipe_batch_and_matches_one_process(tmp_path, data_dir):
     one = [json.loads(x) for x in (single / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
     assert [r["examples"] for r in one] == [32, 32, 32]
     # the reward diagnostics are pooled over ranks: the 2-rank update reports what one process sees
-    pooled = [k for k in one[1] if k.startswith(("reward/", "adv_std", "adv_extreme"))]
-    assert pooled and set(pooled) == {k for k in rows[1] if k.startswith(("reward/", "adv_std", "adv_extreme"))}
+    prefixes = ("reward/", "adv_std", "adv_extreme", "ce/", "policy_loss/", "grad_norm/", "grad_share/")
+    pooled = [k for k in one[1] if k.startswith(prefixes)]
+    assert pooled and set(pooled) == {k for k in rows[1] if k.startswith(prefixes)}
+    assert "grad_share/choice" in pooled
     for k in pooled:
         assert rows[1][k] == pytest.approx(one[1][k], rel=1e-4, abs=1e-6), k
     # so are the per-type entropy / max p / effective K: every rank's rows, not rank 0's
@@ -271,7 +309,7 @@ def test_arms_reach_the_objective(tmp_path, data_dir, monkeypatch):
     weights and the per-type advantage std reach rlcd_loss and the diagnostics alike."""
     import rlcd.train.session as T
 
-    calls = {"loss": [], "samples": [], "grad": []}
+    calls = {"loss": [], "samples": [], "grad": [], "rows": []}
 
     def spy(name, real):
         def wrapper(*args, **kw):
@@ -283,6 +321,9 @@ def test_arms_reach_the_objective(tmp_path, data_dir, monkeypatch):
     monkeypatch.setattr(T, "rlcd_loss", spy("loss", T.rlcd_loss))
     monkeypatch.setattr(T, "reward_samples", spy("samples", T.reward_samples))
     monkeypatch.setattr(T, "gradient_diagnostics", spy("grad", T.gradient_diagnostics))
+    real_rows = T.row_terms  # the per-type split: off the diagnostics cadence it needs no noise
+    full_rows = spy("rows", real_rows)
+    monkeypatch.setattr(T, "row_terms", lambda *a, **kw: (full_rows if kw["full"] else real_rows)(*a, **kw))
     arm = {"sigma": 0.4, "sigma_end": 0.1, "n_perturbations": 8, "w_spherical": 0.5, "w_rps": 2.0,
            "advantage_norm": "type", "grad_accum": 2}
     _train(tmp_path / "run", data_dir, steps=4, recipe=arm)
@@ -290,8 +331,9 @@ def test_arms_reach_the_objective(tmp_path, data_dir, monkeypatch):
     expected = [r.sigma_at(step, 4) for step in range(4) for _ in range(2)]  # 2 micro-batches per update
     assert [c[0] for c in calls["loss"]] == pytest.approx(expected, abs=1e-15)
     assert expected[0] == 0.4 and expected[-1] == pytest.approx(0.175)
-    assert {c[1:] for c in calls["loss"] + calls["samples"] + calls["grad"]} == {(8, 0.5, 2.0, True)}
+    assert {c[1:] for c in calls["loss"] + calls["samples"] + calls["grad"] + calls["rows"]} == {(8, 0.5, 2.0, True)}
     assert [c[0] for c in calls["samples"]] == pytest.approx([r.sigma_at(s, 4) for s in (1, 3) for _ in range(2)])
+    assert [c[0] for c in calls["rows"]] == [c[0] for c in calls["samples"]]
     assert len(calls["grad"]) == 2  # one micro-batch per diagnostics update
 
 

@@ -1,4 +1,4 @@
-"""What training logs besides the loss: output statistics and reward parts per question type, the
+"""What training logs besides the loss: output statistics, the objective and reward parts per question type, the
 spread of the advantages, and proper scoring rules on the dev subset.
 
 The accumulators sum on the device over the micro-batches of one update and are read once, in
@@ -14,6 +14,31 @@ for each question type t present in the update and over its G x rows samples:
   normalisation) and ``adv_std/<t>``;
 - ``adv_extreme_share`` (share of samples with |A_hat| > 3, A_hat the normalised advantage the
   update used) and ``adv_extreme_share/<t>``.
+
+The objective split by question type (``ObjectiveDiagnostics``), for each type t present in the update;
+``n_t`` is the number of t rows over the update's micro-batches (all ranks):
+
+- ``ce/<t>`` (every training row): mean soft CE over the n_t rows. Weighted by the row counts the
+  per-type means give the mean over all the update's rows, which is the logged ``ce_loss`` (a mean of
+  micro-batch means) when every micro-batch holds the same number of rows, as row batching does.
+
+At the diagnostics cadence, like the reward parts:
+
+- ``policy_loss/<t>`` (objective rlcd): the policy term over the G x n_t samples,
+  ``-(1/(G n_t)) sum A_hat logp`` (as noisy as ``policy_loss``, whose pooled value it splits);
+- ``reward/<t>/mean``, ``reward/<t>/std`` (rlcd, ddof 1): the total reward r the objective optimises,
+  over the G x n_t samples (its parts are the ``reward/<t>/<c>`` keys above);
+- ``grad_norm/<t>``: ``||dL / dz_t||``, the norm of the update's loss ``L = (1/A) sum_i L_i`` (A
+  micro-batches over all ranks, ``L_i`` a micro-batch's ``L_pg + ce_weight CE``, CE for objective ce)
+  with respect to the logits z of the t rows: ``sqrt(sum_i sum_{b in t} ||dL_i / dz_ib||^2) / A``. The
+  signal each type sends into the network, measured at the logits; not a split of the parameter
+  ``grad_norm``, where the types mix through the shared weights;
+- ``grad_share/<t>``: ``grad_norm/<t>^2 / sum_u grad_norm/<u>^2`` (absent when the whole gradient is 0).
+
+Why two cadences: the CE rows are one log-softmax over [B, K]; the rest evaluates the [G, B, K] objective
+stage again and backpropagates it (no network), more work than the ``rlcd_loss`` call itself, whose share of
+a GPU update benchmarks/BENCHMARKS.md already puts near the 1% target, so it runs where the reward
+diagnostics do.
 
 Evaluation rows (``dev_scores``): ``dev_nll``, ``dev_brier``, ``dev_ece`` over the dev subset and
 ``dev_nll/<t>``, ``dev_brier/<t>``, ``dev_ece/<t>`` per type, as ``rlcd.metrics`` defines them
@@ -115,6 +140,65 @@ class RewardDiagnostics:
         if total["n"]:
             out["adv_std"] = _std(total["adv"], total["adv2"], total["n"])
             out["adv_extreme_share"] = total["extreme"] / total["n"]
+        return out
+
+
+# ObjectiveDiagnostics columns, per type: rows and their CE; rows with a policy term; samples and their reward
+# (sum, sum of squares); rows with a gradient, its squared norm, and the micro-batches that gave one (the same
+# in every type's row: the update's loss is the mean of its micro-batches' losses)
+_OBJ_COLS = ("n", "ce", "n_policy", "policy", "n_samples", "reward", "reward2", "n_grad", "grad2", "micro")
+
+
+class ObjectiveDiagnostics:
+    """The objective per question type: mean CE, policy term, total reward, and the logit-gradient norm and share.
+
+    ``add`` takes ``rlcd.objectives.row_terms`` output for one micro-batch, whichever parts it holds (``ce``
+    always; ``policy`` and ``reward`` for objective rlcd and ``grad`` when ``full``); a key is reported when
+    its part was added. The per-type sums stay on the device until ``summary``, which reads them once (after
+    ``reduce``, an in-place sum over DDP ranks, so every count and sum covers all ranks).
+    """
+
+    def __init__(self) -> None:
+        self.sums: torch.Tensor | None = None  # [types, len(_OBJ_COLS)]
+
+    def add(self, terms: Mapping[str, torch.Tensor], type_id: torch.Tensor) -> None:
+        ce = terms["ce"].detach()
+        dt = torch.float32 if ce.device.type == "mps" else torch.float64  # MPS has no float64
+        ce = ce.to(dt)
+        one, zero = torch.ones_like(ce), torch.zeros_like(ce)
+        cols = dict.fromkeys(_OBJ_COLS, zero)
+        cols.update(n=one, ce=ce)
+        if "policy" in terms:
+            reward = terms["reward"].detach().to(dt)
+            cols.update(n_policy=one, policy=terms["policy"].detach().to(dt), n_samples=one * reward.shape[0],
+                        reward=reward.sum(0), reward2=reward.square().sum(0))
+        if "grad" in terms:
+            cols.update(n_grad=one, grad2=terms["grad"].detach().to(dt).square().sum(-1))
+        sums = torch.zeros(len(QUESTION_TYPES), len(_OBJ_COLS), dtype=dt, device=ce.device)
+        sums.index_add_(0, type_id.to(ce.device), torch.stack([cols[c] for c in _OBJ_COLS], dim=-1))
+        if "grad" in terms:
+            sums[:, _OBJ_COLS.index("micro")] = 1.0
+        self.sums = sums if self.sums is None else self.sums + sums
+
+    def summary(self, reduce: Callable[[torch.Tensor], Any] | None = None) -> dict[str, float]:
+        if self.sums is None:
+            return {}
+        if reduce is not None:
+            reduce(self.sums)  # in-place sum over ranks
+        rows = [dict(zip(_OBJ_COLS, v)) for v in self.sums.tolist()]  # the one read of this update
+        total_grad2 = sum(c["grad2"] for c in rows if c["n_grad"])
+        out: dict[str, float] = {}
+        for t, c in zip(QUESTION_TYPES, rows):
+            if c["n"]:
+                out[f"ce/{t}"] = c["ce"] / c["n"]
+            if c["n_policy"]:
+                out[f"policy_loss/{t}"] = c["policy"] / c["n_policy"]
+                out[f"reward/{t}/mean"] = c["reward"] / c["n_samples"]
+                out[f"reward/{t}/std"] = _std(c["reward"], c["reward2"], c["n_samples"])
+            if c["n_grad"]:
+                out[f"grad_norm/{t}"] = math.sqrt(c["grad2"]) / c["micro"]
+                if total_grad2 > 0:
+                    out[f"grad_share/{t}"] = c["grad2"] / total_grad2
         return out
 
 

@@ -58,6 +58,7 @@ __all__ = [
     "ce_loss",
     "gradient_diagnostics",
     "reward_samples",
+    "row_terms",
 ]
 
 G = 4  # Gaussian perturbations (samples) per question
@@ -202,10 +203,16 @@ def _prepare(logits: Tensor, mask: Tensor, target: Tensor):
     return lf, lf.masked_fill(~m, 0.0), m, t
 
 
-def _soft_ce(lf_safe: Tensor, m: Tensor, t: Tensor) -> Tensor:
-    """-mean_b sum_{j valid} t_j log softmax(logits_b)_j (padding contributes exactly 0)."""
+def _soft_ce_rows(lf_safe: Tensor, m: Tensor, t: Tensor) -> Tensor:
+    """[B] per-row soft CE ``-sum_{j valid} t_j log softmax(logits_b)_j`` (padding contributes exactly 0)."""
     logsm = torch.log_softmax(lf_safe.masked_fill(~m, float("-inf")), dim=-1)
-    return -(t * logsm.masked_fill(~m, 0.0)).sum(-1).mean()
+    return -(t * logsm.masked_fill(~m, 0.0)).sum(-1)
+
+
+def _soft_ce(lf_safe: Tensor, m: Tensor, t: Tensor) -> Tensor:
+    """-mean_b sum_{j valid} t_j log softmax(logits_b)_j: the mean of ``_soft_ce_rows`` (negating before the
+    mean is bit-identical to negating after it, value and gradient alike)."""
+    return _soft_ce_rows(lf_safe, m, t).mean()
 
 
 # --------------------------------------------------------------------------------------------
@@ -485,3 +492,56 @@ def reward_samples(logits: Tensor, mask: Tensor, target: Tensor, ordinal: Tensor
                             w_spherical=w_spherical, w_rps=w_rps, norm_groups=norm_groups, w_log=w_log)
     return {"log": terms.log_score, "spherical": terms.spherical, "rps": terms.rps,
             "reward": terms.reward, "advantage": terms.advantage, "a_hat": terms.a_hat}
+
+
+def row_terms(logits: Tensor, mask: Tensor, target: Tensor, ordinal: Tensor | None = None, *,
+              objective: str = "rlcd", full: bool = True, ce_weight: float = 1.0, sigma: float | None = None,
+              noise: Tensor | None = None, n_perturbations: int = G, w_spherical: float = SPHERICAL_WEIGHT,
+              w_rps: float = RPS_WEIGHT, norm_groups: Tensor | None = None,
+              w_log: float = 1.0) -> dict[str, Tensor]:
+    """The micro-batch objective split by row, left on the device: what each row adds to the loss and the
+    gradient the loss sends into its logits.
+
+    ``objective`` "rlcd" recomputes :func:`rlcd_loss` (same formula, settings, ``ce_weight`` and ``noise``;
+    pass the noise that call used); "ce" recomputes :func:`ce_loss` (``ordinal``, ``sigma`` and the RLCD
+    settings unused). Works on a detached float32 copy of ``logits`` like :func:`gradient_diagnostics`:
+    the caller's graph and ``.grad`` fields are untouched, nothing is read back to the host and nothing is
+    re-validated (the loss call did that). Returns:
+
+    - ``ce`` ``[B]``: ``-sum_{j valid} t_j log softmax(logits_b)_j``; the loss's CE is its mean over b;
+    - ``policy`` ``[B]`` (rlcd only): ``-(1/G) sum_g A_hat_gb logp_gb``, with the A_hat of the whole
+      micro-batch (its std, or its group's); the loss's policy term is its mean over b;
+    - ``reward`` ``[G, B]`` (rlcd only): the total reward r of each sample (float64 off MPS);
+    - ``grad`` ``[B, K]`` float32, zero on padding: ``d loss / d logits`` of this micro-batch's loss
+      (``L_pg + ce_weight CE``, or ``L_pg`` alone at ce_weight 0, as rlcd_loss builds it; CE for "ce"),
+      by autograd through the objective's own code rather than a second derivation of formula 7.
+
+    ``full=False`` returns ``ce`` alone: no reward stage, no backward, a log-softmax over ``[B, K]``, cheap
+    enough for every update (the full split re-runs the reward stage of an rlcd_loss call and backpropagates it).
+    """
+    fn = "row_terms"
+    if objective not in ("rlcd", "ce"):
+        raise ValueError(f"{fn}: objective must be 'rlcd' or 'ce', got {objective!r}")
+    _check_shapes(fn, logits, mask, target, ordinal if objective == "rlcd" else None)
+    if not full:
+        with torch.no_grad():
+            _, lf_safe, m, t = _prepare(logits.detach(), mask, target)
+            return {"ce": _soft_ce_rows(lf_safe, m, t)}
+    with torch.enable_grad():
+        x = logits.detach().float().clone().requires_grad_(True)
+        _, x_safe, m, t = _prepare(x, mask, target)
+        ce_rows = _soft_ce_rows(x_safe, m, t)
+        if objective == "ce":
+            (grad,) = torch.autograd.grad(ce_rows.mean(), x)
+            return {"ce": ce_rows.detach(), "grad": grad}
+        if sigma is None:
+            raise ValueError(f"{fn}: objective 'rlcd' needs sigma")
+        ce_weight = _check_scalar(fn, "ce_weight", ce_weight, positive=False)
+        terms = _rlcd_terms(fn, x, mask, target, ordinal, sigma=sigma, noise=noise, generator=None,
+                            n_perturbations=n_perturbations, w_spherical=w_spherical, w_rps=w_rps,
+                            norm_groups=norm_groups, w_log=w_log)
+        loss = terms.policy_loss if ce_weight == 0.0 else terms.policy_loss + ce_weight * terms.ce
+        (grad,) = torch.autograd.grad(loss, x)
+    # -A_hat logp with logp = -||z - logits||^2 / (2 sigma^2) and z - logits = eps in value (step 5)
+    policy_rows = (terms.a_hat * terms.eps.square().sum(-1)).mean(0) / (2.0 * float(sigma) ** 2)
+    return {"ce": ce_rows.detach(), "policy": policy_rows, "reward": terms.reward, "grad": grad}

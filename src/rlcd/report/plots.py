@@ -15,8 +15,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from rlcd import metrics as M
-from rlcd.report.training_log import (COMPONENTS, REWARD_PARTS, TYPE_STATS, ema, has, reward_keys, series,
-                                      type_stat_series, type_stat_types)
+from rlcd.report.training_log import (COMPONENTS, REWARD_PARTS, TYPE_STATS, ema, has, objective_types, reward_keys,
+                                      series, type_stat_series, type_stat_types)
 
 Z95 = 1.959963984540054
 COLORS = {"raw": "tab:red", "calibrated": "tab:blue"}
@@ -217,6 +217,22 @@ def type_stats(train: list[dict], selected: int | None) -> bytes:
             drawn = True
         _finish(ax, f"{titles[stat]} per type", drawn, selected)
     return png(fig, left=0.05, wspace=0.22, bottom=0.15, top=0.88)
+
+
+def objective_per_type(train: list[dict], selected: int | None) -> bytes:
+    """CE, total reward, logit-gradient norm and gradient share per question type against the step."""
+    fig = Figure(figsize=(14, 3.6))
+    axes = fig.subplots(1, 4)
+    types = objective_types(train)
+    panels = (("ce/{}", "soft CE per type"), ("reward/{}/mean", "total reward per type (mean)"),
+              ("grad_norm/{}", "‖dL/dlogits‖ per type"), ("grad_share/{}", "share of ‖dL/dlogits‖² per type"))
+    for ax, (key, title) in zip(axes, panels):
+        drawn = False
+        for t in types:
+            drawn |= _curve(ax, train, key.format(t), t, TYPE_COLORS.get(t))
+        _finish(ax, title, drawn, selected)
+    axes[3].set_ylim(0, 1)
+    return png(fig, left=0.05, wspace=0.25, bottom=0.15, top=0.88)
 
 
 def accuracy_by_k(table: Sequence[Mapping[str, Any]]) -> bytes:

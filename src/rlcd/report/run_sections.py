@@ -11,8 +11,8 @@ from rlcd.report import plots
 from rlcd.report.context import Context
 from rlcd.report.document import Bullets, Section, Table, Text, fmt
 from rlcd.report.evaluation import evaluation_json
-from rlcd.report.training_log import (has_diagnostics, last_value, reward_keys, selected_step, type_stat_series,
-                                      type_stat_types)
+from rlcd.report.training_log import (has, has_diagnostics, last_value, mean_value, objective_types, reward_keys,
+                                      selected_step, series, type_stat_series, type_stat_types)
 
 ARM_FIELDS = ("objective", "sigma", "sigma_end", "ce_weight", "n_perturbations", "w_log", "w_spherical", "w_rps",
               "advantage_norm", "steps", "seed")
@@ -97,7 +97,7 @@ def training(ctx: Context) -> Section:
             s.add(Table(["dev subset at the selected step", "NLL", "Brier", "ECE"],
                         [["all types", at.get("dev_nll"), at.get("dev_brier"), at.get("dev_ece")]]
                         + [[t, at.get(f"dev_nll/{t}"), at.get(f"dev_brier/{t}"), at.get(f"dev_ece/{t}")] for t in types]))
-    return s.add(_type_stats(ctx, train, chosen), _diagnostics(ctx, train, chosen))
+    return s.add(_type_stats(ctx, train, chosen), _objective_per_type(ctx, train, chosen), _diagnostics(ctx, train, chosen))
 
 
 def _type_stats(ctx: Context, train: list[dict], chosen: int | None) -> Section | None:
@@ -115,6 +115,37 @@ def _type_stats(ctx: Context, train: list[dict], chosen: int | None) -> Section 
         first = [type_stat_series(train, t, k)[1] for k in ("entropy", "max_prob", "effective_candidates")]
         rows.append([t] + [f"{fmt(v[0], 3)} → {fmt(v[-1], 3)}" if v else "—" for v in first])
     return s.add(Table(["type", "entropy (first → last logged)", "max p", "effective candidates"], rows))
+
+
+def _first_last(lines: list[dict], key: str) -> str:
+    ys = series(lines, key)[1]
+    return f"{fmt(ys[0], 3)} → {fmt(ys[-1], 3)}" if ys else "—"
+
+
+def _objective_per_type(ctx: Context, train: list[dict], chosen: int | None) -> Section | None:
+    """Which type drives the gradient: CE, policy term, reward and the logit-gradient split per type."""
+    types = objective_types(train)
+    if not types:
+        return None
+    s = Section("Objective per type", level=3)
+    s.add(ctx.figures.add("objective_per_type", plots.objective_per_type(train, chosen), "objective per type",
+                          "Over each logged update's rows, pooled over every DDP rank: mean soft CE (every logged "
+                          "update), and at the diagnostics cadence the mean total reward, the norm of the update "
+                          "loss's gradient with respect to that type's logits and its share of the squared norm; "
+                          "EMA solid, raw faint."))
+    rl = any(has(train, f"policy_loss/{t}") for t in types)
+    head = ["type", "CE (first → last logged)"] + (["policy term (mean)", "reward (first → last)"] if rl else [])
+    rows = []
+    for t in types:
+        row = [t, _first_last(train, f"ce/{t}")]
+        if rl:
+            row += [mean_value(train, f"policy_loss/{t}"), _first_last(train, f"reward/{t}/mean")]
+        rows.append(row + [mean_value(train, f"grad_norm/{t}"), mean_value(train, f"grad_share/{t}")])
+    s.add(Table(head + ["logit-gradient norm (mean)", "gradient share (mean)"], rows))
+    return s.add(Text("The gradient is taken at the logits (d loss / d logits of the type's rows: policy + ce_weight "
+                      "x CE for RLCD, CE alone for the CE arm), the signal each type sends into the network; the "
+                      "shares of one update sum to 1. The parameter gradient norm of the curves above mixes the "
+                      "types through the shared weights and is not split."))
 
 
 def _diagnostics(ctx: Context, train: list[dict], chosen: int | None) -> Section:

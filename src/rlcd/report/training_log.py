@@ -5,7 +5,9 @@ Lines with ``"event": "eval"`` are dev evaluations (``dev_macro_accuracy``, ``de
 with a ``step`` are training updates (``loss``, ``ce_loss``, ``policy_loss``, ``reward_mean``,
 ``lr_lora``, ``lr_head``, ``grad_norm``, ...; at the diagnostics cadence ``grad_cosine``,
 ``grad_norm_ratio``, ``reward/<type>/<component>/{mean,std}``, ``adv_std``, ``adv_extreme_share``;
-on every line ``per_type: {type: {entropy, max_prob, effective_candidates, n}}``, pooled over DDP ranks);
+on every line ``per_type: {type: {entropy, max_prob, effective_candidates, n}}`` and ``ce/<type>``, pooled
+over DDP ranks; at the diagnostics cadence the objective per type, ``policy_loss/<type>``,
+``reward/<type>/{mean,std}``, ``grad_norm/<type>`` and ``grad_share/<type>``, see ``rlcd.diagnostics``);
 logs of older runs have the pooled ``log_score_mean``/``spherical_mean``/``rps_mean`` and
 ``advantage_std`` only).
 """
@@ -138,3 +140,23 @@ def type_stat_types(lines: list[dict]) -> list[str]:
         if isinstance(per, dict):
             seen.update({t: None for t, b in per.items() if isinstance(b, dict) and any(k in b for k in TYPE_STATS)})
     return list(seen)
+
+
+OBJECTIVE_STATS = ("ce", "policy_loss", "grad_norm", "grad_share")  # ``<stat>/<type>`` keys (rlcd.diagnostics)
+
+
+def objective_types(lines: list[dict]) -> list[str]:
+    """The question types with any ``<stat>/<type>`` objective key (``OBJECTIVE_STATS``) in the log, first seen first."""
+    seen: dict[str, None] = {}
+    for obj in lines:
+        for key in obj:
+            parts = key.split("/")
+            if len(parts) == 2 and parts[0] in OBJECTIVE_STATS:
+                seen[parts[1]] = None
+    return list(seen)
+
+
+def mean_value(lines: list[dict], key: str) -> float | None:
+    """Mean of the finite values logged under ``key`` (None when there are none)."""
+    ys = series(lines, key)[1]
+    return float(np.mean(ys)) if ys else None

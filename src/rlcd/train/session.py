@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from rlcd.diagnostics import RewardDiagnostics, TypeDiagnostics
-from rlcd.objectives import ce_loss, gradient_diagnostics, reward_samples, rlcd_loss
+from rlcd.diagnostics import ObjectiveDiagnostics, RewardDiagnostics, TypeDiagnostics
+from rlcd.objectives import ce_loss, gradient_diagnostics, reward_samples, rlcd_loss, row_terms
 from rlcd.recipe import Recipe, lr_factor
 from rlcd.schema import Record
 
@@ -152,7 +152,7 @@ class Session:
         indices = micro_indices(step, accum=r.grad_accum, rank=self.dist.rank, world=self.dist.world)
         n_local = len(indices)
         stats_sum: dict[str, float] = defaultdict(float)
-        per_type = TypeDiagnostics()
+        per_type, by_type = TypeDiagnostics(), ObjectiveDiagnostics()
         rewards = RewardDiagnostics() if diagnostics and r.objective == "rlcd" else None
         tokens = examples = 0
         finite = True
@@ -176,9 +176,12 @@ class Session:
             per_type.add(logits.detach(), batch)
             tokens += int(batch.n_tokens)
             examples += len(batch.ids)
+            args = (logits.detach(), batch.cand_mask, batch.target, batch.ordinal)
+            rl = diagnostics and r.objective == "rlcd"
+            kw = {"noise": self.noise(index, logits), **self.rlcd_settings(index, batch)} if rl else {}
+            by_type.add(row_terms(*args, objective=r.objective, full=diagnostics, ce_weight=r.ce_weight, **kw),
+                        batch.type_id)
             if rewards is not None:
-                args = (logits.detach(), batch.cand_mask, batch.target, batch.ordinal)
-                kw = {"noise": self.noise(index, logits), **self.rlcd_settings(index, batch)}
                 rewards.add(reward_samples(*args, **kw), batch.type_id, batch.ordinal)
                 if diag is None:
                     d = gradient_diagnostics(*args, **kw)
@@ -186,6 +189,7 @@ class Session:
             mark("other")
         out = dict(stats_sum)
         out.update(per_type.summary(reduce=self.dist.reduce))
+        out.update(by_type.summary(reduce=self.dist.reduce))
         if rewards is not None:
             out.update(rewards.summary(reduce=self.dist.reduce))
         if diag:
