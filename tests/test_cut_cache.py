@@ -199,3 +199,50 @@ def test_lora_layers_mistakes_are_one_line_and_write_nothing(tmp_path, data_dir)
     assert not (tmp_path / "r2").exists()
     _train(tmp_path / "ok", data, steps=1)
     user_error(["train", "--resume", tmp_path / "ok", "--recipe", "lora_layers=1"], contains="would change the run's")
+
+
+def test_head_only_features_from_cut_states_equal_a_full_extraction(tmp_path, data_dir):
+    """A data directory with a cut-state cache gives a head-only model (LoRA everywhere, zero) its final features
+    from the layers above that cut alone: the same features as a full extraction, to float32 noise."""
+    from rlcd.features import ensure_features
+    from rlcd.model.build import build_model
+
+    data = _fresh_data(tmp_path, data_dir)
+    ensure_cut_states(_model(k=2), data, progress=False)
+    head = build_model({"model": "tiny-toy", "model_seed": 0, "recipe": {}})
+    below = find_cut_states(head, data, any_cut=True)
+    assert below is not None and below.key["cut"] == 2
+    assert find_cut_states(build_model({"model": "tiny-toy", "model_seed": 1, "recipe": {}}), data, any_cut=True) is None
+    fast = ensure_features(head, data, progress=False, cut_states=below)
+    assert fast.manifest["from_cut_states"] == str(below.root)
+    shutil.rmtree(fast.root)
+    full = ensure_features(head, data, progress=False)
+    assert full.manifest["from_cut_states"] is None
+    for split, tensors in full.tensors.items():
+        for name, t in tensors.items():
+            if t.is_floating_point():
+                torch.testing.assert_close(fast.tensors[split][name], t, atol=1e-4, rtol=1e-4, msg=f"{split} {name}")
+            else:
+                assert torch.equal(fast.tensors[split][name], t), (split, name)
+
+
+def test_a_top_layer_run_starts_from_a_head_only_runs_head(tmp_path, data_dir):
+    """`--init` from a head-only run (LoRA zero on every layer) into `lora_layers=2`: the head and its centring
+    come along, this run's LoRA (top 2 layers only) starts at zero; its step-0 dev scores are the source's."""
+    from rlcd.dev_evals import read_dev_eval
+    from rlcd.run import Run
+
+    data = _fresh_data(tmp_path, data_dir)
+    src = tmp_path / "head"
+    train(src, data_dir=data, model="tiny-toy", recipe=Recipe(steps=2, head_only=True, lr_head=5e-3, **FAST), **QUIET)
+    new = tmp_path / "top"
+    train(new, data_dir=data, model="tiny-toy", recipe=Recipe(steps=2, lora_layers=2, **FAST), init=src,
+          stop_after=0, **QUIET)
+    best = ckpt.load(src / "checkpoints" / "best")
+    start = ckpt.load(new / "checkpoints" / "last")["weights"]
+    for k, v in best["weights"].items():
+        if k.startswith("head."):
+            assert torch.equal(start[k], v), k
+    assert all(torch.count_nonzero(v) == 0 for k, v in start.items() if "lora_B" in k)
+    assert read_dev_eval(Run(new), 0) == read_dev_eval(Run(src), best["state"]["best_step"])
+    assert json.loads((new / "config.json").read_text())["init"]["head_only"] is True

@@ -73,23 +73,25 @@ def lower_weights_digest(model, cut: int) -> str:
     return h.hexdigest()
 
 
-def cut_key(model, data_dir: Path, storage: str = "float32") -> dict[str, Any]:
-    """Everything the cut states depend on (see the module docstring)."""
+def cut_key(model, data_dir: Path, storage: str = "float32", cut: int | None = None) -> dict[str, Any]:
+    """Everything the cut states depend on (see the module docstring); `cut`: another layer than the model's own
+    (any model whose weights below it match can read such a cache: `find_cut_states(any_cut=True)`)."""
     from rlcd.data.io import sha256_file
 
+    cut = model.cut_layer if cut is None else cut
     info = model.backbone_info
     return {
         "cut_version": CUT_VERSION,
         "backbone": {k: info.get(k) for k in ("family", "config_hash", "vocab", "vocab_size", "marker_id",
                                               "hidden_size", "num_layers")},
-        "weights_below_cut": lower_weights_digest(model, model.cut_layer),
+        "weights_below_cut": lower_weights_digest(model, cut),
         "prompt": model.info["prompt"],
         "splits": {f"{s}.jsonl": sha256_file(Path(data_dir) / f"{s}.jsonl") for s in SPLITS
                    if (Path(data_dir) / f"{s}.jsonl").is_file()},
         "dtype": str(next(model.backbone.parameters()).dtype).replace("torch.", ""),
         "storage": storage,
         "n_orders": N_ORDERS,
-        "cut": int(model.cut_layer),
+        "cut": int(cut),
         "num_layers": int(model.num_layers),
     }
 
@@ -203,7 +205,8 @@ class CutCache:
                         ordinal=torch.tensor([t == "score" for t in types], dtype=torch.bool),
                         type_id=torch.tensor([TYPE_ID[t] for t in types], dtype=torch.long),
                         ids=[r.id for r in records], groups=[r.group or r.sampling_group for r in records],
-                        types=types, n_tokens=n_tok, units=units, stored_dtype=self.storage)
+                        types=types, n_tokens=n_tok, units=units, stored_dtype=self.storage,
+                        cut_layer=int(self.key["cut"]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -330,12 +333,31 @@ def _n_positions(model) -> int:
     return 3 if model.family.name == "qwen3.5" else 1
 
 
-def find_cut_states(model, data_dir: Path, storage: str = "float32") -> CutCache | None:
-    """The complete cut-state cache for `model` (its cut) over `data_dir` if one exists (never extracts)."""
-    if getattr(model, "cut_layer", None) is None or not cache_root(Path(data_dir)).is_dir():
+def find_cut_states(model, data_dir: Path, storage: str = "float32", *, any_cut: bool = False) -> CutCache | None:
+    """The complete cut-state cache for `model` (its cut) over `data_dir` if one exists (never extracts).
+    `any_cut`: any complete cache, at whatever cut, whose key this model matches there (its weights below that
+    cut, its prompt, the data, the dtype): the layers above it then yield this model's final features cheaply
+    (`rlcd.features` extraction uses it); the deepest such cut is taken (fewest layers to run)."""
+    root = cache_root(Path(data_dir))
+    if not root.is_dir():
         return None
-    key = cut_key(model, Path(data_dir), storage)
-    return CutCache.load(_root(Path(data_dir), key), key)
+    if not any_cut:
+        if getattr(model, "cut_layer", None) is None:
+            return None
+        key = cut_key(model, Path(data_dir), storage)
+        return CutCache.load(_root(Path(data_dir), key), key)
+    found = []
+    for d in root.glob(f"{PREFIX}*"):
+        try:
+            key = json.loads((d / "manifest.json").read_text())["key"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if key.get("num_layers") != getattr(model, "num_layers", None) or key.get("storage") != "float32":
+            continue
+        cache = CutCache.load(d, cut_key(model, Path(data_dir), "float32", cut=int(key["cut"])))
+        if cache is not None:
+            found.append(cache)
+    return max(found, key=lambda c: int(c.key["cut"]), default=None)
 
 
 __all__ = ["CUT_VERSION", "CutCache", "cut_key", "ensure_cut_states", "extract_split", "find_cut_states",

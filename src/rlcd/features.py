@@ -268,12 +268,14 @@ def entries_by_case(entries: list[tuple[Record, int]]) -> list[list[int]]:
 @torch.no_grad()
 def extract_split(model, records: Sequence[Record], collator, split: str, *, rows_per_call: int = 64,
                   progress: Callable[[int], None] | None = None, shared: bool = True,
-                  lora_off: bool = True) -> tuple[dict[str, torch.Tensor], list]:
+                  lora_off: bool = True, cut_states=None) -> tuple[dict[str, torch.Tensor], list]:
     """The tensors and index of one split: every entry's (h_dec, h_cand) from the frozen backbone.
 
     Rows of one case (one state) share a prefix forward (`model.case_features`) when the model has it;
     otherwise (or `shared=False`, the per-row reference of `rlcd bench features`) full rows are run,
     `rows_per_call` at a time. A zero LoRA is switched off unless `lora_off=False` (what the bench compares).
+    `cut_states`: a `rlcd.cut_cache.CutCache` this model matches below its cut: only the layers above it run
+    (the same features to float noise, at a fraction of the cost).
     """
     entries = cache_entries(split, records)
     n = len(entries)
@@ -283,7 +285,7 @@ def extract_split(model, records: Sequence[Record], collator, split: str, *, row
     was = model.training
     model.eval()
     done = 0
-    shared = getattr(model, "case_features", None) if shared else None
+    shared = getattr(model, "case_features", None) if shared and cut_states is None else None
     groups = entries_by_case(entries) if shared is not None else [[j] for j in range(n)]
     call: list[list[int]] = []
 
@@ -291,7 +293,16 @@ def extract_split(model, records: Sequence[Record], collator, split: str, *, row
         nonlocal done
         if not call:
             return
-        if shared is not None:
+        if cut_states is not None:
+            flat = [j for g in call for j in g]
+            batch = cut_states.batch(split, [entries[j][0] for j in flat], [entries[j][1] for j in flat])
+            d, cand = model.features(batch)
+            for b, j in enumerate(flat):
+                k = entries[j][0].question.k
+                h_dec[j], h_cand[j] = d[b].float().cpu(), cand[b, :k].float().cpu()
+                n_tok[j] = int(batch.suffixes[b][0].shape[0]) + (
+                    int(batch.prefixes[batch.prefix_of[b]][0].shape[0]) if batch.prefix_of[b] is not None else 0)
+        elif shared is not None:
             cases = [model.case_inputs_from_records([entries[j][0] for j in g], image_root=collator.image_root) for g in call]
             for g, c, feats in zip(call, cases, shared(cases)):
                 for j, row, (d, cand) in zip(g, c.rows, feats):
@@ -343,10 +354,12 @@ def check_writable(root: Path) -> None:
 
 
 def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callable[[str], None] | None = None,
-                    records: dict[str, list[Record]] | None = None) -> FeatureCache:
+                    records: dict[str, list[Record]] | None = None, cut_states=None) -> FeatureCache:
     """The cache of `model`'s frozen features over `data_dir`: loaded when a complete one with the same key
     exists, else extracted (all four splits) and published atomically. Partial `.tmp-*` directories of
-    killed extractions are removed first (an extraction in progress elsewhere keeps its own)."""
+    killed extractions are removed first (an extraction in progress elsewhere keeps its own). `cut_states`:
+    a cut-state cache this model matches (`rlcd.cut_cache.find_cut_states(any_cut=True)`): extraction then runs
+    only the layers above its cut."""
     from rlcd.data.io import load_split
     from rlcd.progress import Progress
     from safetensors.torch import save_file
@@ -377,7 +390,8 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
                 recs = load_split(data_dir, split) if (data_dir / f"{split}.jsonl").is_file() else []
             n = len(cache_entries(split, recs))
             with Progress(f"features {split}", n, unit="rows", enabled=progress and n > 0) as bar:
-                tensors, index = extract_split(model, recs, collator, split, progress=bar.update)
+                tensors, index = extract_split(model, recs, collator, split, progress=bar.update,
+                                               cut_states=cut_states)
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / f"{split}.safetensors"))
             (tmp / f"{split}.index.json").write_text(json.dumps(index))
             counts[split] = len(index)
@@ -385,7 +399,8 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
         seconds = time.perf_counter() - t0
         manifest = {"key": key, "key_id": kid, "complete": True, "splits": counts, "row_tokens": tokens,
                     "seconds": round(seconds, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "shared_prefix": hasattr(model, "case_features")}
+                    "shared_prefix": hasattr(model, "case_features"),
+                    "from_cut_states": str(cut_states.root) if cut_states is not None else None}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         fsync_files(tmp)
         try:

@@ -28,7 +28,8 @@ def features(
 
     Every head-only run (`--recipe head_only=true`) and every head warm-up (`--recipe head_warmup=N`)
     over DATA with this backbone, prompt and dtype reuses the cache in DATA/features/KEY/; `train`
-    builds it on first need too. With `--cut K`: the hidden states of every token entering the top K
+    builds it on first need too (from a cut-state cache of the same backbone when DATA has one: only the
+    layers above its cut run). With `--cut K`: the hidden states of every token entering the top K
     decoder layers, which every `--recipe lora_layers=K` run over DATA reuses (DATA/features/cut-KEY/).
     Prints the cache directory, its counts, size and time (JSON) on stdout.
     """
@@ -62,7 +63,12 @@ def features(
                    "storage": mf["storage"], "extract_seconds": mf["seconds"],
                    "seconds": round(time.perf_counter() - t0, 3)})
         return
-    cache = ensure_features(m, data_dir, progress=True, say=echo)
+    from rlcd.cut_cache import find_cut_states
+
+    below = find_cut_states(m, data_dir, any_cut=True)  # a cut-state cache of this backbone: the top layers only
+    if below is not None:
+        echo(f"features: from the cut states {below.root} (layers {below.key['cut']}..{m.num_layers - 1} run)")
+    cache = ensure_features(m, data_dir, progress=True, say=echo, cut_states=below)
     echo_json({"features": str(cache.root), "key_id": cache.manifest["key_id"], "entries": cache.manifest["splits"],
                "row_tokens": cache.manifest["row_tokens"], "extract_seconds": cache.manifest["seconds"],
                "seconds": round(time.perf_counter() - t0, 3)})

@@ -47,6 +47,7 @@ class CutBatch:
     n_tokens: int               # full-row tokens of the batch (what a live forward would run)
     units: list[list[int]] | None = None  # rows grouped by case (batch_by="case"); None: rows
     stored_dtype: str = field(default="float32")
+    cut_layer: int | None = None  # the layer the states enter (default: the model's own cut)
 
     def to(self, device: Any, non_blocking: bool = False) -> "CutBatch":
         from .collate import moved
@@ -108,7 +109,7 @@ def cut_features(model: Any, batch: CutBatch) -> tuple[torch.Tensor, torch.Tenso
     """(h_dec [B, H], h_cand [B, Kmax, H]) of a CutBatch through the layers above the cut (module docstring)."""
     dev = model.device
     dtype = next(model.backbone.parameters()).dtype
-    layers = (model.cut_layer, model.num_layers)
+    layers = (batch.cut_layer if batch.cut_layer is not None else model.cut_layer, model.num_layers)
     units = batch.units if batch.units is not None else [[i] for i in range(len(batch))]
     shared = [u for u in units if _shareable(model, batch, u)]
     solo = [i for u in units if not _shareable(model, batch, u) for i in u]

@@ -132,7 +132,8 @@ def check_data_dir(data_dir: Path, flag: str = "--data") -> Path:
 
 def init_source(path: Path, model: str, model_seed: int, recipe: Recipe) -> dict:
     """The run `--init` names, checked before anything is built: a run with a best checkpoint, trained on
-    the same backbone (preset or path, model seed) with the same LoRA and head shapes. Returns what
+    the same backbone (preset or path, model seed) with the same LoRA and head shapes (a head-only source's LoRA
+    is zero, so only its head shape must match: it starts a `lora_layers` run, say, from its trained head). Returns what
     `load_init_weights` needs and the record kept in config.json ("init")."""
     from rlcd.model.build import MODEL_FIELDS, model_options
 
@@ -144,14 +145,17 @@ def init_source(path: Path, model: str, model_seed: int, recipe: Recipe) -> dict
         raise OptionError(f"--init {path}: that run was trained on backbone {theirs[0]} (model seed {theirs[1]}), this "
                           f"one uses {model} (model seed {model_seed}); --init needs the same backbone")
     mine, other = model_options(recipe.to_dict()), model_options(cfg["recipe"])
-    diff = [f"{k} {other[k]} there, {mine[k]} here" for k in MODEL_FIELDS if mine[k] != other[k]]
+    head_only = bool(cfg["recipe"].get("head_only"))  # its LoRA is zero: only the head (and centring) carries over
+    lora_fields = ("lora_rank", "lora_alpha", "lora_layers")
+    diff = [f"{k} {other[k]} there, {mine[k]} here" for k in MODEL_FIELDS
+            if mine[k] != other[k] and not (head_only and k in lora_fields)]
     if diff:
         raise OptionError(f"--init {path}: the trainable weights have another shape ({'; '.join(diff)}); give the "
                           "same model fields (--recipe) as that run")
     state = ckpt.load(best)["state"]
-    return {"path": best, "export": src.export_dir / "model.json",
+    return {"path": best, "export": src.export_dir / "model.json", "head_only": head_only,
             "record": {"run": str(src.root.resolve()), "checkpoint": "best", "step": state.get("best_step"),
-                       "weights_sha256": ckpt.weights_sha256(best)}}
+                       "weights_sha256": ckpt.weights_sha256(best), **({"head_only": True} if head_only else {})}}
 
 
 def _same_model_path(theirs: str, mine: str, same_seed: bool) -> bool:
@@ -172,7 +176,11 @@ def load_init_weights(model, source: dict) -> str:
         if meta.get("backbone_fingerprint") not in (None, backbone_fingerprint(model, rounding)):
             raise OptionError(f"--init {source['record']['run']}: the backbone built here does not match the one that "
                               "run was trained on (parameter fingerprint differs); point at the same weights")
-    model.load_trainable_state_dict(ckpt.load(source["path"], map_location=str(model.device))["weights"])
+    weights = ckpt.load(source["path"], map_location=str(model.device))["weights"]
+    if source.get("head_only"):  # a head-only run's LoRA is zero, whatever its shape: this run's own zero LoRA stays
+        weights = {k: v for k, v in weights.items() if not k.startswith("lora.")}
+        weights.update({k: v for k, v in model.trainable_state_dict().items() if k.startswith("lora.")})
+    model.load_trainable_state_dict(weights)
     return found
 
 

@@ -76,16 +76,21 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
         load_weights(model)
     features = cut_states = None
     known = {"train": train, "dev": dev_rows}
-    if feature_cache and (recipe.head_only or start_step < recipe.head_warmup):
-        from rlcd.features import ensure_features
-
-        features = _rank0_first(d, lambda main: ensure_features(
-            model, data_dir, progress=progress and main, say=print_fn if main else None, records=known))
     if feature_cache and recipe.lora_layers is not None:
         from rlcd.cut_cache import ensure_cut_states
 
         cut_states = _rank0_first(d, lambda main: ensure_cut_states(
             model, data_dir, progress=progress and main, say=print_fn if main else None, records=known))
+    if feature_cache and (recipe.head_only or start_step < recipe.head_warmup):
+        from rlcd.cut_cache import find_cut_states
+        from rlcd.features import ensure_features
+
+        def build(main: bool):  # from a cut-state cache this model matches, when there is one: the top layers only
+            below = find_cut_states(model, data_dir, any_cut=True) if main else None
+            return ensure_features(model, data_dir, progress=progress and main, say=print_fn if main else None,
+                                   records=known, cut_states=below)
+
+        features = _rank0_first(d, build)
     groups = model.param_groups()
     optimizer = torch.optim.AdamW(
         [{"params": groups["lora"], "lr": recipe.lr_lora, "name": "lora"},
