@@ -26,7 +26,7 @@ from typing import Any
 
 RESULTS_DIR = Path("benchmarks/results")
 BENCHMARKS_MD = Path("benchmarks/BENCHMARKS.md")
-ORDER = ("prefix", "pipeline", "train", "features", "serve", "gpu")
+ORDER = ("prefix", "pipeline", "train", "features", "cut", "serve", "gpu")
 
 # how to produce each known bench (shown when its JSON is missing)
 HOW = {
@@ -34,6 +34,7 @@ HOW = {
     "pipeline": "rlcd bench pipeline --model tiny-llama --json benchmarks/results/pipeline-tiny-llama.json",
     "train": "rlcd bench train --model tiny --json benchmarks/results/train.json",
     "features": "rlcd bench features --model tiny --json benchmarks/results/features-tiny.json",
+    "cut": "rlcd bench cut --model smollm2-135m --threads 2 --json benchmarks/results/cut.json",
     "serve": "rlcd bench serve RUN --json benchmarks/results/serve.json",
     "gpu": "bash benchmarks/gpu.sh",
 }
@@ -61,6 +62,11 @@ HEADLINE = {
     "features": ("model", "cases", "threads", "extract.ratio", "extract.shared.row_tokens_per_s",
                  "extract.per_row.row_tokens_per_s", "extract.shared.entries", "train.head_only_updates_per_s",
                  "train.lora_updates_per_s", "train.ratio"),
+    "cut": ("model", "layers", "batch_size", "grad_accum", "all_layers.row.updates_per_s", "all_layers.case.updates_per_s",
+            *(f"per_k.{k}.{f}" for k in (1, 2, 4, 8)
+              for f in ("row.updates_per_s", "row_ratio", "case.updates_per_s", "case_ratio", "live_row_ratio",
+                        "goal_ratio", "row_tokens_per_s", "bytes_per_row_token")),
+            "storage.float32_max_abs_dlogit", "storage.bfloat16_max_abs_dlogit"),
     "serve": ("model", "requests_per_level", "window_ms", "batching_speedup_c16", "p50_ratio_c1", "c5xx", "crashes",
               "unexpected", "peak_rss_mib",
               *(f"model_batching.{z}.gain" for z in (1, 5, 50)),
