@@ -340,13 +340,11 @@ def evaluate_on_data(run: Run | Path, data_dir: Path, *, name: str | None = None
     Temperatures: the run's own (eval/temperatures.json when fitted on this checkpoint and placement,
     else fitted here on the run's calibration split without writing eval/), or with `recalibrate` fitted
     on OTHER's calibration split. The majority baseline comes from OTHER's train split. The report is the
-    usual one, built from the files under eval-NAME/.
+    usual one, built from the files under eval-NAME/. Holds the run's lock (`RunBusy` beside another writer),
+    taken once the inputs are checked.
     """
-    from rlcd.data.io import load_split, sha256_file, write_jsonl
+    from rlcd.data.io import load_split
     from rlcd.errors import RunError
-    from rlcd.metrics import majority_baseline
-    from rlcd.report import evaluation_from_predictions, write_evaluation, write_report
-    from rlcd.train import data_hashes
 
     run = run if isinstance(run, Run) else Run.open(run)
     other = check_other_data(data_dir, recalibrate=recalibrate)
@@ -359,6 +357,18 @@ def evaluate_on_data(run: Run | Path, data_dir: Path, *, name: str | None = None
     if not records or (recalibrate and not records.get("calibration")):
         raise RunError(f"--data {other}: " + ("calibration.jsonl has no rows to fit on" if records
                                               else "dev, calibration and test hold no rows"))
+    with run.lock("evaluate --data"):  # eval-NAME/ and eval/temperatures.json's reader: one writer, as evaluate
+        return _evaluate_on_data(run, view, other, records, recalibrate=recalibrate, placement=placement,
+                                 which=which, progress=progress, say=say)
+
+
+def _evaluate_on_data(run: Run, view: Run, other: Path, records: dict[str, list[Record]], *, recalibrate: bool,
+                      placement: Placement, which: str, progress: bool, say: Callable[[str], None]) -> dict[str, Any]:
+    from rlcd.data.io import load_split, sha256_file, write_jsonl
+    from rlcd.metrics import majority_baseline
+    from rlcd.report import evaluation_from_predictions, write_evaluation, write_report
+    from rlcd.train import data_hashes
+
     model, config, state = load_checkpoint_model(run, which, placement=placement)
     collator = _collator(model, other)
     preds = {split: predict_rows(model, rows, collator, split=split, device=placement.torch_device,
