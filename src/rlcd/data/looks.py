@@ -108,6 +108,15 @@ def previous_looks(data_dir: Path, *, exclude_runs_under: Path | None = None) ->
     return looks
 
 
+def _argv() -> str:
+    """This process's command line, `rlcd ...` when it is the rlcd CLI (`rlcd`, `python -m rlcd.cli`)."""
+    argv = list(sys.argv) or [""]
+    first = Path(argv[0])
+    if first.name == "rlcd" or first.parts[-3:] == ("rlcd", "cli", "__main__.py"):
+        argv[0] = "rlcd"
+    return shlex.join(argv)
+
+
 def _key(look: dict) -> tuple:
     return (look.get("run"), look.get("checkpoint_sha256"), look.get("test_sha256"))
 
@@ -121,7 +130,7 @@ def record_look(data_dir: Path, *, run: Path, eval_name: str, checkpoint_sha256:
     data_dir = Path(data_dir).resolve()
     look = {"run": str(Path(run).resolve()), "eval": eval_name,
             "when": when or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "command": command, "argv": shlex.join(sys.argv)[:ARGV_CHARS], "test_sha256": sha256_of_test(data_dir),
+            "command": command, "argv": _argv()[:ARGV_CHARS], "test_sha256": sha256_of_test(data_dir),
             "checkpoint_sha256": checkpoint_sha256, "rows": int(rows)}
     out = Looks(data_dir)
     try:
