@@ -104,6 +104,24 @@ def test_a_crashed_holder_leaves_no_stale_lock(tmp_path):
         pass
 
 
+def test_evaluate_on_other_data_is_one_writer_too(tmp_path):
+    """`rlcd evaluate RUN --data OTHER` writes RUN/eval-NAME/: a second one beside a first gets RunBusy, one line,
+    exit 2, and nothing is written (the lock comes after the inputs are checked, before the model loads)."""
+    run = _fake_run(tmp_path)
+    (tmp_path / "other").mkdir()
+    other = synth_processed(tmp_path / "other", 12, seed=3)
+    holder = _holder(run, "evaluate --data")
+    try:
+        res = _rlcd("evaluate", run, "--data", other, "--out", "second")
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        assert f"in use by process {holder.pid} (evaluate --data)" in res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert not (run / "eval-second").exists() and not (other / "test-looks.jsonl").exists()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+
+
 def test_the_lock_is_reentrant_within_one_process(tmp_path):
     run = _fake_run(tmp_path)
     with Run(run).lock("evaluate"):

@@ -217,22 +217,24 @@ def _calibrate_run(run: Run, *, placement: Placement | None, which: str, progres
 def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
                  print_fn: Callable[[str], None] | None = None, which: str = "best",
                  progress: bool = True, allow_data_change: bool = False,
-                 feature_cache: bool = True, export: bool = True) -> dict[str, Any]:
+                 feature_cache: bool = True, export: bool = True, command: str = "evaluate") -> dict[str, Any]:
     """Score every held-out split, calibrate, write eval/ and export/, and render the report (see
     `_evaluate_run`), holding the run's lock; refused when the data the run froze at its start changed,
     unless `allow_data_change` (then the changed files are recorded in evaluation.json's meta).
-    `export=False` writes no export/ (a sweep's runs: `rlcd export RUN` writes it later)."""
+    `export=False` writes no export/ (a sweep's runs: `rlcd export RUN` writes it later). The test split's
+    scoring is recorded beside it as one look (`rlcd.data.looks`; `command` names who looked), and earlier
+    looks are said on stderr (`print_fn`, else stderr) and in the report."""
     run = run if isinstance(run, Run) else Run.open(run)
     run.require_checkpoint(which)
     changed = frozen_data_changes(run, allow_data_change, print_fn or echo)
     with run.lock("evaluate"):
         return _evaluate_run(run, placement=placement, print_fn=print_fn, which=which, progress=progress,
-                             data_changed=changed, feature_cache=feature_cache, export=export)
+                             data_changed=changed, feature_cache=feature_cache, export=export, command=command)
 
 
 def _evaluate_run(run: Run, *, placement: Placement | None, print_fn: Callable[[str], None] | None,
                   which: str, progress: bool, data_changed: list[str],
-                  feature_cache: bool = True, export: bool = True) -> dict[str, Any]:
+                  feature_cache: bool = True, export: bool = True, command: str = "evaluate") -> dict[str, Any]:
     """Score every held-out split, calibrate, write eval/ and export/, and render the report.
 
     `which`: the dev-selected checkpoint ("best", the recipe) or the "last" one (what the final
@@ -272,6 +274,7 @@ def _evaluate_run(run: Run, *, placement: Placement | None, print_fn: Callable[[
         "placement": placement.to_dict(),
         "training_progress": run.training_progress(),
         **({"data_changed": {"files": data_changed, "allowed": True}} if data_changed else {}),
+        **_test_look(run, data_dir, preds, which, command, print_fn or echo),
     }
     for line in small_data_warnings(preds, infos):
         say(line)
@@ -289,6 +292,23 @@ def _evaluate_run(run: Run, *, placement: Placement | None, print_fn: Callable[[
     say(f"report: {run.report_md}, {run.report_md.with_suffix('.html')} and their plots")
     write_report(run, ev=ev)
     return ev
+
+
+def _test_look(run: Run, data_dir: Path, preds: dict[str, list[dict]], which: str, command: str,
+               warn: Callable[[str], None]) -> dict[str, Any]:
+    """Record this evaluation's look at `data_dir`'s test split (`rlcd.data.looks`) and say on stderr how many came
+    before; meta.test_looks for the report ({} when no test split was scored)."""
+    from rlcd.data.looks import record_look
+
+    if not preds.get("test"):
+        return {}
+    looks = record_look(data_dir, run=run.root, eval_name=run.eval_name, rows=len(preds["test"]), command=command,
+                        checkpoint_sha256=ckpt.weights_sha256(run.require_checkpoint(which)))
+    if looks.error:
+        warn(f"warning: could not record this look at the test split ({looks.error}); it is not counted")
+    if looks.note():
+        warn(f"note: {looks.note()}")
+    return {"test_looks": looks.meta()}
 
 
 def _run_meta(run: Run, config: dict, state: dict, which: str) -> dict[str, Any]:
@@ -340,25 +360,37 @@ def evaluate_on_data(run: Run | Path, data_dir: Path, *, name: str | None = None
     Temperatures: the run's own (eval/temperatures.json when fitted on this checkpoint and placement,
     else fitted here on the run's calibration split without writing eval/), or with `recalibrate` fitted
     on OTHER's calibration split. The majority baseline comes from OTHER's train split. The report is the
-    usual one, built from the files under eval-NAME/.
+    usual one, built from the files under eval-NAME/. Holds the run's lock (`RunBusy` beside another writer),
+    taken once the inputs are checked. Scoring OTHER's test split is recorded beside it as one look
+    (`rlcd.data.looks`), and earlier looks are said on stderr and in the report.
     """
-    from rlcd.data.io import load_split, sha256_file, write_jsonl
+    from rlcd.data.io import load_split
     from rlcd.errors import RunError
-    from rlcd.metrics import majority_baseline
-    from rlcd.report import evaluation_from_predictions, write_evaluation, write_report
-    from rlcd.train import data_hashes
 
     run = run if isinstance(run, Run) else Run.open(run)
     other = check_other_data(data_dir, recalibrate=recalibrate)
     view = run.on_data(other_data_name(other, name))
     run.require_checkpoint(which)
     placement = placement or resolve_placement("cpu")
-    say = print_fn or (lambda _: None)
     records = {split: load_split(other, split) for split in SPLITS if (other / f"{split}.jsonl").is_file()}
     records = {split: rows for split, rows in records.items() if rows}
     if not records or (recalibrate and not records.get("calibration")):
         raise RunError(f"--data {other}: " + ("calibration.jsonl has no rows to fit on" if records
                                               else "dev, calibration and test hold no rows"))
+    with run.lock("evaluate --data"):  # eval-NAME/ and eval/temperatures.json's reader: one writer, as evaluate
+        return _evaluate_on_data(run, view, other, records, recalibrate=recalibrate, placement=placement,
+                                 which=which, progress=progress, print_fn=print_fn)
+
+
+def _evaluate_on_data(run: Run, view: Run, other: Path, records: dict[str, list[Record]], *, recalibrate: bool,
+                      placement: Placement, which: str, progress: bool,
+                      print_fn: Callable[[str], None] | None) -> dict[str, Any]:
+    from rlcd.data.io import load_split, sha256_file, write_jsonl
+    from rlcd.metrics import majority_baseline
+    from rlcd.report import evaluation_from_predictions, write_evaluation, write_report
+    from rlcd.train import data_hashes
+
+    say, warn = print_fn or (lambda _: None), print_fn or echo
     model, config, state = load_checkpoint_model(run, which, placement=placement)
     collator = _collator(model, other)
     preds = {split: predict_rows(model, rows, collator, split=split, device=placement.torch_device,
@@ -396,6 +428,7 @@ def evaluate_on_data(run: Run | Path, data_dir: Path, *, name: str | None = None
         "temperatures_source": source["source"],
         "majority_baseline_from": str(other / "train.jsonl") if baseline is not None else None,
         "placement": placement.to_dict(),
+        **_test_look(view, other, preds, which, "evaluate --data", warn),
     }
     ev = evaluation_from_predictions(preds, temps, meta, majority_baseline=baseline)
     write_evaluation(view, ev)

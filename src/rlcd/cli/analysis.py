@@ -169,7 +169,8 @@ def sweep(
     dtype: DTypeOpt = DType.auto,
     dry_run: Annotated[bool, typer.Option(help="write the run configs and print the worker commands; train nothing")] = False,
     choose_on: Annotated[str, typer.Option(help="split the summary ranks the arms on: dev (the default; test is "
-                                                "shown beside it, not for choosing) or test")] = "dev",
+                                                "shown beside it, not for choosing) or test (noted, with how often "
+                                                "DATA's test split was scored before: DATA/test-looks.jsonl)")] = "dev",
     rank_by: Annotated[str, typer.Option(help="metric the arms are ranked by (raw|calibrated.<block>.<metric>)")]
     = "calibrated.overall.nll",
     export: Annotated[bool, typer.Option(help="also write every run's export/ (merged model + export/hf); off: "

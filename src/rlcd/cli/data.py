@@ -21,6 +21,15 @@ class Kind(str, Enum):
 
 TEXT_QUESTION = "Which label fits this text?"  # the default of importers.import_text, spelled here for --help
 StrictOpt = Annotated[bool, typer.Option("--strict", help="exit 1 when any row is excluded (or a split is empty)")]
+MAX_TOKENS = 8192  # rlcd.model.prompt.DEFAULT_MAX_TOKENS, spelled here so --help imports no torch (a test checks)
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", metavar="M", help="render every row with backbone M's prompt encoder (a preset, a local directory, a "
+    ".gguf file or a hub id, as `rlcd train --model`) and exclude rows over --max-tokens (too_long) or breaking "
+    "another rule of that tokenizer (unrenderable); without it no backbone is loaded and token limits are not "
+    "checked (`rlcd train` checks them at its start)")]
+MaxTokensOpt = Annotated[Optional[int], typer.Option(
+    "--max-tokens", help=f"with --model: the most tokens a rendered row may have, image tokens included "
+    f"(default and upper bound: the encoder's {MAX_TOKENS:,}, what training uses)", show_default=False)]
 
 
 @app.command("import")
@@ -131,6 +140,29 @@ def _inputs_exist(inputs: list[Path]) -> None:
             raise typer.BadParameter(f"{p}: no such file", param_hint="INPUTS")
 
 
+def _render_check(model: str | None, max_tokens: int | None):
+    """(check, checked_with) for `prepare`/`plan` from --model/--max-tokens: the backbone is loaded here, after
+    the cheap checks; (None, None) without --model."""
+    if model is None:
+        if max_tokens is not None:
+            raise typer.BadParameter("goes with --model M: token counts depend on the tokenizer", param_hint="--max-tokens")
+        return None, None
+    if max_tokens is not None and not 1 <= max_tokens <= MAX_TOKENS:
+        raise typer.BadParameter(f"{max_tokens}: give 1..{MAX_TOKENS} (training renders rows up to {MAX_TOKENS:,} "
+                                 "tokens)", param_hint="--max-tokens")
+    from rlcd.model.backbone import check_backbone_spec
+    from rlcd.row_check import RowCheck
+
+    check_backbone_spec(model)
+    rows = RowCheck.for_backbone(model, max_tokens=max_tokens)
+
+    def check(record, image):
+        found = rows.problem(record, image)
+        return None if found is None else (found.reason, found.detail)
+
+    return check, {"model": model, "max_tokens": rows.max_tokens}
+
+
 def _out_is_a_directory(out: Path) -> None:
     """--out names a directory to write; a file there (or above it) is refused before anything is read."""
     from rlcd.data.io import suggest_processed_dir
@@ -153,8 +185,15 @@ def prepare_cmd(
         "--splits", metavar="TRAIN,DEV,CAL,TEST", help="shares of the hash-placed groups, e.g. 0.8,0.05,0.05,0.1 "
         "(the default); recorded in the manifest")] = None,
     force: Annotated[bool, typer.Option("--force", help="overwrite a non-empty --out directory")] = False,
+    model: ModelOpt = None,
+    max_tokens: MaxTokensOpt = None,
 ) -> None:
-    """Validate, isolate and split records into a processed directory with a manifest."""
+    """Validate, isolate and split records into a processed directory with a manifest.
+
+    Backbone-free unless --model M: then every row is rendered with M's prompt encoder first, and rows over
+    the token limit (too_long, with their token count) or breaking another rule of that tokenizer
+    (unrenderable) are excluded with the reason, so `rlcd train` never meets them mid-run.
+    """
     from rlcd.data.prepare import parse_fractions, prepare
     from rlcd.data.summary import console, print_manifest
 
@@ -167,7 +206,8 @@ def prepare_cmd(
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise typer.BadParameter(f"{out} already exists and is not empty (runs may have been trained on it); "
                                  "choose a new directory or pass --force to overwrite it", param_hint="--out")
-    manifest = prepare(inputs, out, seed=seed, fractions=fractions)
+    check, checked_with = _render_check(model, max_tokens)
+    manifest = prepare(inputs, out, seed=seed, fractions=fractions, check=check, checked_with=checked_with)
     print_manifest(manifest)
     console.print(f"wrote {out}")
     _verdict(manifest, strict)
@@ -178,13 +218,16 @@ def validate_cmd(
     inputs: Annotated[list[Path], typer.Argument(help="record files (JSONL)")],
     seed: Annotated[int, typer.Option()] = 0,
     strict: StrictOpt = False,
+    model: ModelOpt = None,
+    max_tokens: MaxTokensOpt = None,
 ) -> None:
     """Dry run of `prepare`: the same counts and exclusion reasons, nothing written."""
     from rlcd.data.prepare import manifest_of, plan
     from rlcd.data.summary import print_details, print_manifest
 
     _inputs_exist(inputs)
-    result = plan(inputs, seed)
+    check, checked_with = _render_check(model, max_tokens)
+    result = plan(inputs, seed, check=check, checked_with=checked_with)
     manifest = manifest_of(result)
     print_manifest(manifest)
     print_details(result.excluded)

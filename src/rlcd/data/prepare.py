@@ -17,6 +17,10 @@ Rules, in order:
    manifest). A group whose official split is train gets the same dev/calibration bands (never
    test), unless one of its sources already ships its own dev/calibration rows; so calibration
    is always carved from training groups.
+   With a render check (`rlcd data prepare --model M`: `rlcd.row_check` renders each valid row with that
+   backbone's prompt encoder), a row over the token limit is excluded `too_long` (its token count in the
+   detail) and a row breaking another rule of that rendering (special-token text of that tokenizer, an
+   image for a text-only backbone) `unrenderable`, before isolation. Without one, prepare needs no backbone.
 4. Exact duplicates (same state, image bytes and question) are excluded `duplicate`, keeping the
    row in the highest split, then the first read.
 5. The manifest holds counts per (group, split), exclusions per reason, the sha256 of every input
@@ -33,7 +37,7 @@ import shutil
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rlcd.data.io import read_jsonl, sha256_file, write_jsonl
 from rlcd.schema import SPLITS, Record, RecordError, parse_record, text_of
@@ -63,7 +67,9 @@ def parse_fractions(text: str) -> tuple[float, float, float, float]:
     if any(not (x >= 0) for x in parts) or abs(sum(parts) - 1.0) > 1e-9:
         raise ValueError(f"{text!r}: the four fractions must be >= 0 and sum to 1 (they sum to {sum(parts):g})")
     return parts  # type: ignore[return-value]
-REASONS = ("unparsable", "invalid", "duplicate_id", "cross_split_group", "duplicate")
+REASONS = ("unparsable", "invalid", "duplicate_id", "too_long", "unrenderable", "cross_split_group", "duplicate")
+# a render check: (record, its image file or None) -> (reason, detail) when the row breaks a rendering rule
+RenderCheck = Callable[[Record, "Path | None"], "tuple[str, str] | None"]
 
 
 @dataclass
@@ -294,19 +300,38 @@ class Plan:
     excluded: list[dict]
     read: int
     fractions: tuple[float, float, float, float] | None = None
+    checked_with: dict | None = None  # {"model", "max_tokens"} of the render check, None without one
 
     @property
     def used(self) -> int:
         return sum(len(v) for v in self.by_split.values())
 
 
-def plan(inputs: list[Path], seed: int = 0, fractions: tuple[float, float, float, float] | None = None) -> Plan:
-    """Read, isolate, split and deduplicate; check `read == used + excluded`."""
+def render_exclusions(rows: list[Row], check: RenderCheck) -> tuple[list[Row], list[dict]]:
+    """The rows `check` passes, and the exclusions (`too_long`, `unrenderable`) of the others."""
+    kept, excluded = [], []
+    for row in rows:
+        found = check(row.record, row.image_src)
+        if found is None:
+            kept.append(row)
+        else:
+            excluded.append(_excl(row.record.id, row.source_file, *found))
+    return kept, excluded
+
+
+def plan(inputs: list[Path], seed: int = 0, fractions: tuple[float, float, float, float] | None = None,
+         check: RenderCheck | None = None, checked_with: dict | None = None) -> Plan:
+    """Read, (render-check,) isolate, split and deduplicate; check `read == used + excluded`.
+    `check`: see `RenderCheck`; `checked_with` says what it renders with (the manifest's `render_check`)."""
     inputs = [Path(p) for p in inputs]
     rows, excluded, read = read_inputs(inputs)
+    if check is not None:
+        rows, unrendered = render_exclusions(rows, check)
+        excluded += unrendered
     assigned, cross = assign_splits(rows, isolation_groups(rows), seed, bands_of(fractions))
     kept, dups = drop_duplicates(rows, assigned)
-    result = Plan(inputs, seed, rows, kept, _output_records(rows, kept), excluded + cross + dups, read, fractions)
+    result = Plan(inputs, seed, rows, kept, _output_records(rows, kept), excluded + cross + dups, read, fractions,
+                  checked_with)
     if result.read != result.used + len(result.excluded):
         raise InvariantError(f"read {result.read} rows but used {result.used} + excluded {len(result.excluded)}")
     return result
@@ -321,17 +346,20 @@ def manifest_of(p: Plan) -> dict:
         "splits": {s: len(p.by_split[s]) for s in SPLITS},
         "counts": _counts(p.by_split),
         "exclusions": dict(sorted(Counter(e["reason"] for e in p.excluded).items())),
+        "render_check": p.checked_with,
         "outputs": {},
     }
 
 
 def prepare(inputs: list[Path], out_dir: Path, seed: int = 0, dry_run: bool = False,
-            fractions: tuple[float, float, float, float] | None = None) -> dict:
+            fractions: tuple[float, float, float, float] | None = None, check: RenderCheck | None = None,
+            checked_with: dict | None = None) -> dict:
     """Validate, isolate, split and (unless `dry_run`) write a processed directory; return the manifest.
 
-    `fractions`: (train, dev, calibration, test) shares of the hash-placed groups (default FRACTIONS).
+    `fractions`: (train, dev, calibration, test) shares of the hash-placed groups (default FRACTIONS);
+    `check` / `checked_with`: a render check (see `plan`).
     """
-    p = plan(inputs, seed, fractions)
+    p = plan(inputs, seed, fractions, check, checked_with)
     manifest = manifest_of(p)
     if not dry_run:
         out_dir = Path(out_dir)

@@ -57,6 +57,9 @@ def print_manifest(manifest: dict, out: Console | None = None) -> None:
         out.print(exclusions_table(manifest["exclusions"]))
     out.print(f"read {manifest['read']} = used {manifest['used']} + excluded {manifest['excluded']}"
               f"  (seed {manifest['seed']})")
+    check = manifest.get("render_check")
+    out.print(f"every kept row rendered with {check['model']} within {check['max_tokens']} tokens" if check else
+              "token limits not checked (--model M renders every row with that backbone first)", highlight=False)
 
 
 def print_details(exclusions: list[dict], limit: int = 20) -> None:

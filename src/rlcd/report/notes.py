@@ -1,5 +1,6 @@
 """What a reader must know before trusting the numbers: an unfinished run, an untrained selected
-checkpoint, data that changed under the run. The CLI summary and the report both print these lines."""
+checkpoint, data that changed under the run, a test split already scored before (`rlcd.data.looks`). The
+CLI summary and the report both print these lines."""
 
 from __future__ import annotations
 
@@ -21,4 +22,9 @@ def result_notes(meta: Mapping[str, Any] | None) -> list[str]:
     if changed.get("files"):
         out.append(f"data files changed since the run started ({', '.join(changed['files'])}); scored on the new "
                    "data as --allow-data-change asked")
+    from rlcd.data.looks import looks_note
+
+    looked = looks_note(meta.get("test_looks"))
+    if looked:
+        out.append(looked)
     return out

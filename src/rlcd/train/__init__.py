@@ -18,13 +18,13 @@ from .inputs import (DATA_FILES, ResumeRefused, check_data_dir, data_hashes, git
 from .loop import fit, log_due, train
 from .selection import dev_accuracy, improves_on, patience_exhausted
 from .session import Session, TrainingDiverged, noise_generator
-from .setup import Trainer, build_session, check_special_tokens, init_centring, setup
+from .setup import Trainer, build_session, check_rows, init_centring, setup
 from .sources import CachedFeatures, LiveSource, SourcePlan, plan_sources
 from .writer import RunWriter, TrainState
 
 __all__ = ["DATA_FILES", "CachedFeatures", "Dist", "LiveSource", "ResumeRefused", "RunWriter", "Session",
            "SourcePlan", "TrainState", "Trainer", "TrainingDiverged", "build_session", "check_data_dir",
-           "check_special_tokens", "data_hashes", "dev_accuracy", "fit", "git_revision", "improves_on",
+           "check_rows", "data_hashes", "dev_accuracy", "fit", "git_revision", "improves_on",
            "init_centring", "init_distributed", "init_source", "library_versions", "load_init_weights",
            "local_accum", "log_due", "micro_indices", "new_run", "noise_generator", "patience_exhausted",
            "plan_sources", "reduce_stats", "setup", "train"]

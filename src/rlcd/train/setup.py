@@ -68,6 +68,8 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
     device = placement.torch_device
     torch.manual_seed(recipe.seed)
     model = build_model(config, device=device, dtype=placement.torch_dtype, backbone=backbone)
+    check_rows(model, config["model"], data_dir, [by_id[i] for ids in pool.values() for i in ids],
+               [r for rows in dev.values() for r in rows])
     model.train()
     if recipe.head_only:
         for p in model.param_groups()["lora"]:
@@ -103,8 +105,6 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
 
         wrapped = DDP(model, device_ids=[device.index or 0] if device.type == "cuda" else None,
                       find_unused_parameters=recipe.head_warmup > 0)  # LoRA gets no gradient in the warm-up
-    check_special_tokens(model.encoder, [by_id[i] for ids in pool.values() for i in ids],
-                         [r for rows in dev.values() for r in rows])
     collator = model.collator(image_root=data_dir)
     case_of = {i: by_id[i].case_id for ids in pool.values() for i in ids} if recipe.batch_by == "case" else None
     sources = plan_sources(recipe, collator=collator, device=device, features=features, cut_states=cut_states,
@@ -126,20 +126,18 @@ def _rank0_first(d: Dist, build: Callable[[bool], Any]) -> Any:
     return out
 
 
-def check_special_tokens(encoder, *splits) -> None:
-    """Refuse, before the first update, a row holding special-token text of this backbone.
+def check_rows(model, name: str, data_dir: Path, pool: list[Record], dev: list[Record]) -> None:
+    """Render every training-pool and dev row once with the model's encoder and refuse, before the first update
+    and before the run directory exists, a run whose data holds a row this backbone cannot train on: longer
+    than the encoder's limit, special-token text of this backbone, an image it cannot take
+    (`rlcd.row_check`). Else the sampler would meet the row mid-run, and a resume would meet it again.
+    Raises one `RecordError` line: the first row, its rule, the count, the fix."""
+    from rlcd.row_check import RowCheck, refuse
 
-    Records already meet the data-level rule (the Qwen3.5 specials, `schema.RESERVED_TOKENS`); a
-    backbone with other special tokens (SmolLM2's `<|im_start|>`, `<repo_name>`, ...) would otherwise
-    meet such a row only when the sampler draws it, mid-run. Raises the encoder's `RecordError`.
-    """
-    from rlcd.schema import RESERVED_TOKENS
-
-    if set(encoder.reserved) <= set(RESERVED_TOKENS):
-        return  # nothing beyond what the records were validated against
-    for rows in splits:
-        for rec in rows:
-            encoder.check_inputs(rec.state, rec.question, row=rec.id)
+    rows = pool + dev
+    refuse(RowCheck.for_model(model, name=name).problems(rows, image_root=data_dir), len(rows),
+           what="training-pool and dev rows",
+           fix=f"`rlcd data prepare FILES --out NEW --model {name}` excludes them with the reason; train on NEW")
 
 
 def init_centring(s: Session, n_batches: int = 4) -> None:
@@ -307,5 +305,5 @@ def early_stop_notice(run: Run, state: TrainState, r: Recipe) -> str:
             "(e.g. with --init) to train further")
 
 
-__all__ = ["build_session", "check_special_tokens", "init_centring", "setup", "Trainer", "Start",
+__all__ = ["build_session", "check_rows", "init_centring", "setup", "Trainer", "Start",
            "early_stop_notice"]

@@ -67,6 +67,18 @@ def _progress(console: Any, total: int, bar: bool) -> Iterator[Event]:
             progress.stop()
 
 
+def test_choice_note(data: Path, out: Path) -> str:
+    """What ranking arms on the test split spends: its earlier looks (`rlcd.data.looks`; this sweep's own runs
+    left out, so a resumed sweep says the same), and that every run of the sweep is one more."""
+    from rlcd.data.looks import Looks, looks_note, previous_looks
+
+    before = previous_looks(data, exclude_runs_under=out)
+    said = looks_note(Looks(data.resolve(), before=before).meta(), tense="has")
+    return ("--choose-on test ranks the arms on the test split: " + (said or f"{data.resolve()}'s test split was "
+            "not scored before this sweep; choosing on it spends it (its numbers become optimistic): choose on dev, "
+            "keep test for the end") + "; each run of this sweep scores it once more")
+
+
 def run_sweep(data: Path, model: str, grid: Mapping[str, Sequence[Any]], seeds: int | str | Sequence[int],
               steps: int, out: Path, recipe_overrides: Mapping[str, Any] | None = None, *,
               scale_cadence: bool = True, in_process: bool = False, devices: Sequence[str] | None = None,
@@ -97,6 +109,8 @@ def run_sweep(data: Path, model: str, grid: Mapping[str, Sequence[Any]], seeds: 
     overrides = {k: coerce_value(k, v) for k, v in (recipe_overrides or {}).items()}
     seed_list = parse_seeds(seeds)
     arms, notes = expand_grid(grid, overrides)
+    if choose_on == "test":
+        notes.append(test_choice_note(data, out))
     specs = plan_runs(data, model, arms, seed_list, steps, out, recipe_overrides=overrides,
                       scale_cadence=scale_cadence, model_seed=model_seed, dtype=dtype, export=export)
     cadence = scaled_cadence(steps) if scale_cadence else {}

@@ -108,7 +108,7 @@ def run_one(config: Mapping[str, Any], *, progress: bool = False) -> dict[str, A
               model_seed=int(config.get("model_seed", 0)), dtype=dtype)
     say = echo if progress else None
     return evaluate_run(run.root, placement=resolve_placement("auto", dtype), progress=progress, print_fn=say,
-                        export=bool(config.get("export", False)))
+                        export=bool(config.get("export", False)), command="sweep")
 
 
 def worker_command(config_path: Path) -> list[str]:
