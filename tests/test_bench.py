@@ -91,6 +91,7 @@ def test_save_result_and_benchmarks_md(tmp_path):
                   "sampler_rows_per_s": 250000.0, "nan_is_dropped": float("nan")},
         "pipeline": {"model": "tiny", "serving": {"1": {"ratio": 2.0}}},
         "features": {"model": "tiny", "extract": {"ratio": 2.5}, "train": {"ratio": 76.0}},
+        "cut": {"model": "tiny", "layers": 2, "per_k": {"1": {"row_ratio": 3.5, "bytes_per_row_token": 64.0}}},
         "serve": {"decisions_per_s": 120.0, "p50_ms_1": 12.0, "c5xx": 0},
         "gpu": {"mode": "gpu", "train": {"tokens_per_s": 50000.0, "mfu": 0.21}, "serve": {"p50_ms": 40.0},
                 "prefix": {"speedup": 9.0}, "memory": {"peak_allocated_gib": 12.5}},
@@ -112,9 +113,10 @@ def test_save_result_and_benchmarks_md(tmp_path):
         assert f"## {name}" in md
     assert "Fake CPU model 2; 4 cores (2 usable); torch 2.12.0, 3 threads" in md
     assert "GPU NVIDIA H200, CUDA 12.8" in md
-    assert md.index("## prefix") < md.index("## train") < md.index("## features") < md.index("## serve") < md.index("## gpu")
+    assert md.index("## prefix") < md.index("## train") < md.index("## features") < md.index("## cut") < md.index("## serve") < md.index("## gpu")
     assert "| objective | 3 |" in md and "Not measured yet" not in md
     assert "| `train.mfu` | 0.21 |" in md  # gpu sections are tabulated
+    assert "| `per_k.1.row_ratio` | 3.5 |" in md  # so are the cut bench's per-K fields
     # a missing bench is listed with the command that makes it; junk JSON is refused
     (rd / "gpu.json").unlink()
     md2 = report.render_benchmarks_md(report.load_results(rd), rd)

@@ -214,17 +214,18 @@ def test_the_tokenizers_special_tokens_are_rejected(where, token):
                               "criteria": "question.criteria"}[where]
 
 
-def test_training_refuses_a_row_with_the_backbones_special_tokens_before_the_first_update():
+def test_training_refuses_a_row_with_the_backbones_special_tokens_before_the_first_update(tmp_path):
     from rlcd.schema import Record
-    from rlcd.train import check_special_tokens
+    from rlcd.train import check_rows
 
     dm = llama()
     ok = Record(id="ok", source="s", task="t", state="fine", question=QS[1], target=[0.5, 0.5])
     bad = Record(id="bad-7", source="s", task="t", state="see <jupyter_code>", question=QS[1], target=[0.5, 0.5])
-    check_special_tokens(dm.encoder, [ok])
+    check_rows(dm, "tiny-llama", tmp_path, [ok], [])
     with pytest.raises(RecordError) as ei:
-        check_special_tokens(dm.encoder, [ok], [bad])
-    assert ei.value.row == "bad-7" and ei.value.field == "state"
+        check_rows(dm, "tiny-llama", tmp_path, [ok], [bad])
+    assert ei.value.row == "bad-7" and ei.value.field == "state" and "<jupyter_code>" in ei.value.rule
+    assert "1 of 2 training-pool and dev rows" in ei.value.rule and "unrenderable" in ei.value.rule
 
 
 # ----------------------------------------------------------------------------- prefix cache
