@@ -62,3 +62,44 @@ def synth_processed(base, cases: int, seed: int):
     write_jsonl(base / "synth.jsonl", generate(cases, seed=seed))
     prepare([base / "synth.jsonl"], base / "processed", seed=0)
     return base / "processed"
+
+
+def fresh_data(tmp_path, data_dir):
+    """A copy of the processed dir `data_dir` under `tmp_path` without its caches (a test's own cache state)."""
+    import shutil
+
+    out = tmp_path / "data"
+    shutil.copytree(data_dir, out, ignore=shutil.ignore_patterns("features"))
+    return out
+
+
+def killed_extraction(data, module: str, ensure: str, recipe: dict):
+    """Run `module.ensure(build_model(tiny-toy with `recipe`), data)` in a process SIGKILLed when it starts
+    extracting the dev split; asserts the kill, that it left its temp dir, and that it published nothing.
+    Returns the cache root."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rlcd.features import cache_root
+
+    script = (
+        "import os, signal\n"
+        f"import {module} as m\n"
+        "from rlcd.model.build import build_model\n"
+        "real = m.extract_split\n"
+        "def dying(model, records, collator, split, *a, **kw):\n"
+        "    if split == 'dev':\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return real(model, records, collator, split, *a, **kw)\n"
+        "m.extract_split = dying\n"
+        f"m.{ensure}(build_model({{'model': 'tiny-toy', 'model_seed': 0, 'recipe': {recipe!r}}}), {str(data)!r},"
+        " progress=False)\n")
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    root = cache_root(data)
+    assert [p.name for p in root.iterdir() if p.name.startswith(".tmp-")], "the killed writer left its temp dir"
+    assert not [p for p in root.iterdir() if not p.name.startswith(".")], "nothing was published"
+    return root

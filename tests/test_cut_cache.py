@@ -5,16 +5,13 @@ cache == --no-cache, DDP == one process, and the user's mistakes are one line.""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import ddp_worker
-from conftest import synth_processed, torchrun, user_error
+from conftest import fresh_data, killed_extraction, synth_processed, torchrun, user_error
 
 from rlcd import checkpoint as ckpt
 from rlcd.cut_cache import CutCache, cut_key, ensure_cut_states, find_cut_states
@@ -31,12 +28,6 @@ QUIET = dict(progress=False, print_fn=lambda _: None)
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
     return synth_processed(tmp_path_factory.mktemp("data"), 16, seed=3)
-
-
-def _fresh_data(tmp_path, data_dir) -> Path:
-    out = tmp_path / "data"
-    shutil.copytree(data_dir, out, ignore=shutil.ignore_patterns("features"))
-    return out
 
 
 def _model(name="tiny-toy", seed=0, k=2):
@@ -60,7 +51,7 @@ def _first_grads(data, model, batch_by, cache, k=2):
 def test_k_layer_updates_on_the_cut_cache_equal_the_live_backbone(tmp_path, data_dir, model, batch_by):
     """An update's gradients from cached cut states + the top 2 layers equal those of the live backbone with LoRA
     on the same 2 layers (same rows, same orders), to float32 noise; LoRA exists only above the cut."""
-    data = _fresh_data(tmp_path, data_dir)
+    data = fresh_data(tmp_path, data_dir)
     s, cached_stats, cached = _first_grads(data, model, batch_by, True)
     assert s.sources.main.name == "cut" and s.model.cut_layer == s.model.num_layers - 2
     if batch_by == "case":  # the stored prefixes were shared through the top layers' cache
@@ -81,7 +72,7 @@ def test_k_layer_updates_on_the_cut_cache_equal_the_live_backbone(tmp_path, data
 
 
 def test_the_cut_is_part_of_the_key_and_the_merge_is_not(tmp_path, data_dir):
-    data = _fresh_data(tmp_path, data_dir)
+    data = fresh_data(tmp_path, data_dir)
     m = _model(k=2)
     first = ensure_cut_states(m, data, progress=False)
     assert find_cut_states(m, data).root == first.root
@@ -113,25 +104,8 @@ def test_the_cut_is_part_of_the_key_and_the_merge_is_not(tmp_path, data_dir):
 
 
 def test_a_killed_extraction_leaves_nothing_a_later_run_reads(tmp_path, data_dir):
-    data = _fresh_data(tmp_path, data_dir)
-    script = (
-        "import os, signal\n"
-        "import rlcd.cut_cache as c\n"
-        "from rlcd.model.build import build_model\n"
-        "real = c.extract_split\n"
-        "def dying(model, records, collator, split, out, **kw):\n"
-        "    if split == 'dev':\n"
-        "        os.kill(os.getpid(), signal.SIGKILL)\n"
-        "    return real(model, records, collator, split, out, **kw)\n"
-        "c.extract_split = dying\n"
-        f"c.ensure_cut_states(build_model({{'model': 'tiny-toy', 'model_seed': 0, 'recipe': {{'lora_layers': 2}}}}), "
-        f"{str(data)!r}, progress=False)\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -9, proc.stderr[-2000:]
-    root = cache_root(data)
-    assert [p.name for p in root.iterdir() if p.name.startswith(".tmp-")], "the killed writer left its temp dir"
-    assert not [p for p in root.iterdir() if not p.name.startswith(".")], "nothing was published"
+    data = fresh_data(tmp_path, data_dir)
+    root = killed_extraction(data, "rlcd.cut_cache", "ensure_cut_states", {"lora_layers": 2})
     m = _model()
     assert find_cut_states(m, data) is None
     assert ensure_cut_states(m, data, progress=False).manifest["complete"]
@@ -146,7 +120,7 @@ def _train(run, data, steps=4, **kw):
 def test_a_cut_run_resumes_bit_exact_and_evaluates_like_the_live_backbone(tmp_path, data_dir):
     from rlcd.evaluate import evaluate_run
 
-    data = _fresh_data(tmp_path, data_dir)
+    data = fresh_data(tmp_path, data_dir)
     _train(tmp_path / "full", data)
     _train(tmp_path / "part", data, stop_after=2)
     train(tmp_path / "part", resume=True, **QUIET)
@@ -173,7 +147,7 @@ def test_a_cut_run_resumes_bit_exact_and_evaluates_like_the_live_backbone(tmp_pa
 @pytest.mark.slow
 def test_ddp_cut_gradients_match_one_process(tmp_path, data_dir):
     """2 gloo ranks on the cut-state cache (rank 0 extracts, rank 1 waits and reads) == 1 process, within 1e-5."""
-    data = _fresh_data(tmp_path, data_dir)
+    data = fresh_data(tmp_path, data_dir)
     worker = str(ROOT / "tests" / "ddp_worker.py")
     torchrun(worker, "grads", data, tmp_path, "cut", cwd=tmp_path, env={"PYTHONPATH": str(ROOT / "src")})
     ddp_worker.grads(data, tmp_path, "cut")
@@ -184,7 +158,7 @@ def test_ddp_cut_gradients_match_one_process(tmp_path, data_dir):
 
 
 def test_lora_layers_mistakes_are_one_line_and_write_nothing(tmp_path, data_dir):
-    data = _fresh_data(tmp_path, data_dir)
+    data = fresh_data(tmp_path, data_dir)
     base = ["train", tmp_path / "r", "--data", data, "--model", "tiny-toy", "--steps", "1"]
     user_error(base + ["--recipe", "lora_layers=0"], contains="lora_layers must be none")
     user_error(base + ["--recipe", "lora_layers=9"], contains="this backbone has 4 decoder layers")
@@ -207,7 +181,7 @@ def test_head_only_features_from_cut_states_equal_a_full_extraction(tmp_path, da
     from rlcd.features import ensure_features
     from rlcd.model.build import build_model
 
-    data = _fresh_data(tmp_path, data_dir)
+    data = fresh_data(tmp_path, data_dir)
     ensure_cut_states(_model(k=2), data, progress=False)
     head = build_model({"model": "tiny-toy", "model_seed": 0, "recipe": {}})
     below = find_cut_states(head, data, any_cut=True)
@@ -232,7 +206,7 @@ def test_a_top_layer_run_starts_from_a_head_only_runs_head(tmp_path, data_dir):
     from rlcd.dev_evals import read_dev_eval
     from rlcd.run import Run
 
-    data = _fresh_data(tmp_path, data_dir)
+    data = fresh_data(tmp_path, data_dir)
     src = tmp_path / "head"
     train(src, data_dir=data, model="tiny-toy", recipe=Recipe(steps=2, head_only=True, lr_head=5e-3, **FAST), **QUIET)
     new = tmp_path / "top"

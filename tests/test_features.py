@@ -4,16 +4,13 @@ a killed extraction is never read, resume is exact, the head warm-up freezes LoR
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import ddp_worker
-from conftest import synth_processed, torchrun, user_error
+from conftest import fresh_data, killed_extraction, synth_processed, torchrun, user_error
 
 from rlcd import checkpoint as ckpt
 from rlcd.errors import OptionError
@@ -29,12 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
     return synth_processed(tmp_path_factory.mktemp("data"), 40, seed=5)
-
-
-def _fresh_data(tmp_path, data_dir) -> Path:
-    out = tmp_path / "data"
-    shutil.copytree(data_dir, out, ignore=shutil.ignore_patterns("features"))
-    return out
 
 
 def _train(run, data_dir, model="tiny-toy", steps=4, **kw):
@@ -68,7 +59,7 @@ def _assert_heads_agree(a, b, steps):
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
 def test_head_only_on_the_cache_equals_the_live_frozen_backbone(tmp_path, data_dir, name):
-    data = _fresh_data(tmp_path, data_dir)
+    data = fresh_data(tmp_path, data_dir)
     cached = _train(tmp_path / "cached", data, model=name, steps=5, recipe={"head_only": True})
     live = _train(tmp_path / "live", data, model=name, steps=5, recipe={"head_only": True}, feature_cache=False)
     assert find_features(_model(name), data) is not None, "training built the cache"
@@ -83,7 +74,7 @@ def test_head_only_on_the_cache_equals_the_live_frozen_backbone(tmp_path, data_d
 
 
 def test_the_cache_is_reused_and_rebuilt_when_its_key_changes(tmp_path, data_dir):
-    data = _fresh_data(tmp_path, data_dir)
+    data = fresh_data(tmp_path, data_dir)
     m = _model()
     first = ensure_features(m, data, progress=False)
     again = ensure_features(m, data, progress=False)
@@ -108,25 +99,8 @@ def test_the_cache_is_reused_and_rebuilt_when_its_key_changes(tmp_path, data_dir
 
 
 def test_a_killed_extraction_leaves_nothing_a_later_run_reads(tmp_path, data_dir):
-    data = _fresh_data(tmp_path, data_dir)
-    script = (
-        "import os, signal, sys\n"
-        "import rlcd.features as f\n"
-        "from rlcd.model.build import build_model\n"
-        "real = f.extract_split\n"
-        "def dying(model, records, collator, split, **kw):\n"
-        "    if split == 'dev':\n"
-        "        os.kill(os.getpid(), signal.SIGKILL)\n"
-        "    return real(model, records, collator, split, **kw)\n"
-        "f.extract_split = dying\n"
-        f"f.ensure_features(build_model({{'model': 'tiny-toy', 'model_seed': 0, 'recipe': {{}}}}), {str(data)!r},"
-        " progress=False)\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -9, proc.stderr[-2000:]
-    root = cache_root(data)
-    assert [p.name for p in root.iterdir() if p.name.startswith(".tmp-")], "the killed writer left its temp dir"
-    assert not [p for p in root.iterdir() if not p.name.startswith(".")], "nothing was published"
+    data = fresh_data(tmp_path, data_dir)
+    root = killed_extraction(data, "rlcd.features", "ensure_features", {})
     m = _model()
     assert find_features(m, data) is None
     built = ensure_features(m, data, progress=False)
@@ -135,7 +109,7 @@ def test_a_killed_extraction_leaves_nothing_a_later_run_reads(tmp_path, data_dir
 
 
 def test_head_only_resume_is_bit_exact(tmp_path, data_dir):
-    data = _fresh_data(tmp_path, data_dir)
+    data = fresh_data(tmp_path, data_dir)
     _train(tmp_path / "full", data, steps=6, recipe={"head_only": True})
     _train(tmp_path / "part", data, steps=6, recipe={"head_only": True}, stop_after=3)
     train(tmp_path / "part", resume=True, progress=False, print_fn=lambda _: None)
@@ -148,7 +122,7 @@ def test_a_head_only_run_from_a_moved_lora_reads_that_loras_features(tmp_path, d
     holds its features (its key names the LoRA), the cached run trains as the live one does, and a resume reads
     the same cache. (The key left LoRA out and the cache was looked up before the init weights were loaded, so
     such a run trained its head on the base model's features and was evaluated on the LoRA's.)"""
-    data = _fresh_data(tmp_path, data_dir)
+    data = fresh_data(tmp_path, data_dir)
     src = tmp_path / "lora"
     _train(src, data, model="tiny-llama", steps=3, recipe={"lr_lora": 1e-2}, feature_cache=False)
     shutil.rmtree(src / "checkpoints" / "best")  # make the source's best its last, as a longer run's would be
@@ -194,7 +168,7 @@ def test_a_zero_lora_is_switched_off_for_extraction_without_changing_a_feature(d
 
 
 def test_head_warmup_trains_only_the_head_then_lora_joins(tmp_path, data_dir):
-    data = _fresh_data(tmp_path, data_dir)
+    data = fresh_data(tmp_path, data_dir)
     run = tmp_path / "lpft"
     _train(run, data, steps=5, recipe={"head_warmup": 3}, stop_after=3)
     w0 = _weights(run, "best")  # step 0 is the best until an evaluation beats it (eval at 3)
@@ -217,7 +191,7 @@ def test_head_warmup_trains_only_the_head_then_lora_joins(tmp_path, data_dir):
 def test_cached_and_live_evaluations_give_the_same_predictions(tmp_path, data_dir):
     from rlcd.evaluate import evaluate_run
 
-    data = _fresh_data(tmp_path, data_dir)
+    data = fresh_data(tmp_path, data_dir)
     run = tmp_path / "run"
     _train(run, data, steps=3, recipe={"head_only": True})
     evaluate_run(run, progress=False, feature_cache=True)
@@ -243,7 +217,7 @@ def test_recipe_refuses_a_warmup_beyond_the_budget_and_both_modes():
 
 
 def test_cli_mistakes_are_one_line_and_exit_2(tmp_path, data_dir):
-    data = _fresh_data(tmp_path, data_dir)
+    data = fresh_data(tmp_path, data_dir)
     user_error(["train", tmp_path / "r", "--data", data, "--model", "tiny-toy", "--steps", "10", "--recipe",
                 "head_warmup=50"], contains="head_warmup must be an integer in [0, steps=10]")
     assert not (tmp_path / "r").exists()
@@ -259,7 +233,7 @@ def test_cli_mistakes_are_one_line_and_exit_2(tmp_path, data_dir):
 @pytest.mark.slow
 def test_ddp_head_only_gradients_match_one_process(tmp_path, data_dir):
     """2 gloo ranks on the shared cache (rank 0 extracts, rank 1 waits and reads) == 1 process, within 1e-5."""
-    data = _fresh_data(tmp_path, data_dir)
+    data = fresh_data(tmp_path, data_dir)
     worker = str(ROOT / "tests" / "ddp_worker.py")
     torchrun(worker, "grads", data, tmp_path, "head-only", cwd=tmp_path, env={"PYTHONPATH": str(ROOT / "src")})
     ddp_worker.grads(data, tmp_path, "head-only")  # the one-process reference, in this process (reads the cache)

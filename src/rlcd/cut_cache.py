@@ -28,10 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -39,8 +36,8 @@ import numpy as np
 import torch
 
 from rlcd.data.sampling import N_ORDERS
-from rlcd.features import (cache_entries, cache_root, check_writable, entries_by_case, fsync_files, key_id,
-                           remove_dead_tmp)
+from rlcd.features import (building, cache_entries, cache_root, each_split, entries_by_case, key_id, publish,
+                           read_manifest)
 from rlcd.schema import TYPE_ID, Record
 
 CUT_VERSION = 1
@@ -133,11 +130,8 @@ class CutCache:
     def load(cls, root: Path, key: dict | None = None) -> "CutCache | None":
         """The cache at `root` if it is complete, its files have the sizes the manifest says and (when given)
         it holds exactly `key`; else None."""
-        try:
-            manifest = json.loads((root / "manifest.json").read_text())
-        except (OSError, ValueError):
-            return None
-        if not manifest.get("complete") or (key is not None and manifest.get("key") != key):
+        manifest = read_manifest(root, key)
+        if manifest is None:
             return None
         hidden, npos = int(manifest["hidden"]), int(manifest["positions"])
         item = 2 if manifest["storage"] == "bfloat16" else 4
@@ -269,9 +263,7 @@ def ensure_cut_states(model, data_dir: Path, *, storage: str = "float32", progre
                       records: dict[str, list[Record]] | None = None) -> CutCache:
     """The cut-state cache of `model` (its `cut_layer`) over `data_dir`: loaded when a complete one with the
     same key exists, else extracted (all four splits) and published atomically."""
-    from rlcd.data.io import load_split
     from rlcd.errors import OptionError
-    from rlcd.progress import Progress
 
     if model.cut_layer is None:
         raise ValueError("this model has LoRA on every layer: there is no cut to cache")
@@ -285,23 +277,12 @@ def ensure_cut_states(model, data_dir: Path, *, storage: str = "float32", progre
     if found is not None:
         say(f"cut states: reusing {final} ({found.nbytes / 2**20:.1f} MiB)")
         return found
-    root = cache_root(data_dir)
-    check_writable(root)
-    remove_dead_tmp(root)
-    if final.exists():
-        shutil.rmtree(final, ignore_errors=True)
-    tmp = root / f".tmp-{key_id(key)}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
     t0 = time.perf_counter()
     splits: dict[str, dict] = {}
     collator = model.collator(image_root=data_dir)
-    try:
-        for split in SPLITS:
-            recs = (records or {}).get(split)
-            if recs is None:
-                recs = load_split(data_dir, split) if (data_dir / f"{split}.jsonl").is_file() else []
-            n = len(cache_entries(split, recs))
-            with Progress(f"cut states {split}", n, unit="rows", enabled=progress and n > 0) as bar:
+    with building(cache_root(data_dir), final) as tmp:
+        for split, recs, bar in each_split(data_dir, records, "cut states", progress):
+            with bar:
                 splits[split] = extract_split(model, recs, collator, split, tmp, storage=storage, progress=bar.update)
         seconds = time.perf_counter() - t0
         nbytes = sum(f.stat().st_size for f in tmp.iterdir())
@@ -310,15 +291,7 @@ def ensure_cut_states(model, data_dir: Path, *, storage: str = "float32", progre
                     "row_tokens": sum(s["row_tokens"] for s in splits.values()),
                     "stored_tokens": sum(s["tokens"] for s in splits.values()), "seconds": round(seconds, 3),
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        fsync_files(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process published the same key first: keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        publish(tmp, final, manifest)
     out = CutCache.load(final, key)
     if out is None:
         raise RuntimeError(f"cut-state cache {final} could not be read back after writing it")

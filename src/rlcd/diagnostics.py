@@ -98,15 +98,40 @@ class TypeDiagnostics:
         return {"per_type": out}
 
 
-class RewardDiagnostics:
+class _TypeSums:
+    """Per question type sums of the columns `COLS`, kept on the device over an update's micro-batches and read
+    once, as one dict per type, by `summary` (after `reduce`, an in-place sum over DDP ranks)."""
+
+    COLS: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self.sums: torch.Tensor | None = None  # [types, len(COLS)]
+
+    def _add(self, per_row: torch.Tensor, type_id: torch.Tensor, once: tuple[str, ...] = ()) -> None:
+        """Add `per_row` ([B, len(COLS)]) into its rows' types; the columns `once` count 1 in every type's row
+        (a per-micro-batch count)."""
+        sums = torch.zeros(len(QUESTION_TYPES), len(self.COLS), device=per_row.device, dtype=per_row.dtype)
+        sums.index_add_(0, type_id.to(per_row.device), per_row)
+        for c in once:
+            sums[:, self.COLS.index(c)] = 1.0
+        self.sums = sums if self.sums is None else self.sums + sums
+
+    def _rows(self, reduce: Callable[[torch.Tensor], Any] | None) -> list[dict[str, float]] | None:
+        if self.sums is None:
+            return None
+        if reduce is not None:
+            reduce(self.sums)  # in-place sum over ranks
+        return [dict(zip(self.COLS, v)) for v in self.sums.tolist()]  # the one read of this update
+
+
+class RewardDiagnostics(_TypeSums):
     """Reward parts per question type (mean, std), advantage std and share of extreme advantages.
 
     ``add`` takes ``rlcd.objectives.reward_samples`` output (``[G, B]`` tensors) for one micro-batch;
     the per-type sums stay on the device until ``summary``.
     """
 
-    def __init__(self) -> None:
-        self.sums: torch.Tensor | None = None  # [types, len(_COLS)]
+    COLS = _COLS
 
     def add(self, parts: Mapping[str, torch.Tensor], type_id: torch.Tensor, ordinal: torch.Tensor) -> None:
         log, sph, rps, adv = parts["log"], parts["spherical"], parts["rps"], parts["advantage"]
@@ -114,17 +139,12 @@ class RewardDiagnostics:
         extreme = (parts["a_hat"].abs() > EXTREME_ADVANTAGE).to(log.dtype)
         cols = (torch.ones_like(log), log, log.square(), sph, sph.square(), ordf, rps * ordf,
                 rps.square() * ordf, adv, adv.square(), extreme)
-        per_row = torch.stack([c.sum(0) for c in cols], dim=-1)  # [B, cols]: summed over the G samples
-        sums = torch.zeros(len(QUESTION_TYPES), len(_COLS), device=log.device, dtype=log.dtype)
-        sums.index_add_(0, type_id.to(log.device), per_row)
-        self.sums = sums if self.sums is None else self.sums + sums
+        self._add(torch.stack([c.sum(0) for c in cols], dim=-1), type_id)  # [B, cols]: summed over the G samples
 
     def summary(self, reduce: Callable[[torch.Tensor], Any] | None = None) -> dict[str, float]:
-        if self.sums is None:
+        rows = self._rows(reduce)
+        if rows is None:
             return {}
-        if reduce is not None:
-            reduce(self.sums)  # in-place sum over ranks
-        rows = [dict(zip(_COLS, v)) for v in self.sums.tolist()]  # the one read of this update
         out: dict[str, float] = {}
         for t, c in zip(QUESTION_TYPES, rows):
             if not c["n"]:
@@ -149,7 +169,7 @@ class RewardDiagnostics:
 _OBJ_COLS = ("n", "ce", "n_policy", "policy", "n_samples", "reward", "reward2", "n_grad", "grad2", "micro")
 
 
-class ObjectiveDiagnostics:
+class ObjectiveDiagnostics(_TypeSums):
     """The objective per question type: mean CE, policy term, total reward, and the logit-gradient norm and share.
 
     ``add`` takes ``rlcd.objectives.row_terms`` output for one micro-batch, whichever parts it holds (``ce``
@@ -158,8 +178,7 @@ class ObjectiveDiagnostics:
     ``reduce``, an in-place sum over DDP ranks, so every count and sum covers all ranks).
     """
 
-    def __init__(self) -> None:
-        self.sums: torch.Tensor | None = None  # [types, len(_OBJ_COLS)]
+    COLS = _OBJ_COLS
 
     def add(self, terms: Mapping[str, torch.Tensor], type_id: torch.Tensor) -> None:
         ce = terms["ce"].detach()
@@ -174,18 +193,13 @@ class ObjectiveDiagnostics:
                         reward=reward.sum(0), reward2=reward.square().sum(0))
         if "grad" in terms:
             cols.update(n_grad=one, grad2=terms["grad"].detach().to(dt).square().sum(-1))
-        sums = torch.zeros(len(QUESTION_TYPES), len(_OBJ_COLS), dtype=dt, device=ce.device)
-        sums.index_add_(0, type_id.to(ce.device), torch.stack([cols[c] for c in _OBJ_COLS], dim=-1))
-        if "grad" in terms:
-            sums[:, _OBJ_COLS.index("micro")] = 1.0
-        self.sums = sums if self.sums is None else self.sums + sums
+        self._add(torch.stack([cols[c] for c in _OBJ_COLS], dim=-1), type_id,
+                  once=("micro",) if "grad" in terms else ())
 
     def summary(self, reduce: Callable[[torch.Tensor], Any] | None = None) -> dict[str, float]:
-        if self.sums is None:
+        rows = self._rows(reduce)
+        if rows is None:
             return {}
-        if reduce is not None:
-            reduce(self.sums)  # in-place sum over ranks
-        rows = [dict(zip(_OBJ_COLS, v)) for v in self.sums.tolist()]  # the one read of this update
         total_grad2 = sum(c["grad2"] for c in rows if c["n_grad"])
         out: dict[str, float] = {}
         for t, c in zip(QUESTION_TYPES, rows):

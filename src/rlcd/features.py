@@ -49,6 +49,7 @@ import torch
 
 from rlcd.data.sampling import N_ORDERS, with_fixed_order
 from rlcd.errors import OptionError
+from rlcd.model.collate import RowLabels
 from rlcd.schema import TYPE_ID, Record
 
 FEATURE_VERSION = 1
@@ -144,27 +145,12 @@ def key_id(key: dict[str, Any]) -> str:
 
 
 @dataclass
-class FeatureBatch:
-    """A micro-batch of cached features: what `DecisionModel.forward` needs instead of token ids.
-
-    Carries the `Batch` fields the objective and the diagnostics read (`cand_mask`, `target`, `ordinal`,
-    `type_id`, `ids`, `groups`, `types`, `n_tokens`)."""
+class FeatureBatch(RowLabels):
+    """A micro-batch of cached features: what `DecisionModel.forward` needs instead of token ids, plus the
+    `Batch` fields the objective and the diagnostics read (`RowLabels`)."""
 
     h_dec: torch.Tensor  # [B, H]
     h_cand: torch.Tensor  # [B, Kmax, H] (0 on padding)
-    cand_mask: torch.Tensor  # [B, Kmax] bool
-    target: torch.Tensor  # [B, Kmax] float32
-    ordinal: torch.Tensor  # [B] bool
-    type_id: torch.Tensor  # [B] long
-    ids: list[str]
-    groups: list[str]
-    types: list[str]
-    n_tokens: int
-
-    def to(self, device: Any, non_blocking: bool = False) -> "FeatureBatch":
-        from rlcd.model.collate import moved
-
-        return moved(self, device, non_blocking)
 
     def __len__(self) -> int:
         return int(self.h_dec.shape[0])
@@ -186,11 +172,8 @@ class FeatureCache:
         """The cache at `root` if it is complete and (when given) holds exactly `key`; else None."""
         from safetensors.torch import load_file
 
-        try:
-            manifest = json.loads((root / "manifest.json").read_text())
-        except (OSError, ValueError):
-            return None
-        if not manifest.get("complete") or (key is not None and manifest.get("key") != key):
+        manifest = read_manifest(root, key)
+        if manifest is None:
             return None
         tensors, index = {}, {}
         try:
@@ -360,8 +343,6 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
     killed extractions are removed first (an extraction in progress elsewhere keeps its own). `cut_states`:
     a cut-state cache this model matches (`rlcd.cut_cache.find_cut_states(any_cut=True)`): extraction then runs
     only the layers above its cut."""
-    from rlcd.data.io import load_split
-    from rlcd.progress import Progress
     from safetensors.torch import save_file
 
     say = say or (lambda _: None)
@@ -374,22 +355,12 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
     if found is not None:
         say(f"features: reusing {final}")
         return found
-    check_writable(root)
-    remove_dead_tmp(root)
-    if final.exists():  # incomplete or another key under this name: never read, rebuilt
-        shutil.rmtree(final, ignore_errors=True)
-    tmp = root / f".tmp-{kid}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
     t0 = time.perf_counter()
     counts, tokens = {}, 0
     collator = model.collator(image_root=data_dir)
-    try:
-        for split in SPLITS:
-            recs = (records or {}).get(split)
-            if recs is None:
-                recs = load_split(data_dir, split) if (data_dir / f"{split}.jsonl").is_file() else []
-            n = len(cache_entries(split, recs))
-            with Progress(f"features {split}", n, unit="rows", enabled=progress and n > 0) as bar:
+    with building(root, final) as tmp:
+        for split, recs, bar in each_split(data_dir, records, "features", progress):
+            with bar:
                 tensors, index = extract_split(model, recs, collator, split, progress=bar.update,
                                                cut_states=cut_states)
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / f"{split}.safetensors"))
@@ -401,15 +372,7 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
                     "seconds": round(seconds, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "shared_prefix": hasattr(model, "case_features"),
                     "from_cut_states": str(cut_states.root) if cut_states is not None else None}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        fsync_files(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process published the same key first: keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        publish(tmp, final, manifest)
     out = FeatureCache.load(final, key)
     if out is None:
         raise RuntimeError(f"feature cache {final} could not be read back after writing it")
@@ -427,10 +390,11 @@ def find_features(model, data_dir: Path) -> FeatureCache | None:
 
 
 def remove_dead_tmp(root: Path) -> None:
-    """Remove `.tmp-*` directories whose writer process is gone (a killed extraction)."""
+    """Remove `.tmp-*` directories whose writer process is gone (a killed extraction). Names are
+    `.tmp-<cache name>-<pid>-<random>` (`building`)."""
     for d in root.glob(".tmp-*"):
         try:
-            pid = int(d.name.split("-")[2])
+            pid = int(d.name.rsplit("-", 2)[1])
         except (IndexError, ValueError):
             pid = -1
         if pid > 0 and pid != os.getpid() and _alive(pid):
@@ -452,6 +416,63 @@ def fsync_files(d: Path) -> None:
     for f in d.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
+
+
+def each_split(data_dir: Path, records: dict[str, list[Record]] | None, what: str, progress: bool):
+    """(split, its records, its progress bar, not yet entered) for the four splits in order: `records[split]`
+    when given, else the data directory's file (no file: no rows)."""
+    from rlcd.data.io import load_split
+    from rlcd.progress import Progress
+
+    for split in SPLITS:
+        recs = (records or {}).get(split)
+        if recs is None:
+            recs = load_split(data_dir, split) if (data_dir / f"{split}.jsonl").is_file() else []
+        n = len(cache_entries(split, recs))
+        yield split, recs, Progress(f"{what} {split}", n, unit="rows", enabled=progress and n > 0)
+
+
+def read_manifest(root: Path, key: dict | None = None) -> dict | None:
+    """The manifest of the cache at `root` when `publish` completed it and (when given) it holds exactly `key`;
+    else None (a missing, partial or foreign cache is never read)."""
+    try:
+        manifest = json.loads((root / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not manifest.get("complete") or (key is not None and manifest.get("key") != key):
+        return None
+    return manifest
+
+
+@contextlib.contextmanager
+def building(root: Path, final: Path):
+    """A fresh temporary directory under `root` to build the cache that `publish` turns into `final`.
+
+    `root` is checked writable first (one line, exit 2), dead temporaries of killed builds are removed, and
+    whatever stands at `final` (incomplete, or another key under this name) is never read but rebuilt. On any
+    error, a full disk or Ctrl-C included, the temporary directory is removed: nothing half-written stays."""
+    check_writable(root)
+    remove_dead_tmp(root)
+    if final.exists():
+        shutil.rmtree(final, ignore_errors=True)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def publish(tmp: Path, final: Path, manifest: dict) -> None:
+    """Write `manifest` (what marks a cache complete) last, fsync every file, then rename `tmp` to `final` in one
+    step: a reader sees a whole cache or none. Another process that published the same key first keeps its own."""
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    fsync_files(tmp)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def cached_logits(model, cache: FeatureCache, split: str, records: Sequence[Record],

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from rlcd.schema import Record, RecordError, text_of
 
@@ -103,16 +103,8 @@ class RowCheck:
         return out
 
     def _prefix(self, rec: Record, n_img: int) -> list[int]:
-        key = (text_of(rec.state), rec.image, n_img)
-        if key not in self._prefixes:
-            try:
-                self._prefixes[key] = self.encoder.prefix_ids(rec.state, n_image_tokens=n_img, row=rec.id)
-            except RecordError as e:
-                self._prefixes[key] = e
-        got = self._prefixes[key]
-        if isinstance(got, RecordError):
-            raise RecordError(rec.id, got.field, got.rule)
-        return got
+        return _memo(self._prefixes, (text_of(rec.state), rec.image, n_img), rec.id,
+                     lambda: self.encoder.prefix_ids(rec.state, n_image_tokens=n_img, row=rec.id))
 
     def _image_tokens(self, rec: Record, image: Path | None) -> int:
         self.encoder.refuse_image(rec.id)
@@ -120,15 +112,21 @@ class RowCheck:
             raise RecordError(rec.id, "image", "this backbone has no image processor")
         if image is None:
             raise RecordError(rec.id, "image", "no image file given to count its tokens")
-        if image not in self._images:
-            try:
-                self._images[image] = image_tokens(self.image_processor, image)
-            except RecordError as e:
-                self._images[image] = e
-        got = self._images[image]
-        if isinstance(got, RecordError):
-            raise RecordError(rec.id, got.field, got.rule)
-        return got
+        return _memo(self._images, image, rec.id, lambda: image_tokens(self.image_processor, image))
+
+
+def _memo(memo: dict, key: Any, row: str, compute: Callable[[], Any]) -> Any:
+    """`compute()` once per `key` (a case's state, an image file: shared by many rows), its `RecordError` too,
+    raised again for each `row` that meets it."""
+    if key not in memo:
+        try:
+            memo[key] = compute()
+        except RecordError as e:
+            memo[key] = e
+    got = memo[key]
+    if isinstance(got, RecordError):
+        raise RecordError(row, got.field, got.rule)
+    return got
 
 
 def image_tokens(image_processor: Any, path: Path) -> int:

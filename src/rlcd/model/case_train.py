@@ -212,9 +212,7 @@ def case_forward(model: Any, batch: CaseBatch) -> torch.Tensor:
         else:
             shared.append((u, cut))
     kmax = batch.kmax
-    order: list[int] = []
-    decs: list[torch.Tensor] = []
-    cands: list[torch.Tensor] = []
+    parts: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
     if solo:
         idx = [i for u in solo for i in range(u.start, u.end)]
         with_img = [u for u in solo if u.pixel_values is not None]
@@ -224,20 +222,23 @@ def case_forward(model: Any, batch: CaseBatch) -> torch.Tensor:
                        if with_img else None,
                        image_grid_thw=torch.cat([u.grid.repeat(len(u), 1) for u in with_img]) if with_img else None)
         h_dec, h_cand = model.features(sub)
-        order += idx
-        decs.append(h_dec)
-        cands.append(_pad_k(h_cand, kmax))
+        parts.append((idx, h_dec, _pad_k(h_cand, kmax)))
     if shared:
-        idx, h_dec, h_cand = _shared_features(model, batch, shared, kmax)
-        order += idx
-        decs.append(h_dec)
-        cands.append(h_cand)
+        parts.append(_shared_features(model, batch, shared, kmax))
+    h_dec, h_cand = in_row_order(parts, dev)
+    return model.head(h_dec, h_cand, batch.cand_mask.to(dev))
+
+
+def in_row_order(parts: Sequence[tuple[list[int], torch.Tensor, torch.Tensor]],
+                 dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h_dec, h_cand) of a batch in row order from parts computed apart: each `(rows, h_dec, h_cand)`, the
+    features of the batch rows `rows` in that order (the rows of all parts: each row once)."""
+    order = [i for rows, _, _ in parts for i in rows]
     inv = torch.empty(len(order), dtype=torch.long)
     inv[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
     inv = inv.to(dev)
-    h_dec = torch.cat(decs).index_select(0, inv)
-    h_cand = torch.cat(cands).index_select(0, inv)
-    return model.head(h_dec, h_cand, batch.cand_mask.to(dev))
+    return (torch.cat([p[1] for p in parts]).index_select(0, inv),
+            torch.cat([p[2] for p in parts]).index_select(0, inv))
 
 
 def _pad_k(h_cand: torch.Tensor, kmax: int) -> torch.Tensor:

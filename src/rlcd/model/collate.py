@@ -47,6 +47,29 @@ class Batch:
         return int(self.cand_mask.shape[1])
 
 
+@dataclass
+class RowLabels:
+    """What the objective and the diagnostics read of a micro-batch, whatever its features come from: the base
+    of the cached batches (`rlcd.features.FeatureBatch`, `rlcd.model.cut_forward.CutBatch`); `Batch` carries the
+    same fields."""
+
+    cand_mask: torch.Tensor  # [B, Kmax] bool
+    target: torch.Tensor  # [B, Kmax] float32 (0 on padding)
+    ordinal: torch.Tensor  # [B] bool (type == score)
+    type_id: torch.Tensor  # [B] long (schema.TYPE_ID)
+    ids: list[str]
+    groups: list[str]
+    types: list[str]
+    n_tokens: int  # full-row tokens of the batch (what a live forward would run)
+
+    def to(self, device: Any, non_blocking: bool = False):
+        return moved(self, device, non_blocking)
+
+    @property
+    def kmax(self) -> int:
+        return int(self.cand_mask.shape[1])
+
+
 def moved(obj: Any, device: Any, non_blocking: bool = False) -> Any:
     """A copy of dataclass `obj` (a Batch, CaseBatch or FeatureBatch) with every tensor field on `device`."""
     kw = {}

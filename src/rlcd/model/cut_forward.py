@@ -26,40 +26,26 @@ from typing import Any
 
 import torch
 
+from .case_train import in_row_order
+from .collate import RowLabels
+
 
 @dataclass
-class CutBatch:
+class CutBatch(RowLabels):
     """A micro-batch read from the cut-state cache: per row its suffix states (and the index of its case's
-    prefix in `prefixes`, or None), plus the `Batch` fields the objective and the diagnostics read."""
+    prefix in `prefixes`, or None), plus the `Batch` fields the objective and the diagnostics read (`RowLabels`)."""
 
     prefixes: list[tuple[torch.Tensor, torch.Tensor]]  # (states [c, H], positions [c, P]) per distinct prefix
     prefix_of: list[int | None]                        # per row: its prefix, or None (the suffix is the whole row)
     suffixes: list[tuple[torch.Tensor, torch.Tensor]]  # per row: (states [n, H], positions [n, P]) after the prefix
     decision_pos: torch.Tensor  # [B] long (full-row coordinates)
     marker_pos: torch.Tensor    # [B, Kmax] long (0 on padded candidates)
-    cand_mask: torch.Tensor     # [B, Kmax] bool
-    target: torch.Tensor        # [B, Kmax] float32
-    ordinal: torch.Tensor       # [B] bool
-    type_id: torch.Tensor       # [B] long
-    ids: list[str]
-    groups: list[str]
-    types: list[str]
-    n_tokens: int               # full-row tokens of the batch (what a live forward would run)
     units: list[list[int]] | None = None  # rows grouped by case (batch_by="case"); None: rows
     stored_dtype: str = field(default="float32")
     cut_layer: int | None = None  # the layer the states enter (default: the model's own cut)
 
-    def to(self, device: Any, non_blocking: bool = False) -> "CutBatch":
-        from .collate import moved
-
-        return moved(self, device, non_blocking)
-
     def __len__(self) -> int:
         return len(self.suffixes)
-
-    @property
-    def kmax(self) -> int:
-        return int(self.cand_mask.shape[1])
 
 
 def _layout(pos: torch.Tensor) -> torch.Tensor:
@@ -113,27 +99,16 @@ def cut_features(model: Any, batch: CutBatch) -> tuple[torch.Tensor, torch.Tenso
     units = batch.units if batch.units is not None else [[i] for i in range(len(batch))]
     shared = [u for u in units if _shareable(model, batch, u)]
     solo = [i for u in units if not _shareable(model, batch, u) for i in u]
-    kmax = batch.kmax
-    order: list[int] = []
-    decs: list[torch.Tensor] = []
-    cands: list[torch.Tensor] = []
+    parts: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
     if solo:
         states, pos, mask = _pad([_row(batch, i) for i in solo], dev, dtype)
         h = model._lm(None, None, mask, _layout(pos), layers=layers, inputs_embeds=states).last_hidden_state
         idx = torch.tensor(solo, dtype=torch.long)
         r = torch.arange(len(solo), device=dev)
-        decs.append(h[r, batch.decision_pos[idx].to(dev)])
-        cands.append(h[r[:, None], batch.marker_pos[idx].to(dev)])
-        order += solo
+        parts.append((solo, h[r, batch.decision_pos[idx].to(dev)], h[r[:, None], batch.marker_pos[idx].to(dev)]))
     if shared:
-        idx, h_dec, h_cand = _shared(model, batch, shared, layers, dev, dtype, kmax)
-        order += idx
-        decs.append(h_dec)
-        cands.append(h_cand)
-    inv = torch.empty(len(order), dtype=torch.long)
-    inv[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
-    inv = inv.to(dev)
-    return torch.cat(decs).index_select(0, inv), torch.cat(cands).index_select(0, inv)
+        parts.append(_shared(model, batch, shared, layers, dev, dtype, batch.kmax))
+    return in_row_order(parts, dev)
 
 
 def _shared(model: Any, batch: CutBatch, units: list[list[int]], layers: tuple[int, int], dev, dtype,

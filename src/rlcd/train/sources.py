@@ -84,28 +84,23 @@ class LiveSource:
 
 
 @dataclass
-class CachedFeatures:
-    """Rows read from a `rlcd.features.FeatureCache`: only the head runs."""
+class CacheRows:
+    """What both caches share: a micro-batch is read from `cache`, and an evaluation scores records in chunks of
+    `chunk` rows (each in its first fixed order) through the model's `forward`."""
 
     cache: Any
     device: torch.device
-    frozen: bool = True
-    fixed_orders: bool = True
-    by_case: bool = False
-    name: str = "features"
+    chunk = 256  # rows per scoring call (a class attribute, not a field)
 
     def rows(self, split: str, rows: Sequence[Record], orders: Sequence[int]) -> Any:
         return self.cache.batch(split, list(rows), list(orders)).to(self.device)
 
-    def cases(self, units, orders):  # pragma: no cover - by_case is False
-        raise TypeError("cached features are read row by row")
-
     @torch.no_grad()
-    def logits(self, model, split: str, records: Sequence[Record], *, on_rows: Callable[[int], None] | None = None,
-               chunk: int = 256) -> list[torch.Tensor]:
+    def logits(self, model, split: str, records: Sequence[Record], *,
+               on_rows: Callable[[int], None] | None = None) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
-        for i in range(0, len(records), chunk):
-            part = list(records[i:i + chunk])
+        for i in range(0, len(records), self.chunk):
+            part = list(records[i:i + self.chunk])
             host = model(self.rows(split, part, [0] * len(part))).float().cpu()
             out += [host[j, :rec.question.k] for j, rec in enumerate(part)]
             if on_rows is not None:
@@ -114,22 +109,31 @@ class CachedFeatures:
 
 
 @dataclass
-class CutStates:
+class CachedFeatures(CacheRows):
+    """Rows read from a `rlcd.features.FeatureCache`: only the head runs."""
+
+    frozen: bool = True
+    fixed_orders: bool = True
+    by_case: bool = False
+    name: str = "features"
+
+    def cases(self, units, orders):  # pragma: no cover - by_case is False
+        raise TypeError("cached features are read row by row")
+
+
+@dataclass
+class CutStates(CacheRows):
     """Rows (or whole cases) read from a `rlcd.cut_cache.CutCache`: the layers above the cut run, LoRA learns."""
 
-    cache: Any
-    device: torch.device
     batch_by: str = "row"
     frozen: bool = False
     fixed_orders: bool = True
     name: str = "cut"
+    chunk = 32  # the K live layers hold every token's states of a chunk
 
     @property
     def by_case(self) -> bool:
         return self.batch_by == "case"
-
-    def rows(self, split: str, rows: Sequence[Record], orders: Sequence[int]) -> Any:
-        return self.cache.batch(split, list(rows), list(orders)).to(self.device)
 
     def cases(self, units: Sequence[Sequence[Record]], orders: Sequence[Sequence[int]]) -> Any:
         flat, groups = [], []
@@ -137,18 +141,6 @@ class CutStates:
             groups.append(list(range(len(flat), len(flat) + len(unit))))
             flat += list(unit)
         return self.cache.batch("train", flat, [o for os_ in orders for o in os_], units=groups).to(self.device)
-
-    @torch.no_grad()
-    def logits(self, model, split: str, records: Sequence[Record], *, on_rows: Callable[[int], None] | None = None,
-               chunk: int = 32) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
-        for i in range(0, len(records), chunk):
-            part = list(records[i:i + chunk])
-            host = model(self.rows(split, part, [0] * len(part))).float().cpu()
-            out += [host[j, :rec.question.k] for j, rec in enumerate(part)]
-            if on_rows is not None:
-                on_rows(len(part))
-        return out
 
 
 @dataclass(frozen=True)
