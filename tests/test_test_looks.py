@@ -33,6 +33,8 @@ def test_one_look_per_evaluation_tied_to_the_splits_content(tmp_path):
     assert first.recorded and first.before == [] and first.note() is None
     again = record_look(data, run=tmp_path / "r1", eval_name="eval", checkpoint_sha256="c1", rows=1, command="evaluate")
     assert not again.recorded and again.before == []  # the same evaluation recomputed: not a second look
+    assert again.note() == (f"{data.resolve()}'s test split was already scored by this run's checkpoint at "
+                            f"{_looks(data)[0]['when']} (evaluate): the same numbers again, not counted as another look")
     other = record_look(data, run=tmp_path / "r2", eval_name="eval", checkpoint_sha256="c2", rows=1, command="sweep")
     assert other.recorded and len(other.before) == 1
     assert other.note().startswith(f"{data.resolve()}'s test split has been scored 1 time before (latest: "

@@ -43,6 +43,7 @@ class Looks:
     before: list[dict] = field(default_factory=list)
     recorded: bool = False
     error: str | None = None
+    repeat: dict | None = None  # the earlier look this evaluation recomputes (same run, eval, checkpoint), if any
 
     @property
     def latest(self) -> dict | None:
@@ -56,8 +57,14 @@ class Looks:
                 **({"error": self.error} if self.error else {})}
 
     def note(self) -> str | None:
-        """The stderr line (without "note: "), when the split was scored before."""
-        return looks_note(self.meta(), tense="has")
+        """The stderr line (without "note: "), when the split was scored before: by other evaluations (counted),
+        or only by this same evaluation (a recomputation, not counted again)."""
+        counted = looks_note(self.meta(), tense="has")
+        if counted is not None or self.repeat is None:
+            return counted
+        return (f"{self.data_dir}'s test split was already scored by this run's checkpoint at "
+                f"{self.repeat.get('when')} ({self.repeat.get('command')}): the same numbers again, not counted as "
+                "another look")
 
 
 def looks_note(meta: dict | None, *, tense: str = "had") -> str | None:
@@ -143,7 +150,8 @@ def record_look(data_dir: Path, *, run: Path, eval_name: str, checkpoint_sha256:
         fcntl.flock(fd, fcntl.LOCK_EX)
         same = [x for x in _read(_path(data_dir)) if x.get("test_sha256") == look["test_sha256"]]
         out.before = [x for x in same if _key(x) != _key(look)]
-        if not any(_key(x) == _key(look) for x in same):
+        out.repeat = next((x for x in same if _key(x) == _key(look)), None)
+        if out.repeat is None:
             os.write(fd, (json.dumps(look, sort_keys=True) + "\n").encode("utf-8"))
             os.fsync(fd)
             out.recorded = True
