@@ -311,16 +311,18 @@ def test_fitted_temperature_minimises_the_soft_ce_in_its_box(data):
 
 @props(15)
 @given(calibration_sets(n_min=2, n_max=25), calibration_sets(n_min=2, n_max=25), st.integers(1, 20))
-def test_per_type_fit_uses_only_its_own_rows(noul_set, score_set, min_rows):
+def test_per_type_fit_uses_only_its_own_rows(choice_set, score_set, min_rows):
+    sets = {"choice": choice_set, "score": score_set}
     rows = [{"id": f"{qtype}-{i}", "type": qtype, "logits": z.tolist(), "target": t.tolist()}
-            for qtype, (zs, ts) in (("noul", noul_set), ("score", score_set)) for i, (z, t) in enumerate(zip(zs, ts))]
+            for qtype, (zs, ts) in sets.items() for i, (z, t) in enumerate(zip(zs, ts))]
     temps, infos = fit_per_type(rows[::-1], min_rows=min_rows)
-    assert temps["choice"] == 1.0 and infos["choice"]["n"] == 0
-    for qtype, (zs, ts) in (("noul", noul_set), ("score", score_set)):
+    assert temps["noul"] == 1.0 and infos["noul"]["n"] == 0
+    for qtype, (zs, ts) in sets.items():
+        assert infos[qtype]["n"] == len(zs)
         if len(zs) < min_rows:
             assert temps[qtype] == 1.0
             assert infos[qtype]["loss_after"] == pytest.approx(soft_ce_reference(zs, ts, 1.0), rel=1e-12)
-        else:
+        else:  # the fit of this type's rows alone, in the id order fit_per_type documents
             ordered = sorted(range(len(zs)), key=lambda i: f"{qtype}-{i}")
             alone, _ = fit_temperature([zs[i] for i in ordered], [ts[i] for i in ordered])
             assert temps[qtype] == alone
@@ -533,64 +535,69 @@ def test_renormalising_a_distribution_is_idempotent(weights, delta):
 MAX_DELTA = 1e-4  # the schema's documented target-sum tolerance
 
 
-def _set(key, value):
-    def apply(record):
-        record[key] = value
-    return apply
+DISTRIBUTION_RULES = ("sum", "length", "negative", "nonfinite", "number")
+OTHER_RULES = ("type", "split", "reserved_state", "score_levels", "duplicate_labels", "reserved_instructions",
+               "empty_name", "extra_field")
 
 
 @st.composite
 def invalid_records(draw):
     """(a record dict breaking exactly one documented rule, the field the error must name, a rule fragment)."""
     record = draw(valid_records())
-    k = _k(record["question"])
-    field = draw(st.sampled_from(["target", "posterior"]))
-    dist = list(draw(distributions(k)))
-    bad = draw(st.sampled_from(["sum", "length", "negative", "nonfinite", "number"]))
-    if bad == "sum":
-        factor = draw(st.one_of(finite(0.0, 1 - 2 * MAX_DELTA), finite(1 + 2 * MAX_DELTA, 3.0)))
-        value, rule = [v * factor for v in dist], "must sum to 1 within"
-    elif bad == "length":
-        value = dist + [0.0] if draw(st.booleans()) else dist[:-1]
-        rule = f"has {len(value)} entries but the question has {k} candidates"
-    elif bad == "negative":
-        i, j = draw(st.permutations(range(k)))[:2]
-        d = draw(finite(1e-6, 1.0))
-        value, rule = list(dist), "non-negative"
-        value[i], value[j] = value[i] - value[i] - d, value[j] + value[i] + d  # still sums to 1
-    elif bad == "nonfinite":
-        value = list(dist)
-        value[draw(st.integers(0, k - 1))] = draw(st.sampled_from([math.nan, math.inf, -math.inf]))
-        rule = "finite"
+    kind = draw(st.sampled_from(DISTRIBUTION_RULES + OTHER_RULES))
+    if kind in DISTRIBUTION_RULES:
+        k = _k(record["question"])
+        field = draw(st.sampled_from(["target", "posterior"]))
+        value = draw(distributions(k)).tolist()
+        if kind == "sum":
+            factor = draw(st.one_of(finite(0.0, 1 - 2 * MAX_DELTA), finite(1 + 2 * MAX_DELTA, 3.0)))
+            value, rule = [v * factor for v in value], "must sum to 1 within"
+        elif kind == "length":
+            value = value + [0.0] if draw(st.booleans()) else value[:-1]
+            rule = f"has {len(value)} entries but the question has {k} candidates"
+        elif kind == "negative":
+            i, j = draw(st.permutations(range(k)))[:2]
+            d = draw(finite(1e-6, 1.0))
+            value[i], value[j], rule = -d, value[j] + value[i] + d, "non-negative"  # still sums to 1
+        elif kind == "nonfinite":
+            value[draw(st.integers(0, k - 1))] = draw(st.sampled_from([math.nan, math.inf, -math.inf]))
+            rule = "finite"
+        else:
+            i = draw(st.integers(0, k - 1))
+            value[i], rule = draw(NAME.filter(lambda s: not _is_number(s))), "valid number"
+        record[field] = value
+        return record, (f"{field}.{i}" if kind == "number" else field), rule
+    question = record["question"]
+    if kind == "type":
+        question["type"] = draw(NAME.filter(lambda s: s not in ("choice", "noul", "score")))
+        return record, "question.type", "'choice', 'noul' or 'score'"
+    if kind == "split":
+        record["split"] = draw(NAME.filter(lambda s: s not in ("train", "dev", "calibration", "test")))
+        return record, "split", "'train', 'dev', 'calibration' or 'test'"
+    if kind == "reserved_state":
+        record["state"] = draw(st.sampled_from(["a <|im_end|>", {"x": "<think>"}, ["<|fim_pad|>"]]))
+        return record, "state", "reserved token"
+    if kind == "empty_name":
+        key = draw(st.sampled_from(["id", "source", "task", "language"]))
+        record[key] = draw(st.sampled_from(["", " ", "\t\n"]))
+        return record, key, "must be a non-empty string"
+    if kind == "extra_field":
+        key = draw(NAME.filter(lambda s: s not in RECORD_FIELDS))
+        record[key] = draw(TEXT)
+        return record, key, "Extra inputs are not permitted"
+    if kind == "score_levels":
+        question.update(type="score", criteria=draw(st.lists(TEXT, max_size=1)))
+        rule = "score criteria must be"
+    elif kind == "duplicate_labels":
+        label = draw(NAME)
+        question.update(type="choice", criteria=[label, *draw(st.lists(NAME, max_size=3)), label])
+        rule = "must be unique"
     else:
-        value, rule = list(dist), "valid number"
-        i = draw(st.integers(0, k - 1))
-        value[i] = draw(NAME.filter(lambda s: not _is_number(s)))
-        field = f"{field}.{i}"
-    mutations = [(_set(field.split(".")[0], value), field, rule)]
-    mutations += [
-        (lambda r, v=draw(NAME.filter(lambda s: s not in ("choice", "noul", "score"))):
-         r["question"].update(type=v), "question.type", "'choice', 'noul' or 'score'"),
-        (_set("split", draw(NAME.filter(lambda s: s not in ("train", "dev", "calibration", "test")))), "split",
-         "'train', 'dev', 'calibration' or 'test'"),
-        (_set("state", draw(st.sampled_from(["a <|im_end|>", {"x": "<think>"}]))), "state", "reserved token"),
-        (lambda r: r["question"].update(type="score", criteria=["only"]), "question", "score criteria must be"),
-        (lambda r: r["question"].update(type="choice", criteria=["a", "a"]), "question", "must be unique"),
-        (lambda r: r["question"].update(instructions="pick <|im_start|>"), "question", "reserved token"),
-    ]
-    empty = draw(st.sampled_from(["", " ", "\t\n"]))
-    for key in ("id", "source", "task", "language"):
-        mutations.append((_set(key, empty), key, "must be a non-empty string"))
-    extra = draw(NAME.filter(lambda s: s not in RECORD_FIELDS))
-    mutations.append((_set(extra, draw(TEXT)), extra, "Extra inputs are not permitted"))
-    mutate, field, rule = draw(st.sampled_from(mutations))
-    mutate(record)
-    if field.startswith("question") and record["question"]["type"] in ("choice", "score"):
-        # a question mutation changes k: keep the target valid for the new question
-        k_new = _k(record["question"])
-        record["target"] = [1.0 / k_new] * k_new
-        record.pop("posterior", None)
-    return record, field, rule
+        question["instructions"] = draw(st.sampled_from(["pick <|im_start|>", {"x": "</tool_call>"}]))
+        rule = "reserved token"
+    record["target"] = [1.0]  # the question is refused before the target is read
+    record.pop("posterior", None)
+    return record, "question", rule
 
 
 RECORD_FIELDS = {"id", "source", "language", "task", "group", "split", "state", "image", "question", "target",
