@@ -24,6 +24,7 @@ MIN_CANDIDATES, MAX_CANDIDATES = 2, 255
 # answer is fixed: probability 1, confidence 1); records keep MIN_CANDIDATES, a one-option row teaches nothing.
 REQUEST_MIN_CANDIDATES = 1
 TARGET_SUM_TOL = 1e-4
+RENORMALISED_TOL = 1e-12  # |sum - 1| of a renormalised vector is <= ~2e-16; within this, no second division
 
 # Special tokens of the Qwen3.5 vocabulary (the default backbone): the data-level rule every record
 # and request meets, so a prepared data set is valid for the default family. Each backbone's prompt
@@ -69,7 +70,7 @@ def find_reserved(value: Any, tokens: tuple[str, ...] = RESERVED_TOKENS) -> str 
 
 
 def check_distribution(values: list[float], k: int, *, field: str, row: str | None) -> list[float]:
-    """Validate a probability vector (length k, finite, >= 0, sums to 1 +- 1e-4), renormalise it."""
+    """Validate a probability vector (length k, finite, >= 0, sums to 1 +- 1e-4), renormalise it (idempotent)."""
     if not isinstance(values, (list, tuple)):
         raise RecordError(row, field, f"must be a list of {k} numbers")
     if len(values) != k:
@@ -87,6 +88,10 @@ def check_distribution(values: list[float], k: int, *, field: str, row: str | No
     total = math.fsum(out)
     if abs(total - 1.0) > TARGET_SUM_TOL:
         raise RecordError(row, field, f"must sum to 1 within {TARGET_SUM_TOL} (sums to {total:.6g})")
+    # A vector that sums to 1 to rounding is kept: dividing it by its sum again moves entries by an ulp, so a
+    # record read back from the JSON it was written as would differ from it (renormalised once, it stays put).
+    if abs(total - 1.0) <= RENORMALISED_TOL:
+        return out
     return [v / total for v in out]
 
 
