@@ -2,12 +2,14 @@
 
 A checkpoint directory is written under a temporary name, every file fsync'd, then swapped in with
 renames, so a kill at any moment leaves a loadable checkpoint: either the new one, or the previous
-one (kept as `<name>.old` for the instant between the two renames; `load` falls back to it).
+one (kept as `<name>.old` for the instant between the two renames; `load` falls back to it). A write that fails
+(a full disk: an `OSError` naming the file) removes its temporary directory and leaves the previous one as it was.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import random
@@ -38,6 +40,15 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _torch_save(obj: Any, path: Path) -> None:
+    """`torch.save` through a buffer that Python writes: a full disk is then `OSError: [Errno 28] No space left on
+    device: PATH`, where torch's own file writer says only `[enforce fail at inline_container.cc] unexpected pos`."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    with open(path, "wb") as f:
+        f.write(buf.getbuffer())
+
+
 def rng_state() -> dict[str, Any]:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
@@ -57,14 +68,18 @@ def save(path: Path, *, weights: dict[str, torch.Tensor], optimizer: dict | None
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
-    if optimizer is not None:
-        torch.save(optimizer, tmp / OPTIMIZER)
-    torch.save(rng_state(), tmp / RNG)
-    (tmp / STATE).write_text(json.dumps(state, indent=2, sort_keys=True))
-    for f in tmp.iterdir():
-        _fsync_file(f)
-    _fsync_dir(tmp)
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
+        if optimizer is not None:
+            _torch_save(optimizer, tmp / OPTIMIZER)
+        _torch_save(rng_state(), tmp / RNG)
+        (tmp / STATE).write_text(json.dumps(state, indent=2, sort_keys=True))
+        for f in tmp.iterdir():
+            _fsync_file(f)
+        _fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its room back; a resume (another pid) never would
+        raise
     old = parent / f"{path.name}.old"
     if old.exists():
         shutil.rmtree(old)

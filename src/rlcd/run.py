@@ -271,11 +271,13 @@ class Run:
         return [json.loads(ln) for ln in self.metrics_path.read_text(encoding="utf-8").splitlines() if ln.strip()]
 
     def trim_metrics(self, step: int) -> None:
-        """Drop log lines after `step` (written after the checkpoint a resume starts from)."""
+        """Drop log lines after `step` (written after the checkpoint a resume starts from), and a last line without
+        its newline: a row that a full disk cut off part-way (`log` writes whole lines; that row came after the
+        checkpoint too)."""
         if not self.metrics_path.is_file():
             return
-        keep = [ln for ln in self.metrics_path.read_text(encoding="utf-8").splitlines()
-                if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        lines = self.metrics_path.read_text(encoding="utf-8").split("\n")[:-1]
+        keep = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
         _atomic_write(self.metrics_path, "".join(ln + "\n" for ln in keep))
 
 
