@@ -230,3 +230,31 @@ def test_install_hints_name_declared_extras():
     # make test installs the tracking extra (requirements.txt pins it), never the hub one: its tests run offline
     pins = {ln.split("==")[0] for ln in (root / "requirements.txt").read_text().splitlines() if "==" in ln}
     assert "tensorboard" in pins and "datasets" not in pins
+
+
+@pytest.mark.parametrize("error", ["enospc", "safetensors", "other"])
+def test_a_full_disk_is_one_line_and_anything_else_keeps_its_traceback(error, monkeypatch, tmp_path):
+    import errno
+
+    import rlcd.data.io as io
+
+    class SafetensorError(Exception):
+        pass
+
+    raised = {"enospc": OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "raw.jsonl")),
+              "safetensors": SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                                             "message: \"No space left on device\" })"),
+              "other": OSError(errno.EACCES, "Permission denied")}[error]
+
+    def full(*a, **k):
+        raise raised
+
+    monkeypatch.setattr(io, "write_jsonl", full)
+    res = CliRunner().invoke(app, ["data", "synth", "--cases", "2", "--out", str(tmp_path / "raw.jsonl")],
+                             standalone_mode=True, catch_exceptions=True)
+    if error == "other":  # not a full disk: a bug or another failure keeps its traceback
+        assert res.exception is raised
+        return
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.exit_code == 1 and len(lines) == 1, res.output
+    assert lines[0].startswith("rlcd: error: the disk is full (") and "rlcd train --resume RUN" in lines[0]

@@ -11,7 +11,8 @@ still shows the progress.
 
 Error policy (`RlcdGroup.main`): a user's mistake -- a `rlcd.errors.UserError` raised by the library
 (missing path, unknown preset, malformed data or request, refused resume, bad value) or a click usage
-error (unknown option, bad choice) -- is printed in one or two lines on stderr and exits 2; a bug
+error (unknown option, bad choice) -- is printed in one or two lines on stderr and exits 2; a full disk
+is one line and exit 1 (what was written before stays readable: atomic checkpoints and caches); a bug
 keeps its traceback. `python -m rlcd.cli` runs the same app (for `torchrun -m rlcd.cli train ...`).
 """
 
@@ -78,8 +79,24 @@ class RlcdGroup(TyperGroup):
             sys.exit(e.exit_code)
         except BrokenPipeError:  # `rlcd ... | head`
             sys.exit(1)
+        except Exception as e:  # noqa: BLE001 - a full disk is said in one line; anything else keeps its traceback
+            if not disk_full(e):
+                raise
+            typer.echo(f"rlcd: error: the disk is full ({e}); free some space and run the command again: what was "
+                       "written before stays readable, and a training run continues with `rlcd train --resume RUN`",
+                       err=True)
+            sys.exit(1)
         # without standalone mode click returns a command's Exit code instead of exiting
         sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether `e` is a write that found no room: ENOSPC/EDQUOT, or safetensors' own error that says so."""
+    import errno
+
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return type(e).__name__ == "SafetensorError" and "No space left on device" in str(e)
 
 
 app = typer.Typer(cls=RlcdGroup, no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False,
