@@ -10,6 +10,8 @@ Bounded: EXAMPLES generated requests per operation and phase mode, on top of the
 
 from __future__ import annotations
 
+import httpx
+import jsonschema_rs
 import pytest
 
 from _schema_fuzz import fuzz, report, start_server
@@ -44,3 +46,21 @@ def test_schemathesis_finds_no_failure(servers, config):
     assert {"200", "422", "405"} <= set(counts) and counts["200"] >= 5, counts
     assert ("401" in counts) == (config == "key"), counts
     assert server.problems() == []
+
+
+def test_descriptions_and_levels_of_any_json_value_are_in_the_schema(servers):
+    """Found by the fuzzer (negative_data_rejection, 200 for a "schema-violating" body): a description or score
+    level that is a number, a boolean or null is answered -- the prompt reads its JSON text -- and the document
+    allowed only text or content. The document now says what the server reads."""
+    server = servers["open"]
+    doc = httpx.get(server.url + "/openapi.json", timeout=30, trust_env=False).json()
+    request = jsonschema_rs.validator_for({"$ref": "#/components/schemas/SystemOneRequest",
+                                           "components": doc["components"]})
+    body = {"state": "Order 1182.", "questions": {
+        "team": {"type": "choice", "criteria": {"k": True, "j": 163725}},
+        "late": {"type": "noul", "criteria": {"true": 1.5}},
+        "size": {"type": "score", "criteria": [0, None, False]}}}
+    assert request.is_valid(body)
+    r = httpx.post(server.url + "/v1/systemone", json=body, timeout=60, trust_env=False)
+    assert r.status_code == 200 and r.json()["answers"]["size"]["legend"] == {"0": 0, "1": "null", "2": False}
+    assert not request.is_valid({**body, "questions": {"team": {"type": "choice", "criteria": [1, 2]}}})

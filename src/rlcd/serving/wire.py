@@ -11,13 +11,16 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 Content = Union[str, dict[str, Any], list[Any]]
+# a description or a score level: text, content, or any other JSON value, which the prompt reads as its JSON text
+# (`5` reads "5", null "null"), as rlcd.serving.request parses it
+Description = Optional[Union[str, dict[str, Any], list[Any], float, bool]]
 
 
 class ChoiceQuestion(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["choice"]
     instructions: Optional[Content] = None
-    criteria: Union[dict[str, Optional[Content]], list[str]] = Field(
+    criteria: Union[dict[str, Description], list[str]] = Field(
         description="{label: description or null} (transformers) or [label, ...] (rlcd)")
 
 
@@ -25,14 +28,14 @@ class NoulQuestion(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["noul"]
     instructions: Optional[Content] = None
-    criteria: Optional[dict[Literal["true", "false"], Optional[Content]]] = None
+    criteria: Optional[dict[Literal["true", "false"], Description]] = None
 
 
 class ScoreQuestion(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["score"]
     instructions: Optional[Content] = None
-    criteria: list[Optional[Content]] = Field(description=(
+    criteria: list[Description] = Field(description=(
         'the levels, lowest first; a null level (transformers accepts it) reads as "null" and shows so in the legend'))
 
 
