@@ -135,11 +135,13 @@ def start_server(run: Path | str, *, api_key: str | None = None, log_dir: Path |
     return Server(proc, f"http://127.0.0.1:{port}", log, api_key)
 
 
-def config(*, api_key: str | None, max_examples: int, seed: int, phases: tuple[str, ...]) -> schemathesis.Config:
-    checks: dict[str, Any] = {"enabled": False, **{name: {"enabled": True} for name in CHECKS}}
-    checks["negative_data_rejection"]["expected-statuses"] = list(REFUSALS)
+def config(*, api_key: str | None, max_examples: int, seed: int, phases: tuple[str, ...],
+           checks: tuple[str, ...] = CHECKS) -> schemathesis.Config:
+    enabled: dict[str, Any] = {"enabled": False, **{name: {"enabled": True} for name in checks}}
+    if "negative_data_rejection" in enabled:
+        enabled["negative_data_rejection"]["expected-statuses"] = list(REFUSALS)
     data: dict[str, Any] = {
-        "seed": seed, "workers": 1, "request-timeout": 60, "continue-on-failure": True, "checks": checks,
+        "seed": seed, "workers": 1, "request-timeout": 60, "continue-on-failure": True, "checks": enabled,
         "generation": {"mode": "all", "max-examples": max_examples, "deterministic": True, "no-shrink": True},
         "phases": {name: {"enabled": name in phases} for name in ("examples", "coverage", "fuzzing", "stateful")},
         "output": {"truncation": {"enabled": True}}}
@@ -149,7 +151,7 @@ def config(*, api_key: str | None, max_examples: int, seed: int, phases: tuple[s
 
 
 def fuzz(url: str, *, api_key: str | None = None, max_examples: int = 20, seed: int = 0,
-         phases: tuple[str, ...] = ("coverage", "fuzzing")) -> dict[str, Any]:
+         phases: tuple[str, ...] = ("coverage", "fuzzing"), checks: tuple[str, ...] = CHECKS) -> dict[str, Any]:
     """Run schemathesis against `url`'s own OpenAPI document; the summary of every request it sent."""
     from schemathesis.engine import events, from_schema
 
@@ -158,7 +160,7 @@ def fuzz(url: str, *, api_key: str | None = None, max_examples: int = 20, seed: 
     t0 = time.perf_counter()
     schema = schemathesis.openapi.from_url(url + "/openapi.json",
                                            config=config(api_key=api_key, max_examples=max_examples, seed=seed,
-                                                         phases=phases))
+                                                         phases=phases, checks=checks))
     statuses: collections.Counter = collections.Counter()
     by_phase: collections.Counter = collections.Counter()
     operations: set[str] = set()
@@ -192,6 +194,100 @@ def fuzz(url: str, *, api_key: str | None = None, max_examples: int = 20, seed: 
             "failures": list(failures.values()), "errors": errors, "seconds": round(time.perf_counter() - t0, 1)}
 
 
+# ---------------------------------------------------------------------------------------------- body encodings
+CODINGS = ("gzip", "x-gzip", "zstd", "identity")
+ODD_CODINGS = ("br", "deflate", "compress", "*", "GZIP", "gzip;q=1", "zstd, br", ",", "gzip,,zstd")
+BOUNDARY = "fuzzb0und"
+
+
+def _compress(data: bytes, coding: str) -> bytes:
+    import gzip
+
+    import zstandard
+
+    if coding in ("gzip", "x-gzip"):
+        return gzip.compress(data, mtime=0)
+    return zstandard.ZstdCompressor().compress(data) if coding == "zstd" else data
+
+
+def _multipart(request: bytes, parts: list[tuple[str, bytes]]) -> bytes:
+    chunks = [f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="request"\r\n\r\n'.encode(), request, b"\r\n"]
+    for name, data in parts:
+        chunks += [f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="{name}"; filename="{name}"\r\n\r\n'.encode(),
+                   data, b"\r\n"]
+    return b"".join(chunks + [f"--{BOUNDARY}--\r\n".encode()])
+
+
+def fuzz_encodings(url: str, *, api_key: str | None = None, max_examples: int = 60, seed: int = 0) -> dict[str, Any]:
+    """Hypothesis-generated bodies, `Content-Type` and `Content-Encoding` headers the OpenAPI document only describes
+    in words: a good request or random bytes, plain or multipart, compressed by any chain of the codings (or
+    labelled with one it is not in, or an unknown one), then maybe truncated or with a byte flipped. No 5xx; every
+    4xx JSON with `detail`; a good request correctly compressed is answered (200)."""
+    import hypothesis
+    from hypothesis import strategies as st
+
+    if not url.startswith(("http://127.0.0.1:", "http://localhost:")):
+        raise ValueError("fuzzing sends traffic to loopback only")
+    good = json.dumps(GOOD).encode()
+    statuses: collections.Counter = collections.Counter()
+    failures: dict[tuple, dict[str, Any]] = {}
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    @hypothesis.seed(seed)
+    @hypothesis.settings(max_examples=max_examples, derandomize=False, database=None, deadline=None,
+                         phases=[hypothesis.Phase.generate], suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(payload=st.one_of(st.just(good), st.binary(max_size=512), st.just(good[: len(good) // 2])),
+                      form=st.sampled_from(["json", "multipart", "multipart-part", "multipart-no-boundary", "text",
+                                            "none"]),
+                      chain=st.lists(st.sampled_from(CODINGS), max_size=3),
+                      label=st.one_of(st.none(), st.sampled_from(ODD_CODINGS + CODINGS),
+                                      st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=20).map(str.strip)),
+                      damage=st.one_of(st.none(), st.integers(0, 4096)), junk=st.binary(max_size=64))
+    def one(payload, form, chain, label, damage, junk):
+        body = payload
+        ctype = "application/json"
+        if form.startswith("multipart"):
+            body = _multipart(payload, [("asset-0", junk)] if form == "multipart-part" else [])
+            ctype = "multipart/form-data" + ("" if form == "multipart-no-boundary" else f"; boundary={BOUNDARY}")
+        elif form == "text":
+            ctype = "text/plain"
+        for coding in chain:
+            body = _compress(body, coding)
+        encoding = ", ".join(chain) if label is None else label
+        if damage is not None and body:
+            i = damage % len(body)
+            body = body[:i] if damage % 2 else body[:i] + bytes([body[i] ^ 0xFF]) + body[i + 1:]
+        headers = {**auth, **({"Content-Type": ctype} if form != "none" else {}),
+                   **({"Content-Encoding": encoding} if encoding else {})}
+        r = httpx.post(url + "/v1/systemone", content=body, headers=headers, timeout=60, trust_env=False)
+        statuses[r.status_code] += 1
+        problem = None
+        if r.status_code >= 500:
+            problem = "server error"
+        elif r.status_code >= 400:
+            try:
+                detail_ok = isinstance(r.json(), dict) and "detail" in r.json()
+            except ValueError:
+                detail_ok = False
+            problem = None if detail_ok else "4xx without a JSON detail"
+        intact = payload == good and form in ("json", "multipart", "none") and damage is None and label is None
+        if intact and r.status_code != 200:
+            problem = "a good request, correctly encoded, was refused"
+        if problem is not None:
+            failures.setdefault((problem, r.status_code), {
+                "check": "encodings", "code": "raw", "title": problem, "operation": "POST /v1/systemone",
+                "status": r.status_code, "message": r.text[:600],
+                "reproduce": f"form={form} chain={chain} Content-Encoding={encoding!r} damage={damage} "
+                             f"payload={payload[:80]!r}"})
+
+    t0 = time.perf_counter()
+    one()
+    return {"url": url, "api_key": api_key is not None, "seed": seed, "max_examples": max_examples,
+            "requests": sum(statuses.values()), "status_counts": {str(k): v for k, v in sorted(statuses.items())},
+            "c5xx": sum(v for k, v in statuses.items() if k >= 500), "failures": list(failures.values()),
+            "errors": [], "seconds": round(time.perf_counter() - t0, 1)}
+
+
 def report(summary: dict[str, Any]) -> str:
     """The failures and errors of a summary, readable in a test's assertion message."""
     lines = []
@@ -202,4 +298,4 @@ def report(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Server", "start_server", "fuzz", "report", "error_has_detail", "CHECKS", "REFUSALS", "GOOD"]
+__all__ = ["Server", "start_server", "fuzz", "fuzz_encodings", "report", "error_has_detail", "CHECKS", "REFUSALS", "GOOD"]

@@ -48,19 +48,36 @@ def test_schemathesis_finds_no_failure(servers, config):
     assert server.problems() == []
 
 
-def test_descriptions_and_levels_of_any_json_value_are_in_the_schema(servers):
-    """Found by the fuzzer (negative_data_rejection, 200 for a "schema-violating" body): a description or score
-    level that is a number, a boolean or null is answered -- the prompt reads its JSON text -- and the document
-    allowed only text or content. The document now says what the server reads."""
+NOUL = {"type": "noul"}
+# bodies the server answers that the document refused (found by negative_data_rejection: a 200 for a "schema-violating"
+# body): a description or score level that is a number, a boolean or null (the prompt reads its JSON text), and
+# `"assets": null` (no assets, as `"image": null` is no image)
+READ = [{"team": {"type": "choice", "criteria": {"k": True, "j": 163725}}, "late": {"type": "noul", "criteria": {"true": 1.5}},
+         "size": {"type": "score", "criteria": [0, None, False]}}]
+# bodies the server refuses that the document allowed (found by positive_data_acceptance: a 4xx for a "schema-valid"
+# body): blank or too long question ids, no or repeated labels, no levels, an image alias that is not one of its forms
+REFUSED = [{"questions": {"": NOUL}}, {"questions": {"q" * 257: NOUL}},
+           *({"questions": {"team": {"type": "choice", "criteria": c}}} for c in ({}, [], ["a", "a"], [""], {"": None})),
+           {"questions": {"size": {"type": "score", "criteria": []}}},
+           *({"image": i} for i in ({}, {"base64": "eA==", "path": "a.png"}, {"path": ""}, {"base64": ""}, {"url": "x"}))]
+
+
+def test_the_document_says_what_the_server_reads(servers):
+    """Every schema fix the fuzzer led to, both ways: what the server answers the document allows, and what it
+    refuses the document refuses (so generated clients and the fuzzer's valid bodies agree with the server)."""
     server = servers["open"]
     doc = httpx.get(server.url + "/openapi.json", timeout=30, trust_env=False).json()
     request = jsonschema_rs.validator_for({"$ref": "#/components/schemas/SystemOneRequest",
                                            "components": doc["components"]})
-    body = {"state": "Order 1182.", "questions": {
-        "team": {"type": "choice", "criteria": {"k": True, "j": 163725}},
-        "late": {"type": "noul", "criteria": {"true": 1.5}},
-        "size": {"type": "score", "criteria": [0, None, False]}}}
-    assert request.is_valid(body)
-    r = httpx.post(server.url + "/v1/systemone", json=body, timeout=60, trust_env=False)
-    assert r.status_code == 200 and r.json()["answers"]["size"]["legend"] == {"0": 0, "1": "null", "2": False}
-    assert not request.is_valid({**body, "questions": {"team": {"type": "choice", "criteria": [1, 2]}}})
+    base = {"state": "Order 1182: the parcel is late.", "questions": {"late": NOUL}}
+    for body in [{**base, "questions": q} for q in READ] + [{**base, "assets": None}]:
+        r = httpx.post(server.url + "/v1/systemone", json=body, timeout=60, trust_env=False)
+        assert r.status_code == 200 and request.is_valid(body), (body, r.text)
+    legend = httpx.post(server.url + "/v1/systemone", json={**base, "questions": READ[0]}, timeout=60, trust_env=False)
+    assert legend.json()["answers"]["size"]["legend"] == {"0": 0, "1": "null", "2": False}
+    for change in REFUSED:
+        body = {**base, **change}
+        r = httpx.post(server.url + "/v1/systemone", json=body, timeout=60, trust_env=False)
+        assert 400 <= r.status_code < 500 and not request.is_valid(body), (body, r.status_code)
+    multipart = doc["paths"]["/v1/systemone"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert multipart["additionalProperties"] is False  # parts: the request and the images its assets name

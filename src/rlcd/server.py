@@ -69,7 +69,7 @@ def _err(e: PredictError):
 def _openapi_body() -> dict[str, Any]:
     """The request body of /v1/systemone in the OpenAPI document (parsed by hand for exact 4xx errors)."""
     request = {"$ref": "#/components/schemas/SystemOneRequest"}
-    multipart = {"type": "object", "required": ["request"], "properties": {
+    multipart = {"type": "object", "required": ["request"], "additionalProperties": False, "properties": {
         "request": request, **{f"asset-{i}": {"type": "string", "format": "binary"} for i in range(MAX_ASSETS)}},
         "description": "the official SDK's image form: the JSON request, and image parts its assets name "
                        '({"type": "image", "part": "asset-0"})'}
