@@ -140,9 +140,13 @@ def config(*, api_key: str | None, max_examples: int, seed: int, phases: tuple[s
     enabled: dict[str, Any] = {"enabled": False, **{name: {"enabled": True} for name in checks}}
     if "negative_data_rejection" in enabled:
         enabled["negative_data_rejection"]["expected-statuses"] = list(REFUSALS)
+    generation = {"mode": "all", "max-examples": max_examples, "deterministic": True, "no-shrink": True}
     data: dict[str, Any] = {
         "seed": seed, "workers": 1, "request-timeout": 60, "continue-on-failure": True, "checks": enabled,
-        "generation": {"mode": "all", "max-examples": max_examples, "deterministic": True, "no-shrink": True},
+        "generation": generation,
+        # the GETs take no body, only the request-id headers: a tenth of the examples is plenty
+        "operations": [{"include-method": "GET",
+                        "generation": {**generation, "max-examples": max(5, max_examples // 10)}}],
         "phases": {name: {"enabled": name in phases} for name in ("examples", "coverage", "fuzzing", "stateful")},
         "output": {"truncation": {"enabled": True}}}
     if api_key is not None:
@@ -163,6 +167,7 @@ def fuzz(url: str, *, api_key: str | None = None, max_examples: int = 20, seed: 
                                                          phases=phases, checks=checks))
     statuses: collections.Counter = collections.Counter()
     by_phase: collections.Counter = collections.Counter()
+    by_operation: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     operations: set[str] = set()
     failures: dict[tuple, dict[str, Any]] = {}
     errors: list[str] = []
@@ -171,7 +176,9 @@ def fuzz(url: str, *, api_key: str | None = None, max_examples: int = 20, seed: 
             rec = event.recorder
             operations.add(rec.label)
             for interaction in rec.interactions.values():
-                statuses[interaction.response.status_code if interaction.response is not None else "none"] += 1
+                status = interaction.response.status_code if interaction.response is not None else "none"
+                statuses[status] += 1
+                by_operation[rec.label][str(status)] += 1
                 by_phase[str(event.phase.value)] += 1
             for case_id, nodes in rec.checks.items():
                 for node in nodes:
@@ -190,6 +197,7 @@ def fuzz(url: str, *, api_key: str | None = None, max_examples: int = 20, seed: 
             "phases": list(phases), "requests": sum(statuses.values()), "requests_by_phase": dict(by_phase),
             "operations": sorted(operations),
             "status_counts": {str(k): v for k, v in sorted(statuses.items(), key=lambda kv: str(kv[0]))},
+            "status_counts_by_operation": {op: dict(sorted(c.items())) for op, c in sorted(by_operation.items())},
             "c5xx": sum(v for k, v in statuses.items() if isinstance(k, int) and k >= 500),
             "failures": list(failures.values()), "errors": errors, "seconds": round(time.perf_counter() - t0, 1)}
 

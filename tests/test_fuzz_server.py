@@ -5,7 +5,8 @@ operation: schemathesis' coverage phase (boundary and invalid values, undeclared
 and its fuzzing phase (valid and invalid bodies, JSON and multipart, and the request-id headers), derandomized.
 No 5xx, every 4xx JSON with `detail`, every answer in the declared shape; the server healthy afterwards.
 `tests/_schema_fuzz.py` has the checks; `benchmarks/fuzz_server.py` runs the same for ~10,000 requests.
-Bounded: EXAMPLES generated requests per operation and phase mode, on top of the coverage phase's fixed set.
+Bounded: EXAMPLES generated requests for the POST (a tenth for each GET) on top of the coverage phase's fixed set,
+~230 requests per server; then 60 bodies with generated encodings and content types.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import httpx
 import jsonschema_rs
 import pytest
 
-from _schema_fuzz import fuzz, report, start_server
+from _schema_fuzz import fuzz, fuzz_encodings, report, start_server
 from _tiny_export import tiny_export
 
 KEY = "fuzz-key-Q7x.9_k"
-EXAMPLES = 25
+EXAMPLES = 50
 OPERATIONS = ["GET /health", "GET /v1/models", "POST /v1/systemone"]
 
 
@@ -40,11 +41,21 @@ def test_schemathesis_finds_no_failure(servers, config):
     server = servers[config]
     summary = fuzz(server.url, api_key=server.api_key, max_examples=EXAMPLES, seed=0)
     assert summary["c5xx"] == 0 and not summary["failures"] and not summary["errors"], report(summary)
-    assert summary["operations"] == OPERATIONS
+    assert summary["operations"] == OPERATIONS and summary["requests"] >= 200, summary["requests"]
     counts = summary["status_counts"]
     # what the run reached: answers, refusals of invalid bodies, undeclared methods, and (with a key) refusals
     assert {"200", "422", "405"} <= set(counts) and counts["200"] >= 5, counts
     assert ("401" in counts) == (config == "key"), counts
+    assert server.problems() == []
+
+
+def test_bodies_encodings_and_content_types(servers):
+    """What the document only describes in words: gzip/zstd chains (right, wrong, unknown, damaged), multipart with
+    and without a boundary, random bytes. No 5xx, every 4xx with `detail`, a good body correctly encoded answered."""
+    server = servers["key"]
+    summary = fuzz_encodings(server.url, api_key=KEY, max_examples=60, seed=0)
+    assert summary["c5xx"] == 0 and not summary["failures"], report(summary)
+    assert {"200", "400", "415", "422"} <= set(summary["status_counts"]), summary["status_counts"]
     assert server.problems() == []
 
 
