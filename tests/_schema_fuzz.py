@@ -185,12 +185,14 @@ def fuzz(url: str, *, api_key: str | None = None, max_examples: int = 20, seed: 
                     if node.failure_info is None:
                         continue
                     f = node.failure_info.failure
-                    response = rec.interactions.get(case_id)
+                    sent = rec.interactions.get(case_id)
+                    response = sent.response if sent is not None else None
                     key = (f.code, f.operation, f.title, getattr(f, "_unique_key", ""))
                     failures.setdefault(key, {
                         "check": node.name, "code": f.code, "title": f.title, "operation": f.operation,
-                        "status": response.response.status_code if response and response.response else None,
-                        "message": f.message[:1500], "reproduce": node.failure_info.code_sample[:3000]})
+                        "status": response.status_code if response is not None else None,
+                        "message": f.message[:1500], "reproduce": node.failure_info.code_sample[:3000],
+                        "response": None if response is None else response.content[:300].decode("utf-8", "replace")})
         elif isinstance(event, (events.NonFatalError, events.FatalError)):
             errors.append(str(getattr(event, "value", None) or getattr(event, "exception", None))[:1500])
     return {"url": url, "api_key": api_key is not None, "seed": seed, "max_examples": max_examples,
@@ -249,7 +251,8 @@ def fuzz_encodings(url: str, *, api_key: str | None = None, max_examples: int = 
                                             "none"]),
                       chain=st.lists(st.sampled_from(CODINGS), max_size=3),
                       label=st.one_of(st.none(), st.sampled_from(ODD_CODINGS + CODINGS),
-                                      st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=20).map(str.strip)),
+                                      st.text(st.characters(min_codepoint=32, max_codepoint=126),
+                                              max_size=20).map(str.strip)),
                       damage=st.one_of(st.none(), st.integers(0, 4096)), junk=st.binary(max_size=64))
     def one(payload, form, chain, label, damage, junk):
         body = payload
@@ -284,7 +287,7 @@ def fuzz_encodings(url: str, *, api_key: str | None = None, max_examples: int = 
         if problem is not None:
             failures.setdefault((problem, r.status_code), {
                 "check": "encodings", "code": "raw", "title": problem, "operation": "POST /v1/systemone",
-                "status": r.status_code, "message": r.text[:600],
+                "status": r.status_code, "message": problem, "response": r.text[:300],
                 "reproduce": f"form={form} chain={chain} Content-Encoding={encoding!r} damage={damage} "
                              f"payload={payload[:80]!r}"})
 
@@ -301,9 +304,11 @@ def report(summary: dict[str, Any]) -> str:
     lines = []
     for f in summary["failures"]:
         lines.append(f"[{f['code']}] {f['title']} on {f['operation']} (status {f['status']}, check {f['check']}):\n"
-                     f"  {f['message'][:600]}\n  reproduce: {f['reproduce'][:600]}")
+                     f"  {f['message'][:600]}\n  response: {(f.get('response') or '')[:300]}\n"
+                     f"  reproduce: {f['reproduce'][:600]}")
     lines += [f"error: {e}" for e in summary["errors"]]
     return "\n".join(lines)
 
 
-__all__ = ["Server", "start_server", "fuzz", "fuzz_encodings", "report", "error_has_detail", "CHECKS", "REFUSALS", "GOOD"]
+__all__ = ["Server", "start_server", "fuzz", "fuzz_encodings", "report", "error_has_detail", "CHECKS", "REFUSALS",
+           "GOOD"]

@@ -63,14 +63,17 @@ NOUL = {"type": "noul"}
 # bodies the server answers that the document refused (found by negative_data_rejection: a 200 for a "schema-violating"
 # body): a description or score level that is a number, a boolean or null (the prompt reads its JSON text), and
 # `"assets": null` (no assets, as `"image": null` is no image)
-READ = [{"team": {"type": "choice", "criteria": {"k": True, "j": 163725}}, "late": {"type": "noul", "criteria": {"true": 1.5}},
+READ = [{"team": {"type": "choice", "criteria": {"k": True, "j": 163725}},
+         "late": {"type": "noul", "criteria": {"true": 1.5}},
          "size": {"type": "score", "criteria": [0, None, False]}}]
 # bodies the server refuses that the document allowed (found by positive_data_acceptance: a 4xx for a "schema-valid"
 # body): blank or too long question ids, no or repeated labels, no levels, an image alias that is not one of its forms
 REFUSED = [{"questions": {"": NOUL}}, {"questions": {"q" * 257: NOUL}},
-           *({"questions": {"team": {"type": "choice", "criteria": c}}} for c in ({}, [], ["a", "a"], [""], {"": None})),
+           *({"questions": {"team": {"type": "choice", "criteria": c}}}
+             for c in ({}, [], ["a", "a"], [""], {"": None})),
            {"questions": {"size": {"type": "score", "criteria": []}}},
-           *({"image": i} for i in ({}, {"base64": "eA==", "path": "a.png"}, {"path": ""}, {"base64": ""}, {"url": "x"}))]
+           *({"image": i} for i in ({}, {"base64": "eA==", "path": "a.png"}, {"path": ""}, {"base64": ""},
+                                    {"url": "x"}))]
 
 
 def test_the_document_says_what_the_server_reads(servers):

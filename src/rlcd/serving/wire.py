@@ -74,7 +74,8 @@ class SystemOneRequest(BaseModel):
     assets: Optional[dict[str, dict[str, Any]]] = Field(default_factory=dict, max_length=4, description=(
         'images keyed by placeholder: {"type": "image", "format": "png", "data_base64": ...}, {"path": ...}, or '
         '{"type": "image", "part": "asset-0"} in a multipart body'))
-    image: Optional[Union[ImageBase64, ImagePath]] = Field(None, description='rlcd alias: {"base64": ...} or {"path": ...}')
+    image: Optional[Union[ImageBase64, ImagePath]] = Field(
+        None, description='rlcd alias: {"base64": ...} or {"path": ...}')
 
 
 class GateDecision(BaseModel):
