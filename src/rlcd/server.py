@@ -166,7 +166,8 @@ def create_app(predictor: Predictor, *, image_root: Path | str | None = None, li
     @app.middleware("http")
     async def request_id(request: Request, call_next):
         t0 = time.perf_counter()
-        rid = request.headers.get("x-request-id") or request.headers.get(TYPESAFE_REQUEST_ID) or uuid.uuid4().hex
+        sent = request.headers.get("x-request-id") or request.headers.get(TYPESAFE_REQUEST_ID)
+        rid = access.echoed_request_id(sent) or uuid.uuid4().hex
         refused = (access.refusal(request.headers.get("authorization"), api_key)
                    if api_key is not None and access.is_protected(request.url.path) else None)
         status = 500  # logged as such should the app raise
