@@ -54,8 +54,8 @@ def refusal(authorization: str | None, key: str) -> str | None:
 
 
 def echoed_request_id(value: str | None) -> str | None:
-    """The client's request id as the response headers echo it: control characters (which uvicorn's h11 lets in,
-    except CR, LF and NUL, and which no field value may hold) become `_`, so every client can parse the answer."""
+    """The client's request id as the response headers echo it: control characters (uvicorn's h11 lets in most of
+    them; no field value may hold them) become `_`, so every client can parse the answer."""
     return _CONTROL.sub("_", value) if value else None
 
 
