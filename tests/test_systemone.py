@@ -282,6 +282,12 @@ def test_openapi_docs_and_request_ids(client):
             "ChoiceAnswer", "NoulAnswer", "ScoreAnswer", "ErrorResponse"} <= set(schemas)
     assert set(schemas["SystemOneRequest"]["properties"]) == {"model", "state", "questions", "assets", "image"}
     assert client.get("/docs").status_code == 200
+    for path, ops in spec["paths"].items():  # both request-id headers: sent optionally, answered always
+        for op in ops.values():
+            names = {p["name"] for p in op["parameters"] if p["in"] == "header" and not p["required"]}
+            assert {"X-Request-ID", "x-typesafe-request-id"} <= names, path
+            for status, response in op["responses"].items():
+                assert set(response["headers"]) == {"X-Request-ID", "x-typesafe-request-id"}, (path, status)
     r = client.get("/health", headers={"X-Request-ID": "abc-123"})
     assert r.headers["x-request-id"] == "abc-123"
     r1, r2 = client.get("/health"), client.post("/v1/systemone", content=b"{")

@@ -15,7 +15,8 @@ Endpoints:
 Bodies may be gzip or zstd (`Content-Encoding`, decoded under `max_request_bytes`) and multipart/form-data (the
 official SDK's image form): `rlcd.serving.bodies`. `"x_gate": true` in a request adds gate decisions from a
 thresholds.json (`rlcd.serving.gating`).
-* `/openapi.json` declares the request, response and error schemas; `/docs` serves Swagger UI.
+* `/openapi.json` declares the request, response and error schemas and the request-id headers; `/docs` serves
+  Swagger UI.
 
 With an API key (`rlcd.serving.access`), every `/v1/*` request needs `Authorization: Bearer KEY`
 (401 `{"detail": {"error_type": "authentication_error", "message"}}`, the official API's shape, and
@@ -68,7 +69,7 @@ def _err(e: PredictError):
 def _openapi_body() -> dict[str, Any]:
     """The request body of /v1/systemone in the OpenAPI document (parsed by hand for exact 4xx errors)."""
     request = {"$ref": "#/components/schemas/SystemOneRequest"}
-    multipart = {"type": "object", "required": ["request"], "properties": {
+    multipart = {"type": "object", "required": ["request"], "additionalProperties": False, "properties": {
         "request": request, **{f"asset-{i}": {"type": "string", "format": "binary"} for i in range(MAX_ASSETS)}},
         "description": "the official SDK's image form: the JSON request, and image parts its assets name "
                        '({"type": "image", "part": "asset-0"})'}
@@ -94,6 +95,20 @@ def _declare_bearer(schema: dict[str, Any]) -> None:
                 op["security"] = [{access.BEARER: []}]
                 op.setdefault("responses", {})["401"] = {"description": "no or a wrong API key", "content": {
                     "application/json": {"schema": {"$ref": "#/components/schemas/AuthErrorResponse"}}}}
+
+
+def _declare_request_ids(schema: dict[str, Any]) -> None:
+    """The request-id headers in the OpenAPI document: optional on every request, present on every response."""
+    sent = "the client's id for this request; either header, echoed in both response headers (a new id when absent)"
+    for ops in schema.get("paths", {}).values():
+        for op in ops.values():
+            op.setdefault("parameters", []).extend(
+                {"name": name, "in": "header", "required": False, "schema": {"type": "string"}, "description": sent}
+                for name in REQUEST_ID_HEADERS)
+            for response in op.get("responses", {}).values():
+                response.setdefault("headers", {}).update(
+                    {name: {"required": True, "schema": {"type": "string"}, "description": "the request id"}
+                     for name in REQUEST_ID_HEADERS})
 
 
 def create_app(predictor: Predictor, *, image_root: Path | str | None = None, limits: Limits | None = None,
@@ -151,7 +166,8 @@ def create_app(predictor: Predictor, *, image_root: Path | str | None = None, li
     @app.middleware("http")
     async def request_id(request: Request, call_next):
         t0 = time.perf_counter()
-        rid = request.headers.get("x-request-id") or request.headers.get(TYPESAFE_REQUEST_ID) or uuid.uuid4().hex
+        sent = request.headers.get("x-request-id") or request.headers.get(TYPESAFE_REQUEST_ID)
+        rid = access.echoed_request_id(sent) or uuid.uuid4().hex
         refused = (access.refusal(request.headers.get("authorization"), api_key)
                    if api_key is not None and access.is_protected(request.url.path) else None)
         status = 500  # logged as such should the app raise
@@ -255,6 +271,7 @@ def create_app(predictor: Predictor, *, image_root: Path | str | None = None, li
                 comps[model.__name__] = js
             if api_key is not None:
                 _declare_bearer(schema)
+            _declare_request_ids(schema)  # after the bearer scheme: its 401 carries them too
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -264,6 +281,7 @@ def create_app(predictor: Predictor, *, image_root: Path | str | None = None, li
 
 SERVE_ENV = "RLCD_SERVE_CONFIG"
 TYPESAFE_REQUEST_ID = "x-typesafe-request-id"  # the official SDK reads the request id here
+REQUEST_ID_HEADERS = ("X-Request-ID", TYPESAFE_REQUEST_ID)  # transformers' and the official SDK's
 # Keep idle connections open longer than clients do (httpx expires them after 5 s, uvicorn's default is also
 # 5 s): with equal timeouts a client reuses a connection the server is closing, and the request fails
 # (measured: 14 read errors in 1,000 requests at 64 in flight). 75 s is nginx's default.

@@ -72,6 +72,8 @@ HEADLINE = {
               *(f"model_batching.{z}.gain" for z in (1, 5, 50)),
               *(f"modes.{m}.{c}.{k}" for m in ("batched", "unbatched") for c in (1, 4, 16, 64)
                 for k in ("decisions_per_s", "p50_ms_1", "p99_ms_1", "p50_ms_50", "mean_batch", "model_busy"))),
+    "fuzz-server": ("requests", "operations", "c5xx", "distinct_failures", "status_counts", "server_problems.key",
+                    "server_problems.open", "rounds", "seconds", "schemathesis"),
     "gpu": ("mode", "model.params_total", "matmul.tflops", "train.tokens_per_s", "train.examples_per_s", "train.mfu",
             "train.step_ms", "serve.p50_ms", "serve.decisions_per_s", "prefix.speedup", "prefix.bound",
             "prefix.ratio", "prefix.max_abs_diff", "memory.peak_allocated_gib"),

@@ -24,6 +24,7 @@ ACCESS_FIELDS = ("rid", "client", "method", "path", "status", "questions", "inpu
                  "total_ms")
 _KEY_CHARS = re.compile(r"[\x21-\x7e]+")  # visible ASCII: what an HTTP header carries unchanged
 _SAFE = re.compile(r"[^A-Za-z0-9._:/@+=-]")
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # no HTTP field value holds them (RFC 9110 5.5; HTAB may)
 
 
 def check_api_key(key: str, source: str = "--api-key") -> str:
@@ -50,6 +51,12 @@ def refusal(authorization: str | None, key: str) -> str | None:
     if not hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"), key.encode("utf-8")):
         return "Invalid API key"
     return None
+
+
+def echoed_request_id(value: str | None) -> str | None:
+    """The client's request id as the response headers echo it: control characters (uvicorn's h11 lets in most of
+    them; no field value may hold them) become `_`, so every client can parse the answer."""
+    return _CONTROL.sub("_", value) if value else None
 
 
 def is_loopback(host: str) -> bool:
@@ -85,5 +92,5 @@ def write_access(line: str) -> None:
     print(line, file=sys.stderr, flush=True)  # sys.stderr read at call time (uvicorn workers, test capture)
 
 
-__all__ = ["API_KEY_ENV", "ACCESS_FIELDS", "check_api_key", "is_protected", "refusal", "is_loopback",
-           "exposed_warning", "access_line", "write_access"]
+__all__ = ["API_KEY_ENV", "ACCESS_FIELDS", "check_api_key", "is_protected", "refusal", "echoed_request_id",
+           "is_loopback", "exposed_warning", "access_line", "write_access"]

@@ -6,34 +6,56 @@ the HTTP status); these models describe the same shapes for clients and code gen
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlcd.schema import MAX_CANDIDATES
+from rlcd.serving.request import MAX_QID_CHARS
+
 Content = Union[str, dict[str, Any], list[Any]]
+# a description or a score level: text, content, or any other JSON value, which the prompt reads as its JSON text
+# (`5` reads "5", null "null"), as rlcd.serving.request parses it
+Description = Optional[Union[str, dict[str, Any], list[Any], float, bool]]
+# the counts and lengths rlcd.serving.request enforces (labels must also not be blank; a server's --max-candidates
+# may be lower than the format's MAX_CANDIDATES: a 413)
+Labels = Union[Annotated[dict[str, Description], Field(min_length=1, max_length=MAX_CANDIDATES,
+                                                        json_schema_extra={"propertyNames": {"minLength": 1}})],
+               Annotated[list[Annotated[str, Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_CANDIDATES, json_schema_extra={"uniqueItems": True})]]
 
 
 class ChoiceQuestion(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["choice"]
     instructions: Optional[Content] = None
-    criteria: Union[dict[str, Optional[Content]], list[str]] = Field(
-        description="{label: description or null} (transformers) or [label, ...] (rlcd)")
+    criteria: Labels = Field(description="{label: description or null} (transformers) or [label, ...] (rlcd); "
+                                         f"1..{MAX_CANDIDATES} unique labels, not blank")
 
 
 class NoulQuestion(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["noul"]
     instructions: Optional[Content] = None
-    criteria: Optional[dict[Literal["true", "false"], Optional[Content]]] = None
+    criteria: Optional[dict[Literal["true", "false"], Description]] = None
 
 
 class ScoreQuestion(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["score"]
     instructions: Optional[Content] = None
-    criteria: list[Optional[Content]] = Field(description=(
+    criteria: list[Description] = Field(min_length=1, max_length=MAX_CANDIDATES, description=(
         'the levels, lowest first; a null level (transformers accepts it) reads as "null" and shows so in the legend'))
+
+
+class ImageBase64(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    base64: str = Field(min_length=1, description="the image bytes in base64, or a data URL")
+
+
+class ImagePath(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str = Field(min_length=1, description="a path under the server's --image-root")
 
 
 class SystemOneRequest(BaseModel):
@@ -46,11 +68,14 @@ class SystemOneRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: Optional[str] = Field(None, description="echoed back; checked only with --strict-model")
     state: Union[str, dict[str, Any], list[Any]]
-    questions: dict[str, Union[ChoiceQuestion, NoulQuestion, ScoreQuestion]] = Field(min_length=1)
-    assets: dict[str, dict[str, Any]] = Field(default_factory=dict, max_length=4, description=(
+    questions: dict[str, Union[ChoiceQuestion, NoulQuestion, ScoreQuestion]] = Field(
+        min_length=1, description=f"question id -> question; ids are 1..{MAX_QID_CHARS} characters, not blank",
+        json_schema_extra={"propertyNames": {"minLength": 1, "maxLength": MAX_QID_CHARS}})
+    assets: Optional[dict[str, dict[str, Any]]] = Field(default_factory=dict, max_length=4, description=(
         'images keyed by placeholder: {"type": "image", "format": "png", "data_base64": ...}, {"path": ...}, or '
         '{"type": "image", "part": "asset-0"} in a multipart body'))
-    image: Optional[dict[str, str]] = Field(None, description='rlcd alias: {"base64": ...} or {"path": ...}')
+    image: Optional[Union[ImageBase64, ImagePath]] = Field(
+        None, description='rlcd alias: {"base64": ...} or {"path": ...}')
 
 
 class GateDecision(BaseModel):
