@@ -4,7 +4,7 @@ RLCD diagnostics)."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 from rlcd.bootstrap import group_key
 from rlcd.report import plots
@@ -103,18 +103,26 @@ def training(ctx: Context) -> Section:
 def _type_stats(ctx: Context, train: list[dict], chosen: int | None) -> Section | None:
     """Per-type entropy, max probability and effective candidate count over training (every objective)."""
     types = type_stat_types(train)
-    if not types:
+    s = _figure_section(ctx, types, "Output sharpness per type", "type_stats", lambda: plots.type_stats(train, chosen),
+                        "per-type entropy, max p and effective K",
+                        "Over each logged update's training rows (pooled over every DDP rank): mean entropy of the "
+                        "predicted distribution, mean max probability, and the effective number of candidates "
+                        "exp(H); EMA solid, raw faint.")
+    if s is None:
         return None
-    s = Section("Output sharpness per type", level=3)
-    s.add(ctx.figures.add("type_stats", plots.type_stats(train, chosen), "per-type entropy, max p and effective K",
-                          "Over each logged update's training rows (pooled over every DDP rank): mean entropy of "
-                          "the predicted distribution, mean max probability, and the effective number of "
-                          "candidates exp(H); EMA solid, raw faint."))
     rows = []
     for t in types:
         first = [type_stat_series(train, t, k)[1] for k in ("entropy", "max_prob", "effective_candidates")]
         rows.append([t] + [f"{fmt(v[0], 3)} → {fmt(v[-1], 3)}" if v else "—" for v in first])
     return s.add(Table(["type", "entropy (first → last logged)", "max p", "effective candidates"], rows))
+
+
+def _figure_section(ctx: Context, types: list[str], title: str, name: str, figure: Callable[[], Any], alt: str,
+                    caption: str) -> Section | None:
+    """A per-type subsection opening with its figure (drawn only when some type was logged), else None."""
+    if not types:
+        return None
+    return Section(title, level=3).add(ctx.figures.add(name, figure(), alt, caption))
 
 
 def _first_last(lines: list[dict], key: str) -> str:
@@ -125,14 +133,14 @@ def _first_last(lines: list[dict], key: str) -> str:
 def _objective_per_type(ctx: Context, train: list[dict], chosen: int | None) -> Section | None:
     """Which type drives the gradient: CE, policy term, reward and the logit-gradient split per type."""
     types = objective_types(train)
-    if not types:
+    s = _figure_section(ctx, types, "Objective per type", "objective_per_type",
+                        lambda: plots.objective_per_type(train, chosen), "objective per type",
+                        "Over each logged update's rows, pooled over every DDP rank: mean soft CE (every logged "
+                        "update), and at the diagnostics cadence the mean total reward, the norm of the update loss's "
+                        "gradient with respect to that type's logits and its share of the squared norm; EMA solid, "
+                        "raw faint.")
+    if s is None:
         return None
-    s = Section("Objective per type", level=3)
-    s.add(ctx.figures.add("objective_per_type", plots.objective_per_type(train, chosen), "objective per type",
-                          "Over each logged update's rows, pooled over every DDP rank: mean soft CE (every logged "
-                          "update), and at the diagnostics cadence the mean total reward, the norm of the update "
-                          "loss's gradient with respect to that type's logits and its share of the squared norm; "
-                          "EMA solid, raw faint."))
     rl = any(has(train, f"policy_loss/{t}") for t in types)
     head = ["type", "CE (first → last logged)"] + (["policy term (mean)", "reward (first → last)"] if rl else [])
     rows = []
