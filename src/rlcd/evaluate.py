@@ -274,8 +274,8 @@ def _evaluate_run(run: Run, *, placement: Placement | None, print_fn: Callable[[
         "placement": placement.to_dict(),
         "training_progress": run.training_progress(),
         **({"data_changed": {"files": data_changed, "allowed": True}} if data_changed else {}),
-        **_test_look(run, data_dir, preds, which, command, print_fn or echo),
     }
+    meta.update(_test_look(run, data_dir, preds, meta["checkpoint_sha256"], command, print_fn or echo))
     for line in small_data_warnings(preds, infos):
         say(line)
     ev = evaluation_from_predictions(preds, temps, meta, majority_baseline=baseline)
@@ -294,7 +294,7 @@ def _evaluate_run(run: Run, *, placement: Placement | None, print_fn: Callable[[
     return ev
 
 
-def _test_look(run: Run, data_dir: Path, preds: dict[str, list[dict]], which: str, command: str,
+def _test_look(run: Run, data_dir: Path, preds: dict[str, list[dict]], checkpoint_sha256: str, command: str,
                warn: Callable[[str], None]) -> dict[str, Any]:
     """Record this evaluation's look at `data_dir`'s test split (`rlcd.data.looks`) and say on stderr how many came
     before; meta.test_looks for the report ({} when no test split was scored)."""
@@ -303,7 +303,7 @@ def _test_look(run: Run, data_dir: Path, preds: dict[str, list[dict]], which: st
     if not preds.get("test"):
         return {}
     looks = record_look(data_dir, run=run.root, eval_name=run.eval_name, rows=len(preds["test"]), command=command,
-                        checkpoint_sha256=ckpt.weights_sha256(run.require_checkpoint(which)))
+                        checkpoint_sha256=checkpoint_sha256)
     if looks.error:
         warn(f"warning: could not record this look at the test split ({looks.error}); it is not counted")
     if looks.note():
@@ -428,8 +428,8 @@ def _evaluate_on_data(run: Run, view: Run, other: Path, records: dict[str, list[
         "temperatures_source": source["source"],
         "majority_baseline_from": str(other / "train.jsonl") if baseline is not None else None,
         "placement": placement.to_dict(),
-        **_test_look(view, other, preds, which, "evaluate --data", warn),
     }
+    meta.update(_test_look(view, other, preds, meta["checkpoint_sha256"], "evaluate --data", warn))
     ev = evaluation_from_predictions(preds, temps, meta, majority_baseline=baseline)
     write_evaluation(view, ev)
     say(f"report: {view.report_md}, {view.report_html} and their plots")
