@@ -189,6 +189,8 @@ def test_head_only_features_from_cut_states_equal_a_full_extraction(tmp_path, da
     assert find_cut_states(build_model({"model": "tiny-toy", "model_seed": 1, "recipe": {}}), data, any_cut=True) is None
     fast = ensure_features(head, data, progress=False, cut_states=below)
     assert fast.manifest["from_cut_states"] == str(below.root)
+    hit = ensure_features(head, data, progress=False, cut_states=lambda: pytest.fail("a cache hit looked up cut states"))
+    assert hit.root == fast.root
     shutil.rmtree(fast.root)
     full = ensure_features(head, data, progress=False)
     assert full.manifest["from_cut_states"] is None

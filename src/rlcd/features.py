@@ -341,8 +341,8 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
     """The cache of `model`'s frozen features over `data_dir`: loaded when a complete one with the same key
     exists, else extracted (all four splits) and published atomically. Partial `.tmp-*` directories of
     killed extractions are removed first (an extraction in progress elsewhere keeps its own). `cut_states`:
-    a cut-state cache this model matches (`rlcd.cut_cache.find_cut_states(any_cut=True)`): extraction then runs
-    only the layers above its cut."""
+    a cut-state cache this model matches (`rlcd.cut_cache.find_cut_states(any_cut=True)`), or a function that
+    looks one up, called only when extraction is needed: extraction then runs only the layers above its cut."""
     from safetensors.torch import save_file
 
     say = say or (lambda _: None)
@@ -355,6 +355,11 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
     if found is not None:
         say(f"features: reusing {final}")
         return found
+    if callable(cut_states):
+        cut_states = cut_states()
+        if cut_states is not None:
+            say(f"features: from the cut states {cut_states.root} (layers {cut_states.key['cut']}.."
+                f"{model.num_layers - 1} run)")
     t0 = time.perf_counter()
     counts, tokens = {}, 0
     collator = model.collator(image_root=data_dir)

@@ -65,10 +65,9 @@ def features(
         return
     from rlcd.cut_cache import find_cut_states
 
-    below = find_cut_states(m, data_dir, any_cut=True)  # a cut-state cache of this backbone: the top layers only
-    if below is not None:
-        echo(f"features: from the cut states {below.root} (layers {below.key['cut']}..{m.num_layers - 1} run)")
-    cache = ensure_features(m, data_dir, progress=True, say=echo, cut_states=below)
+    # on a miss, from a cut-state cache of this backbone when DATA has one: the top layers only
+    cache = ensure_features(m, data_dir, progress=True, say=echo,
+                            cut_states=lambda: find_cut_states(m, data_dir, any_cut=True))
     echo_json({"features": str(cache.root), "key_id": cache.manifest["key_id"], "entries": cache.manifest["splits"],
                "row_tokens": cache.manifest["row_tokens"], "extract_seconds": cache.manifest["seconds"],
                "seconds": round(time.perf_counter() - t0, 3)})

@@ -87,10 +87,9 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
         from rlcd.cut_cache import find_cut_states
         from rlcd.features import ensure_features
 
-        def build(main: bool):  # from a cut-state cache this model matches, when there is one: the top layers only
-            below = find_cut_states(model, data_dir, any_cut=True) if main else None
+        def build(main: bool):  # on a miss, from a cut-state cache this model matches: the top layers only
             return ensure_features(model, data_dir, progress=progress and main, say=print_fn if main else None,
-                                   records=known, cut_states=below)
+                                   records=known, cut_states=lambda: find_cut_states(model, data_dir, any_cut=True))
 
         features = _rank0_first(d, build)
     groups = model.param_groups()
