@@ -6,6 +6,9 @@
 #   top4-ce-head5e4          head LR 5e-4 (the head-only run's final rate), LoRA LR 1e-4 as the first arms
 #   top4-ce-head5e4-lora1e3  head LR 5e-4, LoRA LR 1e-3 (is LoRA step-size limited once the head holds still?)
 # Each is dev-selected, calibrated and compared with the head-only run as before.
+# On a machine without the first arms' run directory, rebuild the head first (data, cut states, features, head-only
+# run; ~37 min here) and give the probes the first arms' 1,200 updates:
+#   UNTIL=head bash docs/experiments/real-weights/run-top-layers.sh && echo 1200 > runs/rw4/steps
 # From the repo root, after run-top-layers.sh:  nohup bash docs/experiments/real-weights/run-top-layers-probes.sh > runs/rw4/probes.log 2>&1 &
 set -euo pipefail
 RLCD=${RLCD:-".venv/bin/rlcd"}

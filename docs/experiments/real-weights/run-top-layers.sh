@@ -12,6 +12,7 @@ OUT=${OUT:-runs/rw4}
 K=${K:-4}
 BUDGET_S=${BUDGET_S:-5400}   # wall seconds of training per arm (two arms side by side)
 LR_HEAD=${LR_HEAD:-0.005}
+UNTIL=${UNTIL:-all}          # UNTIL=head stops after the head-only run (what run-top-layers-probes.sh needs)
 stamp() { echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg) :: $*"; }
 done_run() { [ -f "$1/eval/evaluation.json" ]; }
 
@@ -40,6 +41,7 @@ train_eval() {  # run dir, threads, then train arguments
 }
 stamp "head-only (the page's best: RL+CE, head LR 5e-3)"
 train_eval "$OUT/head" 2 --steps 3600 --seed 0 --objective rlcd --recipe head_only=true --recipe lr_head=0.005
+if [ "$UNTIL" = head ]; then stamp "done (UNTIL=head)"; exit 0; fi
 TOP=(--seed 0 --init "$OUT/head" --recipe "lora_layers=$K" --recipe batch_by=case --recipe "lr_head=$LR_HEAD")
 if [ ! -f "$OUT/steps" ]; then  # size the budget: 24 updates of each arm side by side, the median s per update after 4
   stamp "timing"
