@@ -5,7 +5,7 @@
 set -euo pipefail
 OUT=${OUT:-runs/rw4}
 K=${K:-4}
-DOCS=docs/experiments/real-weights/top-layers/full
+DOCS=${DOCS:-docs/experiments/real-weights/top-layers/full}  # the probes: DOCS=.../top-layers/probes (their head is rebuilt)
 mkdir -p "$DOCS"
 for run in head "top$K-ce" "top$K-rlcd" "top$K-ce-head5e4" "top$K-ce-head5e4-lora1e3"; do
   [ -f "$OUT/$run/eval/evaluation.json" ] || continue
