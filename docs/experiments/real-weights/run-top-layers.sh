@@ -12,14 +12,15 @@ OUT=${OUT:-runs/rw4}
 K=${K:-4}
 BUDGET_S=${BUDGET_S:-5400}   # wall seconds of training per arm (two arms side by side)
 LR_HEAD=${LR_HEAD:-0.005}
+DATA_SEED=${DATA_SEED:-0}    # the benchmark's seed (the page's tables: 0)
 UNTIL=${UNTIL:-all}          # UNTIL=head stops after the head-only run (what run-top-layers-probes.sh needs)
 stamp() { echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg) :: $*"; }
 done_run() { [ -f "$1/eval/evaluation.json" ]; }
 
 mkdir -p "$OUT"
 if [ ! -f "$OUT/processed/test.jsonl" ]; then
-  $RLCD data synth --out "$OUT/synth.jsonl" --cases 1000 --seed 0
-  $RLCD data prepare "$OUT/synth.jsonl" --out "$OUT/processed" --seed 0
+  $RLCD data synth --out "$OUT/synth.jsonl" --cases 1000 --seed "$DATA_SEED"
+  $RLCD data prepare "$OUT/synth.jsonl" --out "$OUT/processed" --seed "$DATA_SEED"
 fi
 stamp "cut states K=$K"
 OMP_NUM_THREADS=2 $RLCD features "$OUT/processed" --model smollm2-135m --cut "$K" --device cpu --dtype float32 \

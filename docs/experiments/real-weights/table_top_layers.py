@@ -97,6 +97,8 @@ def plots(d: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.2), sharex=True)
     for run, style in zip(RUNS[1:], STYLES):
         rows = [r for r in metrics(d, run) if r["event"] == "train"]
+        if not rows:
+            continue
         for ax, t in zip(axes, TYPES):
             pts = [(r["step"], r[f"ce/{t}"]) for r in rows if f"ce/{t}" in r]
             window = 10  # logged updates (one every 10 updates)
