@@ -6,7 +6,10 @@ from collections import Counter
 
 import pytest
 
-from rlcd.data.sampling import Draw, Sampler, dev_subset, eligible_pool, microbatch, shuffle_choice
+import numpy as np
+
+from rlcd.data.sampling import (MAX_ORDERS, Draw, Sampler, dev_subset, eligible_pool, fixed_order, microbatch,
+                               n_orders, order_of_draw, orders_of, shuffle_choice)
 from rlcd.schema import Record
 
 CHI2_999 = {2: 13.82, 9: 27.88}  # chi-square quantile 0.999 by degrees of freedom
@@ -110,3 +113,65 @@ def test_shuffle_choice_keeps_candidate_target_pairs(criteria):
 def test_noul_and_score_are_never_permuted(question, target):
     record = make("n", question=question, target=target)
     assert all(shuffle_choice(record, seed) is record for seed in range(10))
+
+
+# --- balanced fixed orders (the caches' candidate orders while the backbone is frozen) ---------------
+
+
+def _choice(rid: str, k: int) -> Record:
+    return make(rid, question={"type": "choice", "instructions": "which?", "criteria": [f"c{i}" for i in range(k)]},
+                target=[1.0] + [0.0] * (k - 1))
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_small_rows_keep_every_order_once(k):
+    """K <= 3: a position prior is learnable, so the cache holds all K! orders, each once, the identity first."""
+    import itertools
+
+    for rid in ("a", "b", "row-17"):
+        orders = [tuple(fixed_order(rid, k, o)) for o in orders_of(_choice(rid, k))]
+        assert orders[0] == tuple(range(k))
+        assert sorted(orders) == sorted(itertools.permutations(range(k)))
+
+
+@pytest.mark.parametrize("k", [4, 5, 8, 9, 13, 40])
+def test_larger_rows_keep_a_latin_set(k):
+    """K >= 4: every kept order is a permutation, the identity is one of them, and no candidate sits in a
+    position twice; up to 8 candidates every candidate sits in every position exactly once."""
+    for rid in ("a", "b", "row-17"):
+        orders = [fixed_order(rid, k, o) for o in orders_of(_choice(rid, k))]
+        assert len(orders) == n_orders(k) == min(k, MAX_ORDERS)
+        assert orders[0] == list(range(k))
+        assert all(sorted(o) == list(range(k)) for o in orders)
+        for p in range(k):  # the candidates a position holds across the orders: all distinct
+            held = [o[p] for o in orders]
+            assert len(set(held)) == len(held)
+        if k <= MAX_ORDERS:
+            assert all(sorted(o[p] for o in orders) == list(range(k)) for p in range(k))
+    assert fixed_order("a", 5, 2) != fixed_order("b", 5, 2)  # the square depends on the row
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 6])
+def test_draws_use_every_order_equally_often(k):
+    """Over the sampler's permutation seeds each cached order of a row comes up 1/n of the time (a chi-square
+    bound at 20,000 draws), and the original order no more often than the others (it was 62.5% at K = 2)."""
+    rec = _choice("r", k)
+    rng = np.random.default_rng(0)
+    seeds = rng.integers(0, 2**32, size=20000, dtype=np.uint64).tolist()
+    counts = Counter(order_of_draw(rec, s) for s in seeds)
+    n = n_orders(k)
+    assert set(counts) == set(range(n))
+    expected = len(seeds) / n
+    chi2 = sum((c - expected) ** 2 / expected for c in counts.values())
+    assert chi2 < 3 * n + 30, counts  # far above the chi-square's mean (n - 1); 62.5% identity gives ~5,000
+    position_of_first = Counter(fixed_order("r", k, order_of_draw(rec, s)).index(0) for s in seeds)
+    assert max(position_of_first.values()) / len(seeds) < 1 / k + 0.02
+
+
+def test_noul_and_score_rows_keep_one_order_and_bad_orders_are_refused():
+    noul = make("n", question={"type": "noul", "instructions": "ok?", "criteria": {"false": "no", "true": "yes"}},
+                target=[0.3, 0.7])
+    assert list(orders_of(noul)) == [0] and order_of_draw(noul, 12345) == 0
+    assert list(orders_of(_choice("c", 3), split="dev")) == [0]
+    with pytest.raises(ValueError, match="order 6 out of range for a choice row of 3 candidates"):
+        fixed_order("c", 3, 6)

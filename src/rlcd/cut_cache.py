@@ -15,12 +15,12 @@ then runs only the K layers above it (`rlcd.model.cut_forward`). Same discipline
 Storage is prefix-shared like the extraction: a case's state prefix (the common token prefix of its rows,
 capped at the smallest decision position) is one segment, each row's remaining tokens another; a row
 is its prefix segment followed by its suffix segment, exactly the full row's states because the layers
-below the cut are frozen. A train choice row is stored in the feature cache's N_ORDERS candidate orders.
+below the cut are frozen. A train choice row is stored in the feature cache's balanced candidate orders (`orders_of`).
 The states are memory-mapped when read (`CutCache`), so the cache can exceed RAM.
 
 KEY = sha256 of {cut_version, backbone, a digest of every weight the states depend on (embeddings, vision
 tower, the layers below the cut; not the layers above, which LoRA and its merge change), the prompt frame,
-the four split files' sha256, the compute dtype, the storage dtype, N_ORDERS, the cut and the layer count}.
+the four split files' sha256, the compute dtype, the storage dtype, ORDERS_SCHEME, the cut and the layer count}.
 Written under a temporary name and renamed into place; an incomplete directory or another key is never read.
 """
 
@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from rlcd.data.sampling import N_ORDERS
+from rlcd.data.sampling import ORDERS_SCHEME
 from rlcd.features import (building, cache_entries, cache_root, each_split, entries_by_case, key_id, publish,
                            read_manifest)
 from rlcd.schema import TYPE_ID, Record
@@ -87,7 +87,7 @@ def cut_key(model, data_dir: Path, storage: str = "float32", cut: int | None = N
                    if (Path(data_dir) / f"{s}.jsonl").is_file()},
         "dtype": str(next(model.backbone.parameters()).dtype).replace("torch.", ""),
         "storage": storage,
-        "n_orders": N_ORDERS,
+        "orders": ORDERS_SCHEME,
         "cut": int(cut),
         "num_layers": int(model.num_layers),
     }

@@ -9,22 +9,22 @@ everything the content depends on, so a match is a proof and a mismatch a rebuil
     DATA/features/<KEY>/
       manifest.json          {"key": {...}, "key_id", "complete": true, "splits": {split: n_entries}, ...}
       <split>.safetensors    h_dec [N, H], h_cand [C, H] (all candidates, row after row), cand_start [N],
-                             k [N], n_tokens [N]  (N entries: one per row, N_ORDERS per train choice row)
+                             k [N], n_tokens [N]  (N entries: one per row, n_orders(K) per train choice row)
       <split>.index.json     [[id, order], ...] in entry order
 
 KEY = sha256 of {feature_version, backbone (family, config hash, vocabulary, marker), a digest of every
 frozen weight, a digest of the LoRA weights when any LoRA B is non-zero (no field for a zero LoRA: it adds
-nothing), the prompt frame, the four split files' sha256, the dtype, N_ORDERS}. The directory is
+nothing), the prompt frame, the four split files' sha256, the dtype, ORDERS_SCHEME}. The directory is
 written under a temporary name and renamed into place as the last step, so a killed extraction leaves
 only a `.tmp-*` directory that no reader opens (and the next extraction removes); a directory whose
 manifest does not say `complete` or whose key differs is never read.
 
 Choice rows: the candidate features depend on the option order, so a train choice row is cached in
-N_ORDERS fixed orders (`rlcd.data.sampling.fixed_order`, the identity among them) and a draw uses
-order `perm_seed mod N_ORDERS` (`order_of_draw`). Against live shuffling (a fresh permutation per
-draw out of K!) this caps the orders a row is seen in at 4: a position prior can still not be learnt
-(every row is seen in 4 orders, 3 of them random), but a K > 4 choice row shows at most 4 of its
-positions to each label. Dev, calibration and test rows are scored in their given order only.
+balanced fixed orders (`rlcd.data.sampling.fixed_order`, the identity among them): all K! orders for
+K <= 3, where a position prior is learnable, else the rows of a Latin square that put every candidate in
+every position once (at most MAX_ORDERS = 8 rows; above 8 candidates, 8 rows spread evenly). A draw uses
+order `perm_seed mod n_orders(K)` (`order_of_draw`), so every cached order of a row is equally likely.
+Dev, calibration and test rows are scored in their given order only.
 
 Extraction runs all questions of one state from one prefix forward (`DecisionModel.case_features`,
 the serving path) when the model has it, several cases per call. A zero LoRA is switched off for it (peft's
@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from rlcd.data.sampling import N_ORDERS, with_fixed_order
+from rlcd.data.sampling import ORDERS_SCHEME, orders_of, with_fixed_order
 from rlcd.errors import OptionError
 from rlcd.model.collate import RowLabels
 from rlcd.schema import TYPE_ID, Record
@@ -131,7 +131,7 @@ def feature_key(model, data_dir: Path) -> dict[str, Any]:
         "splits": {f"{s}.jsonl": sha256_file(Path(data_dir) / f"{s}.jsonl") for s in SPLITS
                    if (Path(data_dir) / f"{s}.jsonl").is_file()},
         "dtype": dtype,
-        "n_orders": N_ORDERS,
+        "orders": ORDERS_SCHEME,
         **({"lora": lora} if lora is not None else {}),  # absent for a zero LoRA: caches built before it stay valid
     }
 
@@ -236,8 +236,7 @@ def cache_entries(split: str, records: Sequence[Record]) -> list[tuple[Record, i
     """(record in its fixed order, order) for every cached entry of a split."""
     out = []
     for r in records:
-        orders = range(N_ORDERS) if split == "train" and r.question.type == "choice" else (0,)
-        out.extend((with_fixed_order(r, o), o) for o in orders)
+        out.extend((with_fixed_order(r, o), o) for o in orders_of(r, split))
     return out
 
 

@@ -16,6 +16,8 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -155,22 +157,51 @@ def permute_choice(record: Record, perm: list[int]) -> Record:
     return record.model_copy(update=update)
 
 
-N_ORDERS = 4  # candidate orders kept per choice row when the backbone is frozen (the identity among them)
+MAX_ORDERS = 8  # candidate orders kept per choice row above K = 3 (the Latin set's rows; K orders when K <= 8)
+ORDERS_SCHEME = "balanced-v1"  # in the feature and cut-state cache keys: a cache of another scheme is not reused
+
+
+def n_orders(k: int) -> int:
+    """How many fixed candidate orders a choice row of `k` candidates has while the backbone is frozen:
+    all k! for k <= 3 (a position prior is learnable there, so every order is seen), else the k rows of
+    a Latin square (every candidate in every position once), at most MAX_ORDERS of them."""
+    return math.factorial(k) if k <= 3 else min(k, MAX_ORDERS)
 
 
 def fixed_order(record_id: str, k: int, order: int) -> list[int]:
-    """Candidate order `order` (0..N_ORDERS-1) of a choice row: 0 is the identity, the others are
-    permutations drawn from sha256(id, order), so they depend on the row alone (not on a run's seed)."""
+    """Candidate order `order` (0..n_orders(k)-1) of a choice row; 0 is the identity.
+
+    k <= 3: the k! permutations in lexicographic order. k >= 4: row `j` of a Latin square
+    L_j[p] = tau[(tau^-1[p] + j) mod k], with tau a permutation drawn from sha256(id), so row 0 is the
+    identity, every row is a permutation and each candidate sits in each position in exactly one row
+    (the rows a k > MAX_ORDERS row keeps are spread evenly: j = round(i k / MAX_ORDERS)). Everything
+    depends on the row alone, not on a run's seed."""
+    n = n_orders(k)
+    if not 0 <= order < n:
+        raise ValueError(f"order {order} out of range for a choice row of {k} candidates (0..{n - 1})")
     if order == 0:
         return list(range(k))
-    digest = hashlib.sha256(f"{record_id}\0{order}".encode("utf-8")).digest()
-    return np.random.default_rng(int.from_bytes(digest[:8], "little")).permutation(k).tolist()
+    if k <= 3:
+        return list(next(itertools.islice(itertools.permutations(range(k)), order, None)))
+    digest = hashlib.sha256(f"{record_id}\0latin".encode("utf-8")).digest()
+    tau = np.random.default_rng(int.from_bytes(digest[:8], "little")).permutation(k)
+    inv = np.argsort(tau)
+    shift = order if k <= MAX_ORDERS else round(order * k / MAX_ORDERS)
+    return [int(tau[(inv[p] + shift) % k]) for p in range(k)]
 
 
-def order_of_draw(record: Record, perm_seed: int, n_orders: int = N_ORDERS) -> int:
-    """Which of a row's fixed orders a draw uses while the backbone is frozen: `perm_seed mod n_orders`
-    for a choice row (uniform over the orders, a pure function of the draw), 0 for noul and score."""
-    return perm_seed % n_orders if record.question.type == "choice" else 0
+def orders_of(record: Record, split: str = "train") -> range:
+    """The fixed orders a cache keeps for a row: every order of a train choice row, the given one else."""
+    if split == "train" and record.question.type == "choice":
+        return range(n_orders(record.question.k))
+    return range(1)
+
+
+def order_of_draw(record: Record, perm_seed: int) -> int:
+    """Which of a row's fixed orders a draw uses while the backbone is frozen: `perm_seed mod n_orders(k)`
+    for a choice row (perm_seed is uniform on [0, 2^32), so every order is equally likely to within
+    n / 2^32), 0 for noul and score."""
+    return perm_seed % n_orders(record.question.k) if record.question.type == "choice" else 0
 
 
 def with_fixed_order(record: Record, order: int) -> Record:
