@@ -105,7 +105,11 @@ def test_dev_scores_by_hand():
     # ECE, one row per bin, all wrong (argmax ties go to index 0): a conf 1/2, b conf 3/4, c conf 1/3
     assert got["dev_ece/noul"] == pytest.approx((0.5 + 0.75) / 2)
     assert got["dev_ece"] == pytest.approx((0.5 + 0.75 + 1 / 3) / 3)
-    assert "dev_nll/score" not in got and dev_scores([]) == {}
+    # per-type top-1 accuracy: b argmax 1 (target 0) wrong, a tie -> 0 (target 1) wrong; c tie -> 0 (target 2) wrong
+    assert got["dev_accuracy/noul"] == 0.0 and got["dev_accuracy/choice"] == 0.0
+    right = dict(rows[1], logits=[np.log(3.0), 0.0])
+    assert dev_scores([rows[0], right, rows[2]])["dev_accuracy/noul"] == pytest.approx(0.5)
+    assert "dev_nll/score" not in got and "dev_accuracy/score" not in got and dev_scores([]) == {}
 
 
 def test_type_diagnostics_still_summarise(monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -58,16 +59,58 @@ def test_init_continues_the_source_weights_with_a_fresh_optimizer(tmp_path, data
     assert config["init"]["weights_sha256"] == ckpt.weights_sha256(source / "checkpoints" / "best")
     assert len(config["init"]["backbone_fingerprint"]) == 64
 
-    # a resume of an initialised run continues its own stream; the schedule starts afresh at warm-up
+    # a resume of an initialised run continues its own stream; its head keeps the source's LR (no warm-up)
     train(new, resume=True, **QUIET)
     first = next(r for r in map(json.loads, (new / "metrics.jsonl").read_text().splitlines()) if r["event"] == "train")
     assert first["step"] == 1
-    assert first["lr_head"] == pytest.approx(recipe.lr_head * lr_factor(0, 2, warmup_frac=recipe.warmup_frac,
-                                                                         floor=recipe.lr_floor), rel=1e-12)
+    assert first["lr_head"] == pytest.approx(config["init"]["head_lr_peak"], rel=1e-12)
 
     from rlcd.report.run_sections import _init
     text = _init(SimpleNamespace(config=config)).text
     assert str(source.resolve()) in text and config["init"]["weights_sha256"] in text
+
+
+def _source_last_head_lr(source: Path) -> float:
+    """The LR of the source's last head update before its best checkpoint, from its config by hand."""
+    cfg = json.loads((source / "config.json").read_text())
+    best = ckpt.load(source / "checkpoints" / "best")["state"]["best_step"]
+    r, horizon = cfg["recipe"], cfg["decay_horizon"]
+    if best == 0:
+        return r["lr_head"]
+    w = max(1, round(r["warmup_frac"] * horizon))
+    s = best - 1
+    if s < w:
+        return r["lr_head"] * (s + 1) / w
+    progress = min(1.0, (s - w) / (horizon - w))
+    return r["lr_head"] * (r["lr_floor"] + (1 - r["lr_floor"]) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@pytest.mark.parametrize("init_head,lr_head", [("keep", 1e-2), ("keep", 1e-5), ("rewarm", 1e-2)])
+def test_init_keeps_the_head_it_was_given(tmp_path, data_dir, source, init_head, lr_head):
+    """An --init start does not re-warm the head it is given: its head LR starts at its peak, which is at most the
+    LR its source last trained it with (a larger lr_head is capped, a smaller one kept), and follows the cosine;
+    LoRA warms up as usual. `init_head=rewarm` is the old schedule (head warmed up to lr_head)."""
+    new = tmp_path / "new"
+    recipe = Recipe(steps=4, warmup_frac=0.5, lr_head=lr_head, init_head=init_head, **FAST)  # W = 2 updates
+    said = []
+    train(new, data_dir=data_dir, model="tiny-toy", recipe=recipe, init=source, progress=False, print_fn=said.append)
+    config = json.loads((new / "config.json").read_text())
+    rows = [r for r in map(json.loads, (new / "metrics.jsonl").read_text().splitlines()) if r["event"] == "train"]
+    src_lr = _source_last_head_lr(source)
+    assert config["init"]["head_lr"] == pytest.approx(src_lr, rel=1e-12)
+    lora = [recipe.lr_lora * lr_factor(s, 4, warmup_frac=0.5, floor=recipe.lr_floor) for s in range(4)]
+    assert [r["lr_lora"] for r in rows] == pytest.approx(lora, rel=1e-12)
+    if init_head == "keep":
+        peak = min(lr_head, src_lr)
+        assert config["init"]["head_lr_peak"] == pytest.approx(peak, rel=1e-12)
+        expected = [peak * lr_factor(s, 4, warmup_frac=0.5, floor=recipe.lr_floor, warmup=False) for s in range(4)]
+        assert expected[0] == expected[1] == peak  # no warm-up: the first updates run at the peak
+        assert any("--init: the head keeps its training" in line for line in said)
+    else:
+        assert "head_lr_peak" not in config["init"]
+        expected = [lr_head * f for f in (0.5, 1.0)] + [lr_head * lr_factor(s, 4, warmup_frac=0.5) for s in (2, 3)]
+        assert any("warmed up again" in line for line in said)
+    assert [r["lr_head"] for r in rows] == pytest.approx(expected, rel=1e-12)
 
 
 def test_init_refuses_another_backbone_and_writes_nothing(tmp_path, data_dir, source):

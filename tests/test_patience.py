@@ -72,3 +72,26 @@ def test_patience_values():
     for bad in (0, -1, True, 1.5):
         with pytest.raises(OptionError, match="patience must be none"):
             Recipe(patience=bad)
+
+
+def test_select_by_nll_keeps_the_lowest_dev_nll(tmp_path, data_dir):
+    """`select_by=nll`: the best checkpoint is the evaluation with the lowest pooled dev NLL (earliest on ties),
+    whatever the macro accuracy did; its score is that NLL; the pinned recipe still selects on accuracy."""
+    recipe = Recipe(steps=6, eval_every=1, checkpoint_every=6, log_every=1, diagnostics_every=0, select_by="nll",
+                    lr_head=3e-2)
+    run = tmp_path / "run"
+    state = train(run, data_dir=data_dir, model="tiny-toy", recipe=recipe, progress=False, print_fn=lambda _: None)
+    evals = _rows(run, "eval")
+    nll = [(r["dev_nll"], r["step"]) for r in evals]
+    best_nll, best_step = min(nll)
+    assert state["best_step"] == best_step and state["best_score"] == pytest.approx(best_nll, abs=1e-12)
+    assert ckpt.load(run / "checkpoints" / "best")["state"]["step"] == best_step
+    assert len({round(n, 6) for n, _ in nll}) > 1  # the NLL moved: the choice was not a tie at step 0
+    config = json.loads((run / "config.json").read_text())
+    assert config["recipe_deviations"]["select_by"] == {"value": "nll", "pinned": "macro_accuracy"}
+    assert Recipe().select_by == "macro_accuracy"
+
+    from rlcd.report.training_log import selected_step
+    assert selected_step(evals, {}, "nll") == best_step
+    acc = [(r["dev_macro_accuracy"], -r["step"]) for r in evals]
+    assert selected_step(evals, {}) == -max(acc)[1]

@@ -59,7 +59,9 @@ def test_extension_keeps_horizon():
                                     ({"n_perturbations": 1}, "n_perturbations must be an integer >= 2"),
                                     ({"w_spherical": -0.5}, "w_spherical must be a finite number >= 0"),
                                     ({"w_rps": float("nan")}, "w_rps"),
-                                    ({"advantage_norm": "group"}, "advantage_norm must be 'batch' or 'type'")])
+                                    ({"advantage_norm": "group"}, "advantage_norm must be 'batch' or 'type'"),
+                                    ({"select_by": "brier"}, "select_by must be one of macro_accuracy, nll"),
+                                    ({"init_head": "fresh"}, "init_head must be 'keep'")])
 def test_bad_knobs_rejected(kw, msg):
     with pytest.raises(ValueError, match=msg):
         Recipe(**kw)

@@ -82,7 +82,10 @@ def make_run(tmp_path, *, with_eval=True, with_log=True, posterior=True, diagnos
                 fh.write(json.dumps(line) + "\n")
                 if step % 10 == 0:
                     fh.write(json.dumps({"event": "eval", "step": step, "dev_macro_accuracy": 0.3 + step / 100,
-                                         "dev_accuracy": {g: 0.3 + step / 100 for g in GROUPS}}) + "\n")
+                                         "dev_accuracy": {g: 0.3 + step / 100 for g in GROUPS},
+                                         "dev_nll/choice": 1.2 - step / 100, "dev_accuracy/choice": 0.2 + step / 100,
+                                         "dev_nll/noul": 0.7 - step / 400, "dev_accuracy/noul": 0.5 + step / 400})
+                             + "\n")
             fh.write("{not json\n")
     return run, preds, temps, meta, mb
 
@@ -148,7 +151,7 @@ def test_report_and_plots_exist_for_a_tiny_run(tmp_path):
     text = report.read_text()
     plots = ["reliability_overall", "reliability_choice", "reliability_noul", "reliability_score", "coverage_risk",
              "group_accuracy", "training_curves", "rlcd_diagnostics", "accuracy_by_k", "type_stats",
-             "objective_per_type"]
+             "objective_per_type", "dev_per_type"]
     for name in plots:
         png = run / "eval" / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == PNG and png.stat().st_size > 5000, name
@@ -162,8 +165,11 @@ def test_report_and_plots_exist_for_a_tiny_run(tmp_path):
     assert "| accuracy | 0." in text and "raw [95% CI]" in text and "95% CI (refit per resample)" in text
     for heading in ("## Error analysis (test)", "### Confusion matrices", "### Accuracy by number of candidates K",
                     "### The 20 worst rows by calibrated NLL", "### RLCD diagnostics", "### Recipe",
-                    "### Output sharpness per type", "### Objective per type"):
+                    "### Output sharpness per type", "### Objective per type", "### Dev curve per type"):
         assert heading in text, heading
+    # the per-type dev curve's table: first (step 10) and last (step 40) evaluation of each type
+    assert f"| choice | {0.3:.3f} → {0.6:.3f} | {1.1:.3f} → {0.8:.3f} |" in text
+    assert f"| noul | {0.525:.3f} → {0.6:.3f} | {0.675:.3f} → {0.6:.3f} |" in text
     # the per-type objective table: CE first -> last, policy mean, reward first -> last, gradient norm and share means
     mean_share = np.mean([0.5 + s / 200 for s in range(2, 41, 2)])
     mean_norm = np.mean([(0.5 + s / 200) ** 0.5 for s in range(2, 41, 2)])

@@ -89,7 +89,8 @@ def _check_diagnostics(run):
     for ev in [r for r in rows if r["event"] == "eval"]:
         assert {"dev_nll", "dev_brier", "dev_ece"} <= set(ev)
         assert ev["dev_nll"] > 0 and 0 <= ev["dev_ece"] <= 1 and 0 <= ev["dev_brier"] <= 2
-        assert any(k.startswith("dev_nll/") for k in ev)
+        types = {k.split("/", 1)[1] for k in ev if k.startswith("dev_nll/")}
+        assert types and all(0.0 <= ev[f"dev_accuracy/{t}"] <= 1.0 for t in types)  # per type at every evaluation
     return diag
 
 

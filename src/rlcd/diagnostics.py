@@ -217,7 +217,8 @@ class ObjectiveDiagnostics(_TypeSums):
 
 
 def dev_scores(rows: Iterable[Mapping[str, Any]]) -> dict[str, float | None]:
-    """``dev_<m>`` and ``dev_<m>/<type>`` for m in nll, brier, ece, from prediction-like rows.
+    """``dev_<m>`` and ``dev_<m>/<type>`` for m in nll, brier, ece, and ``dev_accuracy/<type>`` (top-1, pooled over
+    the type's rows; the pooled ``dev_accuracy`` key is the per-group dict selection reads), from prediction-like rows.
 
     Rows carry ``id``, ``group``, ``type``, ``target`` and raw ``logits`` (as in
     ``eval/predictions-*.jsonl``); scored by ``rlcd.metrics.summarize`` at T = 1.
@@ -231,4 +232,5 @@ def dev_scores(rows: Iterable[Mapping[str, Any]]) -> dict[str, float | None]:
     for t, block in summary["per_type"].items():
         for m in DEV_METRICS:
             out[f"dev_{m}/{t}"] = block.get(m)
+        out[f"dev_accuracy/{t}"] = block.get("accuracy")
     return out

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from rlcd.errors import OptionError
 
 KNOBS = ("steps", "seed", "objective", "sigma", "ce_weight")
+SELECT_BY = ("macro_accuracy", "nll")  # dev selection scores: group-macro top-1 accuracy (higher), pooled NLL (lower)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class Recipe:
     head_only: bool = False      # the scorer alone learns on frozen (cached) backbone features; LoRA stays 0
     head_warmup: int = 0         # head-only updates before LoRA joins (schedule and horizon unchanged)
     lora_layers: int | None = None  # LoRA on the top K decoder layers only (None: every layer); below is frozen
+    init_head: str = "keep"      # an --init start: "keep" the given head (no warm-up, peak <= its source's last LR)
+                                 # or "rewarm" it like a fresh one (warm-up to lr_head)
     # --- sampling ----------------------------------------------------------------------------
     batch_size: int = 8          # examples per micro-batch
     grad_accum: int = 4          # micro-batches per update, split over DDP ranks (global batch 32)
@@ -58,6 +61,7 @@ class Recipe:
     log_every: int = 10
     diagnostics_every: int = 100
     patience: int | None = None  # dev evaluations without strict improvement before stopping; None: fixed budget
+    select_by: str = "macro_accuracy"  # the best checkpoint: dev group-macro accuracy (pinned) or dev "nll" (lowest)
     # --- model -------------------------------------------------------------------------------
     lora_rank: int = 8
     lora_alpha: int = 16
@@ -109,6 +113,12 @@ class Recipe:
         if self.patience is not None and not (isinstance(self.patience, int) and not isinstance(self.patience, bool)
                                               and self.patience >= 1):
             raise OptionError(f"patience must be none (the fixed budget) or an integer >= 1, got {self.patience!r}")
+        if self.init_head not in ("keep", "rewarm"):
+            raise OptionError(f"init_head must be 'keep' (an --init head keeps its learning rate: no warm-up, peak at "
+                              f"most its source's last LR) or 'rewarm', got {self.init_head!r}")
+        if self.select_by not in SELECT_BY:
+            raise OptionError(f"select_by must be one of {', '.join(SELECT_BY)} (the dev score that picks the best "
+                              f"checkpoint), got {self.select_by!r}")
         if self.centring not in ("running_mean", "layernorm", "none"):
             raise OptionError(f"centring must be running_mean, layernorm or none, got {self.centring!r}")
         for name in ("lr_lora", "lr_head", "grad_clip", "lora_alpha"):
@@ -217,16 +227,18 @@ def warmup_steps(horizon: int, warmup_frac: float = 0.03) -> int:
     return max(1, round(warmup_frac * horizon))
 
 
-def lr_factor(step: int, horizon: int, *, warmup_frac: float = 0.03, floor: float = 0.10) -> float:
+def lr_factor(step: int, horizon: int, *, warmup_frac: float = 0.03, floor: float = 0.10,
+              warmup: bool = True) -> float:
     """Multiplier of the peak LR for update `step` (0-based), a pure function of (step, horizon).
 
     Linear warm-up over W = round(0.03 D) updates reaching the peak at update W-1, cosine from the
     peak at update W down to `floor` at update D, then a constant `floor` (also after a budget
-    extension, which keeps D).
+    extension, which keeps D). `warmup=False` (a head an --init start keeps): the peak during those
+    W updates instead, the same cosine after.
     """
     w = warmup_steps(horizon, warmup_frac)
     if step < w:
-        return (step + 1) / w
+        return (step + 1) / w if warmup else 1.0
     if horizon <= w:
         return floor
     progress = min(1.0, (step - w) / (horizon - w))

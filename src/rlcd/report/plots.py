@@ -151,18 +151,31 @@ def _finish(ax, title: str, drawn: bool, selected: int | None, legend: bool = Tr
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="0.5")
 
 
-def training(train: list[dict], evals: list[dict], selected: int | None) -> bytes:
-    """Loss, reward, dev accuracy, dev scoring rules, learning rates and gradient norm against the step."""
+def training(train: list[dict], evals: list[dict], selected: int | None, select_by: str = "macro_accuracy") -> bytes:
+    """Loss, reward, dev accuracy, dev scoring rules, learning rates and gradient norm against the step; the panel
+    of the score the run selects on (`select_by`) says so."""
     fig = Figure(figsize=(14, 7.5))
     axes = fig.subplots(2, 3).ravel()
     loss_keys = [k for k in ("ce_loss", "loss") if has(train, k)]
     _panel(axes[0], train, loss_keys or ["loss"], "cross-entropy / loss (EMA, raw faint)", selected)
     _panel(axes[1], train, ["reward_mean"], "reward (mean)", selected)
-    _panel(axes[2], evals, ["dev_macro_accuracy"], "dev macro accuracy (selection score)", selected)
-    _panel(axes[3], evals, ["dev_nll", "dev_brier", "dev_ece"], "dev NLL / Brier / ECE", selected)
+    by_nll = select_by == "nll"
+    _panel(axes[2], evals, ["dev_macro_accuracy"], "dev macro accuracy" + ("" if by_nll else " (selection score)"),
+           selected)
+    _panel(axes[3], evals, ["dev_nll", "dev_brier", "dev_ece"],
+           "dev NLL / Brier / ECE" + (" (selection: NLL)" if by_nll else ""), selected)
     _panel(axes[4], train, ["lr_lora", "lr_head"], "learning rate", selected)
     _panel(axes[5], train, ["grad_norm"], "gradient norm (before clipping)", selected)
     return png(fig, left=0.06, wspace=0.22, bottom=0.08, hspace=0.3)
+
+
+def dev_per_type(evals: list[dict], types: Sequence[str], selected: int | None) -> bytes:
+    """The dev curve per question type: top-1 accuracy and NLL at every dev evaluation."""
+    fig = Figure(figsize=(11, 3.8))
+    axes = fig.subplots(1, 2).ravel()
+    for ax, metric, title in ((axes[0], "accuracy", "dev accuracy per type"), (axes[1], "nll", "dev NLL per type")):
+        _panel(ax, evals, [f"dev_{metric}/{t}" for t in types], title, selected, labels=list(types))
+    return png(fig, left=0.07, wspace=0.22, bottom=0.14)
 
 
 def diagnostics(train: list[dict], selected: int | None) -> bytes:

@@ -3,6 +3,8 @@ RLCD diagnostics)."""
 
 from __future__ import annotations
 
+import math
+
 from collections import Counter
 from typing import Any, Callable
 
@@ -82,22 +84,40 @@ def training(ctx: Context) -> Section:
     train, evals, bad = ctx.training
     s.add(Text(f"`metrics.jsonl`: {len(train)} training lines, {len(evals)} dev evaluations"
                + (f", {bad} unreadable line(s) skipped" if bad else "") + "."))
-    chosen = selected_step(evals, ctx.meta)
+    select_by = ((ctx.config or {}).get("recipe") or {}).get("select_by", "macro_accuracy")
+    chosen = selected_step(evals, ctx.meta, select_by)
     if train or evals:
-        s.add(ctx.figures.add("training_curves", plots.training(train, evals, chosen), "training curves",
+        s.add(ctx.figures.add("training_curves", plots.training(train, evals, chosen, select_by), "training curves",
                               "Raw values faint, their exponential moving average solid (span: a tenth of the "
                               "points); the dotted line marks the selected step."))
     if evals:
-        best = max(evals, key=lambda e: (e.get("dev_macro_accuracy") or -1.0, -e["step"]))
-        s.add(Text(f"Best dev macro accuracy {fmt(best.get('dev_macro_accuracy'))} at step {best['step']}"
-                   + (f"; selected step {ctx.meta['selected_step']}" if "selected_step" in ctx.meta else "") + "."))
+        if select_by == "nll":
+            best = min(evals, key=lambda e: (e.get("dev_nll", math.inf), e["step"]))
+            line = f"Selection by dev NLL (`select_by=nll`): lowest dev NLL {fmt(best.get('dev_nll'))} at step {best['step']}"
+        else:
+            best = max(evals, key=lambda e: (e.get("dev_macro_accuracy") or -1.0, -e["step"]))
+            line = f"Best dev macro accuracy {fmt(best.get('dev_macro_accuracy'))} at step {best['step']}"
+        s.add(Text(line + (f"; selected step {ctx.meta['selected_step']}" if "selected_step" in ctx.meta else "") + "."))
         at = next((e for e in evals if e["step"] == chosen), None)
         if at is not None and "dev_nll" in at:
             types = sorted({k.split("/", 1)[1] for k in at if k.startswith("dev_nll/")})
             s.add(Table(["dev subset at the selected step", "NLL", "Brier", "ECE"],
                         [["all types", at.get("dev_nll"), at.get("dev_brier"), at.get("dev_ece")]]
                         + [[t, at.get(f"dev_nll/{t}"), at.get(f"dev_brier/{t}"), at.get(f"dev_ece/{t}")] for t in types]))
-    return s.add(_type_stats(ctx, train, chosen), _objective_per_type(ctx, train, chosen), _diagnostics(ctx, train, chosen))
+    return s.add(_dev_per_type(ctx, evals, chosen), _type_stats(ctx, train, chosen), _objective_per_type(ctx, train, chosen),
+                 _diagnostics(ctx, train, chosen))
+
+
+def _dev_per_type(ctx: Context, evals: list[dict], chosen: int | None) -> Section | None:
+    """The dev curve per question type (accuracy and NLL at every evaluation), with its first and last values."""
+    types = sorted({k.split("/", 1)[1] for e in evals for k in e if k.startswith("dev_nll/")})
+    s = _figure_section(ctx, types, "Dev curve per type", "dev_per_type", lambda: plots.dev_per_type(evals, types, chosen),
+                        "dev accuracy and NLL per type", "The frozen dev subset at every evaluation, per question type: "
+                        "top-1 accuracy and NLL (raw, T = 1); the dotted line marks the selected step.")
+    if s is None:
+        return None
+    return s.add(Table(["type", "dev accuracy (first → last)", "dev NLL (first → last)"],
+                       [[t, _first_last(evals, f"dev_accuracy/{t}"), _first_last(evals, f"dev_nll/{t}")] for t in types]))
 
 
 def _type_stats(ctx: Context, train: list[dict], chosen: int | None) -> Section | None:

@@ -101,14 +101,16 @@ def has_diagnostics(train: list[dict]) -> bool:
         "advantage_std", "adv_std", "adv_extreme_share", "grad_cosine", "grad_norm_ratio"))
 
 
-def selected_step(evals: list[dict], meta: dict[str, Any]) -> int | None:
-    """The step the evaluation used: ``meta.selected_step``, else the best dev macro accuracy (earliest on ties)."""
+def selected_step(evals: list[dict], meta: dict[str, Any], select_by: str = "macro_accuracy") -> int | None:
+    """The step the evaluation used: ``meta.selected_step``, else the best dev score the run selects on
+    (highest macro accuracy, or lowest NLL for ``select_by="nll"``; earliest on ties)."""
     if isinstance(meta.get("selected_step"), int):
         return meta["selected_step"]
-    scored = [e for e in evals if isinstance(e.get("dev_macro_accuracy"), (int, float))]
+    key, sign = ("dev_nll", -1.0) if select_by == "nll" else ("dev_macro_accuracy", 1.0)
+    scored = [e for e in evals if isinstance(e.get(key), (int, float))]
     if not scored:
         return None
-    return int(max(scored, key=lambda e: (e["dev_macro_accuracy"], -e["step"]))["step"])
+    return int(max(scored, key=lambda e: (sign * e[key], -e["step"]))["step"])
 
 
 def last_value(lines: list[dict], key: str) -> Any:

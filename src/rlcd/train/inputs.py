@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rlcd import checkpoint as ckpt
 from rlcd.errors import OptionError, UserError
-from rlcd.recipe import Recipe
+from rlcd.recipe import Recipe, lr_factor
 from rlcd.run import Run
 
 DATA_FILES = ("train.jsonl", "dev.jsonl", "calibration.jsonl", "test.jsonl")
@@ -153,9 +153,23 @@ def init_source(path: Path, model: str, model_seed: int, recipe: Recipe) -> dict
         raise OptionError(f"--init {path}: the trainable weights have another shape ({'; '.join(diff)}); give the "
                           "same model fields (--recipe) as that run")
     state = ckpt.load(best)["state"]
+    step = state.get("best_step")
     return {"path": best, "export": src.export_dir / "model.json", "head_only": head_only,
-            "record": {"run": str(src.root.resolve()), "checkpoint": "best", "step": state.get("best_step"),
-                       "weights_sha256": ckpt.weights_sha256(best), **({"head_only": True} if head_only else {})}}
+            "record": {"run": str(src.root.resolve()), "checkpoint": "best", "step": step,
+                       "weights_sha256": ckpt.weights_sha256(best), "head_lr": last_head_lr(cfg, step or 0),
+                       **({"head_only": True} if head_only else {})}}
+
+
+def last_head_lr(config: dict, step: int) -> float:
+    """The LR a run's head was trained with in the last update before its checkpoint at `step` (the peak for an
+    untrained head, step 0): what an --init start that keeps that head may continue at."""
+    r = Recipe.from_dict(config["recipe"])
+    kept = (config.get("init") or {}).get("head_lr_peak")
+    peak = r.lr_head if kept is None else kept
+    if step <= 0:
+        return peak
+    return peak * lr_factor(step - 1, int(config["decay_horizon"]), warmup_frac=r.warmup_frac, floor=r.lr_floor,
+                            warmup=kept is None)
 
 
 def _same_model_path(theirs: str, mine: str, same_seed: bool) -> bool:
@@ -194,4 +208,4 @@ def deviation_notice(recipe: Recipe) -> str | None:
 
 
 __all__ = ["DATA_FILES", "ResumeRefused", "check_data_dir", "check_resume", "data_hashes", "deviation_notice",
-           "git_revision", "init_source", "library_versions", "load_init_weights", "load_records", "new_run"]
+           "git_revision", "init_source", "last_head_lr", "library_versions", "load_init_weights", "load_records", "new_run"]

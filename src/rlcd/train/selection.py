@@ -1,7 +1,9 @@
 """Dev evaluation and checkpoint selection: the frozen dev subset, scored every `eval_every` updates.
 
-Selection is by the unweighted group-macro top-1 accuracy (test never selects), compared as exact
-rationals; `patience` evaluations without strict improvement stop a run early. Rank 0 alone evaluates.
+Selection (`Recipe.select_by`, test never selects): the pinned recipe's unweighted group-macro top-1 accuracy,
+compared as exact rationals, or the pooled dev NLL (lowest wins; a user gating on probabilities may want the
+checkpoint whose probabilities are best, which accuracy can miss). `patience` evaluations without strict
+improvement stop a run early. Rank 0 alone evaluates.
 """
 
 from __future__ import annotations
@@ -75,6 +77,19 @@ def improves_on(per_group: dict[str, float], dev: dict[str, list], best_score: f
     return new > Fraction(best_score).limit_denominator(denom)
 
 
+def selection_score(ev: dict[str, Any], select_by: str) -> float:
+    """The dev score a run selects on: ``dev_macro_accuracy`` or ``dev_nll``."""
+    return float(ev["dev_nll"] if select_by == "nll" else ev["dev_macro_accuracy"])
+
+
+def improves(ev: dict[str, Any], dev: dict[str, list], best_score: float | None, select_by: str) -> bool:
+    """Whether dev evaluation `ev` strictly beats the best so far on the run's selection score: a higher macro
+    accuracy (`improves_on`, exact), or a lower NLL (compared at 12 decimals, so float noise selects nothing)."""
+    if select_by != "nll":
+        return improves_on(ev["dev_accuracy"], dev, best_score)
+    return best_score is None or round(float(ev["dev_nll"]), 12) < round(best_score, 12)
+
+
 def patience_exhausted(patience: int | None, evals_since_best: int, d: Dist) -> bool:
     """Whether `patience` dev evaluations in a row brought no strict improvement (rank 0 decides, every
     rank gets its answer); None is the recipe's fixed budget: never."""
@@ -101,10 +116,10 @@ class DevSelection:
             scored: list[dict] = []
             ev = dev_accuracy(s.model, s.dev, s.collator, s.device, source=s.sources.for_eval(step), keep=scored)
             write_dev_eval(self.run, step, scored)
-            state.score = ev["dev_macro_accuracy"]
+            state.score = selection_score(ev, r.select_by)
             self.writer.log({"event": "eval", "step": step, **ev})
-            if improves_on(ev["dev_accuracy"], s.dev, state.best_score):
-                state.best_score, state.best_step = ev["dev_macro_accuracy"], step
+            if improves(ev, s.dev, state.best_score, r.select_by):
+                state.best_score, state.best_step = state.score, step
                 state.evals_since_best = 0
                 self.writer.checkpoint("best", s, state)
             else:
@@ -116,4 +131,4 @@ class DevSelection:
                              "best_step": state.best_step, "best_score": state.best_score})
 
 
-__all__ = ["dev_accuracy", "improves_on", "patience_exhausted", "DevSelection"]
+__all__ = ["dev_accuracy", "improves", "improves_on", "patience_exhausted", "selection_score", "DevSelection"]

@@ -51,6 +51,7 @@ class Session:
     sources: SourcePlan
     consumed: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     objective_fn: Callable | None = None
+    head_peak: float | None = None  # an --init head kept (config "init"."head_lr_peak"): its peak LR, no warm-up
     _fixed: dict = field(default_factory=dict)  # (id, order) -> the row in that fixed candidate order
 
     # ------------------------------------------------------------------ the objective
@@ -74,11 +75,14 @@ class Session:
                 "norm_groups": batch.type_id if r.advantage_norm == "type" else None}
 
     def set_lr(self, step: int) -> dict[str, float]:
-        f = lr_factor(step, self.horizon, warmup_frac=self.recipe.warmup_frac, floor=self.recipe.lr_floor)
+        """Each group's LR for update `step`: its peak times the recipe's schedule; a head an --init start keeps
+        (`head_peak`) skips the warm-up, so it never climbs above what its source last trained it with."""
+        r = self.recipe
         out = {}
         for g in self.optimizer.param_groups:
-            peak = self.recipe.lr_lora if g["name"] == "lora" else self.recipe.lr_head
-            g["lr"] = peak * f
+            kept = g["name"] == "head" and self.head_peak is not None
+            peak = self.head_peak if kept else r.lr_lora if g["name"] == "lora" else r.lr_head
+            g["lr"] = peak * lr_factor(step, self.horizon, warmup_frac=r.warmup_frac, floor=r.lr_floor, warmup=not kept)
             out[f"lr_{g['name']}"] = g["lr"]
         return out
 

@@ -111,7 +111,7 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
     return Session(recipe=recipe, horizon=int(config["decay_horizon"]), model=model, wrapped=wrapped,
                    optimizer=optimizer, collator=collator, records=by_id, dev=dev,
                    sampler=Sampler(pool, case_of), dist=d, device=device, sources=sources,
-                   objective_fn=objective_fn)
+                   objective_fn=objective_fn, head_peak=(config.get("init") or {}).get("head_lr_peak"))
 
 
 def _rank0_first(d: Dist, build: Callable[[bool], Any]) -> Any:
@@ -222,7 +222,9 @@ def _new_start(run: Run, d: Dist, *, data_dir: Path | None, model: str, recipe: 
     config, samples = new_run(run.root, data_dir, model, recipe, model_seed=model_seed, world_size=d.world,
                               dtype=dtype, records=records, log=log)
     if source is not None:
-        config["init"] = source["record"]
+        config["init"] = dict(source["record"])
+        if recipe.init_head == "keep":  # the head continues at (at most) the LR its source last trained it with
+            config["init"]["head_lr_peak"] = min(recipe.lr_head, source["record"]["head_lr"])
     return Start(config, samples, placement, records=records, source=source)
 
 
@@ -258,6 +260,8 @@ def setup(run_dir: Path, *, held: contextlib.ExitStack, data_dir: Path | None = 
         notice = deviation_notice(r)
         if notice:
             print_fn(notice)
+        if start.source is not None and loaded is None:
+            print_fn(init_head_notice(config["init"], r))
         print_fn(f"train: {run.root} on {describe(start.placement)}, {d.world} process(es), "
                  f"{r.grad_accum // d.world} x {r.batch_size} examples per process per update")
     state = TrainState()
@@ -297,12 +301,21 @@ def setup(run_dir: Path, *, held: contextlib.ExitStack, data_dir: Path | None = 
     return t
 
 
+def init_head_notice(init: dict, r: Recipe) -> str:
+    """What an --init start does with the head it is given (config "init"), in one line."""
+    if "head_lr_peak" in init:
+        return (f"--init: the head keeps its training: head LR peak {init['head_lr_peak']:.3g} with no warm-up (its "
+                f"source last trained it at {init['head_lr']:.3g}; lr_head {r.lr_head:.3g}); --recipe init_head=rewarm "
+                "warms it up again")
+    return f"--init: the head is warmed up again to lr_head {r.lr_head:.3g} (init_head=rewarm)"
+
+
 def early_stop_notice(run: Run, state: TrainState, r: Recipe) -> str:
     return (f"train: {run.root} stopped early at update {state.stopped_early}: {r.patience} dev evaluation(s) "
             f"without strict improvement (patience {r.patience}); best update {state.best_step} "
-            f"(dev macro accuracy {state.best_score}). A resume has nothing left to do; start a new run "
+            f"({'dev NLL' if r.select_by == 'nll' else 'dev macro accuracy'} {state.best_score}). A resume has nothing left to do; start a new run "
             "(e.g. with --init) to train further")
 
 
 __all__ = ["build_session", "check_rows", "init_centring", "setup", "Trainer", "Start",
-           "early_stop_notice"]
+           "early_stop_notice", "init_head_notice"]
