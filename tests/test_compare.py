@@ -312,3 +312,28 @@ def test_compare_resamples_cases_by_default_and_rows_with_the_rows_flag(tmp_path
     cli = CliRunner().invoke(app, ["compare", str(ra), str(rb), "--resamples", "100", "--rows"])
     assert cli.exit_code == 0, cli.output
     assert json.loads(cli.stdout)["resampling_unit"] == "row" and "over 18 single rows" in cli.stderr
+
+
+def test_compare_one_question_type(tmp_path):
+    """--type keeps one question type's rows: the means are those rows' means by hand, the other rows are counted
+    as other types, and a type with no rows or an unknown type is a one-line error (exit 2)."""
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    t2 = [1.0, 0.0]
+    rows_a = [_row(f"c{i}", [0.0, 0.0], t2) for i in range(4)] + [_row(f"n{i}", [0.0, 1.0], t2, "noul") for i in range(3)]
+    rows_b = [_row(f"c{i}", [1.0 + i, 0.0], t2) for i in range(4)] + [_row(f"n{i}", [2.0, 0.0], t2, "noul") for i in range(3)]
+    a, b = _write_run(tmp_path / "a", rows_a), _write_run(tmp_path / "b", rows_b)
+    res = compare_runs([a], [b], metric="nll", resamples=200, seed=0, grouped=False, qtype="noul")
+    assert res["type"] == "noul" and res["n"] == 3
+    assert res["rows"]["compared"] == 3 and res["rows"]["other_types"] == 4
+    assert res["mean_a"] == pytest.approx(_nll([0.0, 1.0], t2)) and res["mean_b"] == pytest.approx(_nll([2.0, 0.0], t2))
+    res = compare_runs([a], [b], metric="nll", resamples=200, seed=0, grouped=False, qtype="choice")
+    assert res["mean_b"] == pytest.approx(np.mean([_nll([1.0 + i, 0.0], t2) for i in range(4)]))
+    assert compare_runs([a], [b], resamples=50, grouped=False)["type"] is None
+    cli = CliRunner().invoke(app, ["compare", str(a), str(b), "--type", "noul", "--resamples", "50"])
+    assert cli.exit_code == 0 and "(noul rows)" in cli.stderr and "4 of other types" in cli.stderr
+    for bad, msg in (("score", "share no score rows"), ("yesno", "--type must be one of choice, noul, score")):
+        out = CliRunner().invoke(app, ["compare", str(a), str(b), "--type", bad])
+        assert out.exit_code == 2 and msg in out.stderr, out.stderr

@@ -57,6 +57,10 @@ for pair in "head control" "head top$K" "control top$K"; do
   set -- $pair
   for metric in nll brier accuracy; do
     $RLCD compare "$OUT/$1" "$OUT/$2" --metric "$metric" --json-out "$OUT/compare-$1-vs-$2-$metric.json" > /dev/null
+    for t in choice noul score; do
+      $RLCD compare "$OUT/$1" "$OUT/$2" --metric "$metric" --type "$t" \
+        --json-out "$OUT/compare-$1-vs-$2-$metric-$t.json" > /dev/null 2>&1
+    done
   done
 done
 stamp done

@@ -36,6 +36,7 @@ import numpy as np
 from rlcd import metrics as _metrics
 from rlcd.bootstrap import bootstrap_means, draw_groups, group_codes, group_key, resample_indices
 from rlcd.run import Run
+from rlcd.schema import QUESTION_TYPES
 
 METRICS: dict[str, Any] = {
     "nll": _metrics.nll,  # -sum t log max(p, 1e-12)
@@ -238,22 +239,29 @@ def compare_runs(
     *,
     raw: bool = False,
     confidence: float = 0.95,
+    qtype: str | None = None,
 ) -> dict[str, Any]:
     """Paired bootstrap of ``metric`` between side A (``runs_a``) and side B (``runs_b``); B - A.
 
     Rows are aligned by id over the intersection of all runs; several runs per side are averaged per
-    row. ``grouped`` (the default) resamples whole source cases (:func:`group_key`); ``grouped=False``
+    row. ``qtype`` (choice | noul | score) keeps the rows of that question type only (the result's
+    ``"type"`` and ``rows.other_types`` say so). ``grouped`` (the default) resamples whole source cases (:func:`group_key`); ``grouped=False``
     single rows. ``"resampling_unit"`` says which (``"case"`` or ``"row"``). The result carries
     the bootstrap numbers, the side means, and a ``"rows"`` block with every count of dropped rows.
     """
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {sorted(METRICS)}, got {metric!r}")
+    if qtype is not None and qtype not in QUESTION_TYPES:
+        raise ValueError(f"--type must be one of {', '.join(QUESTION_TYPES)}, got {qtype!r}")
     side_a = _side(runs_a, metric, split, raw, "A")
     side_b = _side(runs_b, metric, split, raw, "B")
     ids_a, ids_b = set(side_a["values"]), set(side_b["values"])
-    common = sorted(ids_a & ids_b)
-    if not common:
+    shared = sorted(ids_a & ids_b)
+    if not shared:
         raise ValueError(f"runs A and B share no row ids in split {split!r} (A has {len(ids_a)}, B has {len(ids_b)})")
+    common = [rid for rid in shared if qtype is None or side_a["ref"][rid]["type"] == qtype]
+    if not common:
+        raise ValueError(f"runs A and B share no {qtype} rows in split {split!r} ({len(shared)} shared rows of other types)")
     for rid in common:
         _check_same_row(side_a["ref"][rid], side_b["ref"][rid], "run A vs run B")
     a = np.array([side_a["values"][rid] for rid in common])
@@ -269,6 +277,7 @@ def compare_runs(
         "grouped": bool(grouped),
         "resampling_unit": "case" if grouped else "row",
         "seed": int(seed),
+        "type": qtype,
         "mean_a": float(a.mean()),
         "mean_b": float(b.mean()),
         **boot,
@@ -278,8 +287,9 @@ def compare_runs(
             "compared": len(common),
             "a_rows": len(ids_a),
             "b_rows": len(ids_b),
-            "dropped_a": len(ids_a) - len(common),
-            "dropped_b": len(ids_b) - len(common),
+            "other_types": len(shared) - len(common),
+            "dropped_a": len(ids_a) - len(shared),
+            "dropped_b": len(ids_b) - len(shared),
             "runs_a": side_a["runs"],
             "runs_b": side_b["runs"],
         },
@@ -295,11 +305,13 @@ def summary_lines(result: Mapping[str, Any]) -> list[str]:
     unit = (f"{result['n_groups']} source cases (case_id; --rows for single rows)" if result["grouped"]
             else f"{result['n']} single rows (--rows; rows of one case are not independent)")
     lines = [
-        f"{m} on {result['split']} ({'calibrated' if result['calibrated'] else 'raw'}; {better} is better): "
+        f"{m} on {result['split']}{' (' + result['type'] + ' rows)' if result.get('type') else ''} "
+        f"({'calibrated' if result['calibrated'] else 'raw'}; {better} is better): "
         f"A = {result['mean_a']:.4f}, B = {result['mean_b']:.4f}",
         f"difference B - A = {result['mean_diff']:+.4f}, {pct}% CI [{result['ci_low']:+.4f}, {result['ci_high']:+.4f}], "
         f"p = {result['p_value']:.4g} ({result['resamples']} paired bootstrap resamples over {unit}, seed {result['seed']})",
         f"rows compared: {rows['compared']} (dropped: {rows['dropped_a']} only in A, {rows['dropped_b']} only in B"
+        + (f"; {rows['other_types']} of other types" if rows.get("other_types") else "")
         + "".join(f"; {r['dropped_not_in_every_run_of_side']} of {r['run']} not in every run of its side"
                   for r in rows["runs_a"] + rows["runs_b"] if r["dropped_not_in_every_run_of_side"])
         + ")",

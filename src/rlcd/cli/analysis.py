@@ -100,6 +100,8 @@ def compare(
                                                       "(case_id / id prefix before ':', the default)")] = False,
     json_out: Annotated[Optional[Path], typer.Option(help="also write the JSON result to this file")] = None,
     raw: Annotated[bool, typer.Option(help="compare raw logits (ignore the fitted temperatures)")] = False,
+    qtype: Annotated[Optional[str], typer.Option("--type", help="only the rows of one question type: "
+                                                                "choice | noul | score")] = None,
 ) -> None:
     """Paired bootstrap of a per-row metric between runs A and B: difference B - A, 95% CI, p-value.
 
@@ -114,7 +116,7 @@ def compare(
     err = Console(stderr=True)
     try:
         result = compare_runs(_run_dirs(run_a), _run_dirs(run_b), metric=metric, split=split,
-                              resamples=resamples, seed=seed, grouped=not rows, raw=raw)
+                              resamples=resamples, seed=seed, grouped=not rows, raw=raw, qtype=qtype)
     except (ValueError, FileNotFoundError) as e:
         err.print(f"rlcd compare: {e}", style="red", highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(code=2) from None
