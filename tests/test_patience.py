@@ -95,3 +95,15 @@ def test_select_by_nll_keeps_the_lowest_dev_nll(tmp_path, data_dir):
     assert selected_step(evals, {}, "nll") == best_step
     acc = [(r["dev_macro_accuracy"], -r["step"]) for r in evals]
     assert selected_step(evals, {}) == -max(acc)[1]
+
+
+def test_select_by_nll_without_dev_rows_is_refused_before_anything_is_written(tmp_path, data_dir):
+    import shutil
+
+    empty = tmp_path / "data"
+    shutil.copytree(data_dir, empty, ignore=shutil.ignore_patterns("features"))
+    (empty / "dev.jsonl").write_text("")
+    with pytest.raises(OptionError, match="select_by=nll selects on the dev NLL, but .*dev.jsonl has no rows"):
+        train(tmp_path / "run", data_dir=empty, model="tiny-toy", recipe=Recipe(steps=1, select_by="nll"),
+              progress=False, print_fn=lambda _: None)
+    assert not (tmp_path / "run").exists()

@@ -221,6 +221,9 @@ def _new_start(run: Run, d: Dist, *, data_dir: Path | None, model: str, recipe: 
     records = load_records(data_dir)
     config, samples = new_run(run.root, data_dir, model, recipe, model_seed=model_seed, world_size=d.world,
                               dtype=dtype, records=records, log=log)
+    if recipe.select_by == "nll" and not any(samples["dev"].values()):
+        raise OptionError(f"select_by=nll selects on the dev NLL, but {data_dir / 'dev.jsonl'} has no rows; give data "
+                          "with a dev split or keep the pinned select_by=macro_accuracy")
     if source is not None:
         config["init"] = dict(source["record"])
         if recipe.init_head == "keep":  # the head continues at (at most) the LR its source last trained it with
