@@ -8,7 +8,7 @@
 # then evaluate (calibrate on the calibration split, the test split scored once per arm) and rlcd compare by case.
 # The balanced candidate orders (sampling.orders_of) are in every cache this builds.
 # From the repo root:  nohup bash docs/experiments/real-weights/run-full-budget.sh > runs/rw6/run.log 2>&1 &
-# UNTIL=features stops after the caches; a re-run skips what is done and resumes an unfinished run.
+# UNTIL=features stops after the caches, UNTIL=control after the matched control; a re-run skips what is done and resumes an unfinished run.
 set -euo pipefail
 RLCD=${RLCD:-".venv/bin/rlcd"}
 OUT=${OUT:-runs/rw6}
@@ -50,6 +50,7 @@ train_eval "$OUT/head" --steps 3600 --seed 0 --objective rlcd --recipe head_only
 ARM=(--seed 0 --init "$OUT/head" --objective ce --steps "$STEPS" --recipe lr_head=0.0005 --recipe select_by=nll)
 stamp "matched head-only control, $STEPS updates"
 train_eval "$OUT/control" "${ARM[@]}" --recipe head_only=true
+if [ "$UNTIL" = control ]; then stamp "done (UNTIL=control)"; exit 0; fi
 stamp "top-$K LoRA, $STEPS updates"
 train_eval "$OUT/top$K" "${ARM[@]}" --recipe "lora_layers=$K" --recipe batch_by=case --recipe lr_lora=0.001
 stamp compare
