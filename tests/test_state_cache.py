@@ -354,3 +354,43 @@ def test_concurrent_predicts_on_a_shared_predictor(base, pngs):
         assert answer == first[i]  # the same stored state, the same answer, whatever ran beside it
         assert _gap(answer, expected[i]) < TOL
     assert warm.state_cache_stats()["hits"] == 24 and warm.state_cache_stats()["entries"] == len(reqs)
+
+
+ROUNDS = 8000
+
+
+def test_the_cache_itself_is_thread_safe():
+    """Many threads putting and getting at once (the GIL switching as often as it can): the counters add up,
+    the bytes held equal the entries' bytes and never pass the bound."""
+    import sys
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        c = StateCache(1000)
+        seen_over: list[int] = []
+
+        def worker(t: int) -> None:
+            for k in range(ROUNDS):
+                key = (t * 7 + k) % 23
+                if k % 3:
+                    c.get(key)
+                else:
+                    c.put(key, _state(10 + key * 5))
+                if c.stats()["bytes"] > 1000:
+                    seen_over.append(k)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        sys.setswitchinterval(old)
+    s = c.stats()
+    n_gets = sum(1 for _ in range(8) for k in range(ROUNDS) if k % 3)
+    n_puts = 8 * ROUNDS - n_gets
+    assert s["hits"] + s["misses"] == n_gets
+    assert s["stores"] == n_puts
+    assert s["bytes"] == sum(c._entries[k].nbytes for k in c.keys()) <= 1000
+    assert not seen_over
