@@ -394,3 +394,45 @@ def test_the_cache_itself_is_thread_safe():
     assert s["stores"] == n_puts
     assert s["bytes"] == sum(c._entries[k].nbytes for k in c.keys()) <= 1000
     assert not seen_over
+
+
+# --------------------------------------------------------------------------------------- CLI
+@pytest.mark.parametrize("command", ["predict", "serve"])
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_bad_state_cache_size_is_one_line_and_exit_2(base, tmp_path, command, value):
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    res = CliRunner().invoke(app, [command, str(tmp_path), "--state-cache-mb", value])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.startswith("rlcd: error: --state-cache-mb") and len(res.stderr.splitlines()) == 1
+
+
+def test_the_cli_default_is_the_predictors(tmp_path_factory):
+    import inspect
+
+    from rlcd.cli import serve as cli
+    from rlcd.predict import DEFAULT_STATE_CACHE_MB
+    from rlcd.server import serve
+
+    assert cli.STATE_CACHE_MB == DEFAULT_STATE_CACHE_MB == inspect.signature(serve).parameters["state_cache_mb"].default
+    assert inspect.signature(Predictor).parameters["state_cache_mb"].default == DEFAULT_STATE_CACHE_MB
+
+
+def test_predict_command_takes_the_cache_size(base, tmp_path_factory):
+    """`rlcd predict RUN --state-cache-mb 0` answers as a Predictor without a cache does."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from _tiny_export import tiny_export
+    from rlcd.cli import app
+
+    run = tiny_export(tmp_path_factory.getbasetemp())
+    req = _req(LONG, "dept", "angry")
+    path = tmp_path_factory.mktemp("sc-cli") / "req.json"
+    path.write_text(json.dumps(req))
+    res = CliRunner().invoke(app, ["predict", str(run), str(path), "--state-cache-mb", "0", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout) == Predictor(base.model, base.meta, name=base.name, state_cache_mb=0).predict(req)

@@ -48,13 +48,14 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .device import Placement
-from .model.state_cache import DEFAULT_STATE_CACHE_MB, StateCache, image_digest
 from .schema import QUESTION_TYPES, RecordError
 from .serving.answer import fixed_answer, make_answer, probabilities
 from .serving.errors import PredictError
 from .serving.images import load_image_spec, open_image
 from .serving.limits import Limits
 from .serving.request import ParsedRequest, parse_request
+
+DEFAULT_STATE_CACHE_MB = 256  # MiB; a SmolLM2-135M state of ~250 tokens takes ~11 MiB in float32 (docs/SERVING.md)
 
 
 @dataclass
@@ -136,6 +137,8 @@ class Predictor:
                 raise ValueError(f"temperature for {t} must be a positive finite number, got {temps[t]!r}")
         if model is None and loader is None:
             raise ValueError("a Predictor needs a model or a loader of one")
+        from .model.state_cache import StateCache  # rlcd.model costs 0.7 s of imports: not before a request is checked
+
         self.state_cache = StateCache(state_cache_bytes(state_cache_mb))
         self._model, self._loader = model, loader
         self.meta = dict(meta)
@@ -241,6 +244,8 @@ class Predictor:
         except RecordError as e:
             raise self._from_record_error(e, qids) from None
         if self.state_cache.enabled and getattr(case, "pixel_values", None) is not None:
+            from .model.state_cache import image_digest
+
             case.image_digest = image_digest(case.pixel_values, case.grid)  # here, off the model thread
         return Prepared(parsed, decoded, case)
 

@@ -36,7 +36,6 @@ from typing import Any, Hashable, Sequence
 
 import torch
 
-DEFAULT_STATE_CACHE_MB = 256  # mebibytes; a SmolLM2-135M state of ~250 tokens takes ~11 MiB in float32
 SUPPORTED_LAYERS = frozenset({"DynamicLayer", "LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer"})
 _KV = ("keys", "values")  # [B, heads, T, dim]
 _STATES = ("conv_states", "recurrent_states")  # {index: [B, ...]}
@@ -229,5 +228,5 @@ class ScopedStateCache:
         return self.cache.put((self.scope, key), state)
 
 
-__all__ = ["DEFAULT_STATE_CACHE_MB", "PrefixState", "ScopedStateCache", "StateCache", "image_digest", "prefix_key",
+__all__ = ["PrefixState", "ScopedStateCache", "StateCache", "image_digest", "prefix_key",
            "snapshot_row", "stack_states", "SUPPORTED_LAYERS"]
