@@ -420,8 +420,9 @@ def test_the_cli_default_is_the_predictors(tmp_path_factory):
     assert inspect.signature(Predictor).parameters["state_cache_mb"].default == DEFAULT_STATE_CACHE_MB
 
 
-def test_predict_command_takes_the_cache_size(base, tmp_path_factory):
-    """`rlcd predict RUN --state-cache-mb 0` answers as a Predictor without a cache does."""
+@pytest.mark.parametrize("mb", ["0", "3.5"])
+def test_predict_command_takes_the_cache_size(base, tmp_path_factory, monkeypatch, mb):
+    """`rlcd predict RUN --state-cache-mb N` builds its Predictor with that cache and answers as it does."""
     import json
 
     from typer.testing import CliRunner
@@ -429,10 +430,20 @@ def test_predict_command_takes_the_cache_size(base, tmp_path_factory):
     from _tiny_export import tiny_export
     from rlcd.cli import app
 
+    built: list[Predictor] = []
+    original = Predictor.from_run.__func__
+
+    def spy(cls, *a, **kw):
+        built.append(original(cls, *a, **kw))
+        return built[-1]
+
+    monkeypatch.setattr(Predictor, "from_run", classmethod(spy))
     run = tiny_export(tmp_path_factory.getbasetemp())
-    req = _req(LONG, "dept", "angry")
+    req = _req(LONG, "dept")
     path = tmp_path_factory.mktemp("sc-cli") / "req.json"
     path.write_text(json.dumps(req))
-    res = CliRunner().invoke(app, ["predict", str(run), str(path), "--state-cache-mb", "0", "--device", "cpu"])
+    res = CliRunner().invoke(app, ["predict", str(run), str(path), "--state-cache-mb", mb, "--device", "cpu"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout) == Predictor(base.model, base.meta, name=base.name, state_cache_mb=0).predict(req)
+    assert built[0].state_cache_stats()["max_bytes"] == int(float(mb) * (1 << 20))
+    want = Predictor(base.model, base.meta, name=base.name, state_cache_mb=float(mb)).predict(req)
+    assert json.loads(res.stdout) == want
