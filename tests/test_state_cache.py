@@ -447,3 +447,21 @@ def test_predict_command_takes_the_cache_size(base, tmp_path_factory, monkeypatc
     assert built[0].state_cache_stats()["max_bytes"] == int(float(mb) * (1 << 20))
     want = Predictor(base.model, base.meta, name=base.name, state_cache_mb=float(mb)).predict(req)
     assert json.loads(res.stdout) == want
+
+
+# --------------------------------------------------------------------------------------- bench
+def test_state_cache_bench_runs_and_counts_suffixes(base):
+    """`rlcd bench serve RUN --state-cache` on the tiny export (one repeat, one thread; no timing asserted):
+    every scenario measured, the warm ones hit, and the suffix breakdown adds up to the real rows."""
+    from rlcd.bench.prefix import make_questions
+    from rlcd.bench.state_cache import SCENARIOS, run_state_cache_bench, suffix_breakdown
+
+    res = run_state_cache_bench(base, threads=(1,), repeats=1, state_tokens=60, say=lambda _: None)
+    assert set(res["p50_ms"]["1"]) == set(SCENARIOS) and all(v > 0 for v in res["p50_ms"]["1"].values())
+    assert res["cache"]["hits"] == 2 * (1 + 4)  # warm_1q + the four later requests of five_requests_on, 2 rounds
+    enc = base.model.encoder
+    for q in make_questions(5):
+        b = suffix_breakdown(enc, q)
+        row = enc.encode(LONG, q)
+        assert b["suffix"] == len(row) - row.prefix_len
+        assert b["template"] + b["content"] == b["suffix"] and b["options"] == q.k
