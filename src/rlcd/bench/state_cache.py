@@ -29,25 +29,30 @@ SCENARIOS = ("cold_1q_off", "cold_1q", "warm_1q", "one_request_5q", "five_reques
 
 
 def suffix_breakdown(encoder: Any, question: Any) -> dict[str, int]:
-    """Tokens one question adds after the state (its suffix), by what they are: `template` (the stem's
-    "{type} question: " and "\\nOptions:\\n", each option's "- ", marker and newline) and `content` (the
-    instructions and option texts). Segments are tokenised as the encoder does (the stem in one piece), so
-    the stem's split is measured with the instructions removed."""
+    """Tokens one question adds after the state (its suffix), split into `template` (what rlcd's frame writes:
+    "{type} question: ", "\\nOptions:\\n", each option's "-", marker and newline, a score level's "level i: ",
+    a noul option's "false: no" / "true: yes" when the question gives no descriptions) and `content` (the
+    request's own text: instructions, choice labels, descriptions). Each segment is tokenised as the encoder
+    does; the frame's share of a segment is its tokens minus those of the request's text alone."""
     from ..model.prompt import option_texts, stem_text
+    from ..schema import text_of
 
-    stem = len(encoder._encode([stem_text(question)])[0])
-    bare = len(encoder._encode([stem_text(question.model_copy(update={"instructions": ""}))])[0])
+    enc = encoder._encode
+    stem = len(enc([stem_text(question)])[0])
+    stem_frame = len(enc([stem_text(question.model_copy(update={"instructions": ""}))])[0])
     opts = option_texts(question)
-    dash = len(encoder._encode(["- "])[0])
-    cand = [len(x) for x in encoder._encode([f"- {o}" for o in opts])]
-    per_option_frame = 1 + len(encoder._newline)  # the marker and the newline after it
-    template = bare + len(opts) * per_option_frame
-    out = {"suffix": stem + sum(cand) + len(opts) * per_option_frame, "stem": stem, "stem_template": bare,
-           "options": len(opts), "option_tokens": sum(cand), "marker_and_newline": len(opts) * per_option_frame,
-           "dash_alone": dash}
-    out["template"] = template
-    out["content"] = out["suffix"] - template
-    return out
+    descs = question.descriptions()
+    frame_after = 1 + len(encoder._newline)  # the marker and the newline after it
+    options = opts_frame = 0
+    for i, o in enumerate(opts):
+        n = len(enc([f"- {o}"])[0])
+        own = o if question.type == "choice" else ("" if descs[i] is None else text_of(descs[i]))
+        options += n + frame_after
+        opts_frame += n - (len(enc([f" {own}"])[0]) if own else 0) + frame_after
+    template = stem_frame + opts_frame
+    return {"suffix": stem + options, "template": template, "content": stem + options - template,
+            "stem": stem, "stem_template": stem_frame, "options": len(opts), "option_tokens": options,
+            "option_template": opts_frame}
 
 
 def _timed(fn: Callable[[], Any]) -> float:
