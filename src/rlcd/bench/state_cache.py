@@ -39,7 +39,8 @@ def suffix_breakdown(encoder: Any, question: Any) -> dict[str, int]:
 
     enc = encoder._encode
     stem = len(enc([stem_text(question)])[0])
-    stem_frame = len(enc([stem_text(question.model_copy(update={"instructions": ""}))])[0])
+    own = text_of(question.instructions)
+    stem_frame = stem - (len(enc([f" {own}"])[0]) if own else 0)
     opts = option_texts(question)
     descs = question.descriptions()
     frame_after = 1 + len(encoder._newline)  # the marker and the newline after it

@@ -19,7 +19,9 @@ are similar, otherwise a few calls of similar-length rows (`plan_suffix_groups`:
 plus a per-call overhead; at most `max_rows` rows per call, on the family's chunk grid). Each call
 gets the cache rows it needs from its own fork (`fork_cache_rows`: the selected rows copied, so the
 in-place recurrent-state updates of one call cannot reach the next); the last call takes them from
-the prefix cache itself (`Family.select_cache_rows`).
+the prefix cache itself (`Family.select_cache_rows`). With a state cache (`rlcd.model.state_cache`, the
+Predictor's), the prefix ends where the state ends, prefixes already stored skip the forward and new
+ones are stored; the suffix calls then read a cache stacked from copies of every case's prefix state.
 """
 
 from __future__ import annotations
