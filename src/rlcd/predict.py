@@ -55,7 +55,7 @@ from .serving.images import load_image_spec, open_image
 from .serving.limits import Limits
 from .serving.request import ParsedRequest, parse_request
 
-DEFAULT_STATE_CACHE_MB = 256  # MiB; a SmolLM2-135M state of ~250 tokens takes ~11 MiB in float32 (docs/SERVING.md)
+DEFAULT_STATE_CACHE_MB = 256  # MiB; a 250-token SmolLM2-135M state takes 12.5 MiB in float32 (docs/SERVING.md)
 
 
 @dataclass
