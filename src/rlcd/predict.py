@@ -19,8 +19,17 @@ counted; a request of only such questions runs no model at all (`input_tokens` 0
 
 A request goes through three steps: `prepare` (validation and image decoding, no model), `score`
 (the model call, under a lock) and `respond`; `predict` runs the three. Answers are deterministic:
-the model is in eval mode, the scorer's centring buffers are frozen, no cache or state survives a
-call, so the same request gives the same answer whatever came before.
+the model is in eval mode and the scorer's centring buffers are frozen, so the same request gives the
+same answer whatever came before, up to float noise (< 1e-4 in probability, tested): the only state
+that survives a call is the state cache.
+
+The state cache (`rlcd.model.state_cache`, `state_cache_mb`, default 256 MiB, 0 turns it off): the
+decoder state of each state's prefix (chat-template head, image, state) is kept, LRU bounded in bytes,
+so a later request about the same state and image runs only its questions. Keys are the exact prefix
+token ids and the image's pixel digest, scoped by `_cache_scope` (the model's fingerprint and info, the
+prompt frame, LoRA and merge state, the placement, the parameters' version counters): another model,
+frame, LoRA state or image never hits. `state_cache_stats()` is what monitoring reads.
+`usage.input_tokens` does not depend on it: a hit skips the prefix's forward, not its count.
 
 Validation errors raise `PredictError` (a `RecordError`): `.field` is a path into the request
 (`"questions.q1.criteria"`), `.question` the question id where there is one, `.status` the HTTP
@@ -30,6 +39,8 @@ tokens included), request bytes and image pixels.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import threading
 from dataclasses import dataclass
@@ -43,6 +54,8 @@ from .serving.errors import PredictError
 from .serving.images import load_image_spec, open_image
 from .serving.limits import Limits
 from .serving.request import ParsedRequest, parse_request
+
+DEFAULT_STATE_CACHE_MB = 256  # MiB; a 250-token SmolLM2-135M state takes 12.5 MiB in float32 (docs/SERVING.md)
 
 
 @dataclass
@@ -84,6 +97,26 @@ def _export_date(path: Path) -> str | None:
     return None
 
 
+def state_cache_bytes(mb: float) -> int:
+    """`state_cache_mb` (mebibytes, 0 = off) in bytes; a negative, non-finite or non-number value is a ValueError."""
+    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not math.isfinite(mb) or mb < 0:
+        raise ValueError(f"state_cache_mb must be a number >= 0 (0 turns the state cache off), got {mb!r}")
+    return int(mb * (1 << 20))
+
+
+def _cache_scope(model: Any, meta: Mapping[str, Any]) -> str:
+    """The state cache's scope for `model` as it is now: a digest of the export's identity (backbone spec and
+    fingerprint, checkpoint sha256, recipe), the model's `info` (prompt frame and version, LoRA config and
+    merge state, head), its placement, and its parameters' count and in-place version counters (a weight
+    loaded or changed in place moves them). Any change gives a new scope, so old entries are never hit."""
+    params = list(model.parameters()) if hasattr(model, "parameters") else []
+    ident = {"meta": {k: meta.get(k) for k in ("model", "model_seed", "backbone_fingerprint", "checkpoint_sha256",
+                                              "recipe")},
+             "info": getattr(model, "info", None), "placement": getattr(model, "placement", None),
+             "params": [len(params), sum(p._version for p in params)], "object": id(model)}
+    return hashlib.blake2b(json.dumps(ident, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
+
+
 class Predictor:
     """Answers typed-decision requests with one merged, calibrated model.
 
@@ -93,7 +126,8 @@ class Predictor:
     """
 
     def __init__(self, model: Any, meta: Mapping[str, Any], *, name: str | None = None,
-                 limits: Limits | None = None, strict_model: bool = False, loader: Any = None):
+                 limits: Limits | None = None, strict_model: bool = False, loader: Any = None,
+                 state_cache_mb: float = DEFAULT_STATE_CACHE_MB):
         temps = dict(meta.get("temperatures") or {})
         missing = [t for t in QUESTION_TYPES if t not in temps]
         if missing:
@@ -103,6 +137,9 @@ class Predictor:
                 raise ValueError(f"temperature for {t} must be a positive finite number, got {temps[t]!r}")
         if model is None and loader is None:
             raise ValueError("a Predictor needs a model or a loader of one")
+        from .model.state_cache import StateCache  # rlcd.model costs 0.7 s of imports: not before a request is checked
+
+        self.state_cache = StateCache(state_cache_bytes(state_cache_mb))
         self._model, self._loader = model, loader
         self.meta = dict(meta)
         self.temperatures = {t: float(temps[t]) for t in QUESTION_TYPES}
@@ -129,7 +166,8 @@ class Predictor:
 
     @classmethod
     def from_run(cls, path: str | Path, *, placement: Placement | None = None, name: str | None = None,
-                 limits: Limits | None = None, strict_model: bool = False, lazy: bool = False) -> "Predictor":
+                 limits: Limits | None = None, strict_model: bool = False, lazy: bool = False,
+                 state_cache_mb: float = DEFAULT_STATE_CACHE_MB) -> "Predictor":
         """Load from a run dir (its `export/`) or an export dir (merged model, temperatures). `lazy`: read only
         the export's metadata now and load the model when a request first needs it (`rlcd predict`: a request
         whose every question has one option is answered without it)."""
@@ -137,14 +175,14 @@ class Predictor:
         from .run import find_export
 
         name = name or _run_name(Path(path))
+        kw = dict(name=name, limits=limits, strict_model=strict_model, state_cache_mb=state_cache_mb)
         if lazy:
             meta = read_export_meta(find_export(Path(path)))
-            predictor = cls(None, meta, name=name, limits=limits, strict_model=strict_model,
-                            loader=lambda: load_export(Path(path), placement=placement)[0])
+            predictor = cls(None, meta, loader=lambda: load_export(Path(path), placement=placement)[0], **kw)
             predictor.release_date = _export_date(Path(path))
             return predictor
         model, meta = load_export(Path(path), placement=placement)
-        predictor = cls(model, meta, name=name, limits=limits, strict_model=strict_model)
+        predictor = cls(model, meta, **kw)
         predictor.release_date = _export_date(Path(path))
         return predictor
 
@@ -205,6 +243,10 @@ class Predictor:
                                            max_tokens=lim.max_tokens)  # rows over the limit: a 413 naming the question
         except RecordError as e:
             raise self._from_record_error(e, qids) from None
+        if self.state_cache.enabled and getattr(case, "pixel_values", None) is not None:
+            from .model.state_cache import image_digest
+
+            case.image_digest = image_digest(case.pixel_values, case.grid)  # here, off the model thread
         return Prepared(parsed, decoded, case)
 
     def score(self, prepared: Prepared) -> tuple[list[Any], dict]:
@@ -228,7 +270,7 @@ class Predictor:
     def _score_cases(self, cases: list[Any]) -> list[Any]:
         with self._lock:
             try:
-                return self.model.score_cases(cases)
+                return self.model.score_cases(cases, **self._cache_kw())
             except Exception:
                 if len(cases) == 1:
                     raise
@@ -236,10 +278,27 @@ class Predictor:
         for case in cases:
             try:
                 with self._lock:
-                    out.append(self.model.score_cases([case])[0])
+                    out.append(self.model.score_cases([case], **self._cache_kw())[0])
             except Exception as e:  # noqa: BLE001 - reported per request by the caller
                 out.append(e)
         return out
+
+    # ------------------------------------------------------------------ state cache
+    def _cache_kw(self) -> dict[str, Any]:
+        """`score_cases`' state-cache argument (called under the lock): the cache scoped to the model as it is now."""
+        if not self.state_cache.enabled:
+            return {}
+        return {"state_cache": self.state_cache.scoped(_cache_scope(self.model, self.meta))}
+
+    def state_cache_stats(self) -> dict[str, int]:
+        """The state cache's counters, a flat dict of ints (what `/metrics` exports): hits, misses (lookups that
+        found nothing), entries, bytes (held now), max_bytes (the bound; 0: off), evictions (least recently used
+        entries dropped for room), stores, too_large (states larger than the whole bound, never stored)."""
+        return self.state_cache.stats()
+
+    def clear_state_cache(self) -> None:
+        """Drop every cached state (the counters stay)."""
+        self.state_cache.clear()
 
     def respond(self, prepared: Prepared, logits: list[Any], usage: Mapping[str, Any]) -> dict[str, Any]:
         """The System One response from the logits."""

@@ -46,7 +46,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .predict import Predictor, Prepared
+from .predict import DEFAULT_STATE_CACHE_MB, Predictor, Prepared
 from .serving import access
 from .serving.batcher import Batcher, BatchingConfig, Overloaded
 from .serving.bodies import parse_body, read_request
@@ -298,7 +298,8 @@ def app_from_env():
     placement = Placement(**cfg["placement"]) if cfg.get("placement") else None
     lim = Limits(**cfg["limits"])
     predictor = Predictor.from_run(Path(cfg["run"]), limits=lim, placement=placement, name=cfg.get("name"),
-                                   strict_model=bool(cfg.get("strict_model")))
+                                   strict_model=bool(cfg.get("strict_model")),
+                                   state_cache_mb=cfg.get("state_cache_mb", DEFAULT_STATE_CACHE_MB))
     return create_app(predictor, image_root=cfg.get("image_root"), limits=lim,
                       batching=BatchingConfig(**cfg["batching"]), api_key=os.environ.get(access.API_KEY_ENV) or None,
                       access_log=bool(cfg.get("access_log")), thresholds=cfg.get("thresholds"))
@@ -314,12 +315,13 @@ def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root
           log_level: str = "info", placement: Any = None, served_model_name: str | None = None,
           strict_model: bool = False, batching: BatchingConfig | None = None, workers: int = 1,
           api_key: str | None = None, quiet: bool = False, thresholds: Path | str | None = None,
-          **limits: Any) -> None:
+          state_cache_mb: float = DEFAULT_STATE_CACHE_MB, **limits: Any) -> None:
     """Load `run`'s export and serve it with uvicorn until interrupted.
 
     `api_key`: required on /v1/* (binding a non-loopback host without one prints a warning). `quiet`: no
     access log line per request (uvicorn's own access log is always off: rlcd's line replaces it).
     `thresholds`: the thresholds.json `x_gate` requests are gated with (default: RUN/eval/thresholds.json, if any).
+    `state_cache_mb`: each process's state cache (`Predictor`; 0 turns it off).
 
     `workers` > 1 runs that many uvicorn worker processes (uvicorn's own process manager), each with its
     own copy of the model: memory grows by one model per worker; throughput by up to one model's per
@@ -348,11 +350,12 @@ def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root
             "run": str(Path(run).resolve()), "placement": placement.to_dict() if placement is not None else None,
             "limits": lim.to_dict(), "batching": batching.to_dict(), "name": served_model_name,
             "strict_model": strict_model, "image_root": str(image_root) if image_root is not None else None,
+            "state_cache_mb": state_cache_mb,
             "thresholds": str(Path(thresholds).resolve()) if thresholds is not None else None})
         uvicorn.run("rlcd.server:app_from_env", factory=True, workers=workers, **server_kw)
         return
     predictor = Predictor.from_run(Path(run), limits=lim, placement=placement, name=served_model_name,
-                                   strict_model=strict_model)
+                                   strict_model=strict_model, state_cache_mb=state_cache_mb)
     app = create_app(predictor, image_root=image_root, limits=lim, batching=batching, api_key=api_key,
                      access_log=not quiet, thresholds=gates)
     uvicorn.run(app, **server_kw)

@@ -227,15 +227,39 @@ def serve(
     timeout: Annotated[float, typer.Option(help="per-request timeout in seconds")] = 120.0,
     total_timeout: Annotated[float, typer.Option(help="time bound of each load in seconds")] = 900.0,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the summary here")] = None,
+    state_cache: Annotated[bool, typer.Option(
+        "--state-cache", help="instead of the load: the state cache's scenarios, no HTTP (cold and warm single "
+                              "questions, 5 questions in 1 request and in 5, cache on and off) at --threads")] = False,
+    threads: Annotated[str, typer.Option(help="--state-cache: torch thread counts, comma-separated")] = "1,2",
+    repeats: Annotated[int, typer.Option(min=1, help="--state-cache: timed repeats (median)")] = 5,
+    state_tokens: Annotated[int, typer.Option(min=1, help="--state-cache: approximate state length in tokens")] = 250,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
 ) -> None:
-    """Loopback load on the server at several concurrencies, batching on and off: decisions/s, p50/p95/p99, 4xx/5xx."""
+    """Loopback load on the server at several concurrencies, batching on and off: decisions/s, p50/p95/p99, 4xx/5xx
+    (--state-cache: what the cross-request state cache saves, p50s and the warm/cold ratio)."""
     from rlcd.bench.serve import run_serve_bench
     from rlcd.run import find_export
 
     path = run_path(run, run_alias)
     find_export(path)
+    if state_cache:
+        from rlcd.bench.state_cache import run_state_cache_bench
+        from rlcd.predict import Predictor
+
+        try:
+            thread_t = tuple(int(x) for x in threads.split(",") if x.strip())
+        except ValueError:
+            raise typer.BadParameter("comma-separated integers, e.g. 1,2", param_hint="--threads") from None
+        if not thread_t or min(thread_t) < 1:
+            raise typer.BadParameter("at least one thread count, each >= 1", param_hint="--threads")
+        res = run_state_cache_bench(Predictor.from_run(path, placement=placement(device, dtype)), threads=thread_t,
+                                    repeats=repeats, state_tokens=state_tokens, seed=seed)
+        _save("serve-state-cache", json_out, res, ("--threads", threads, "1,2"),
+              ("--repeats", repeats, 5), ("--state-tokens", state_tokens, 250), ("--seed", seed, 0),
+              ("--device", device, "auto"), ("--dtype", dtype, DType.auto), command="serve",
+              positional=(path, "--state-cache"))
+        return
     try:
         size_t = tuple(int(x) for x in sizes.split(",") if x.strip())
         level_t = tuple(int(x) for x in levels.split(",") if x.strip())

@@ -12,6 +12,21 @@ from rlcd.cli._common import DeviceOpt, DType, DTypeOpt, RunAlias, RunArg, echo_
 
 # the server's defaults (rlcd.serving.limits.Limits), spelled here so --help needs no import of it
 MAX_QUESTIONS, MAX_CANDIDATES, MAX_TOKENS, MAX_REQUEST_BYTES, MAX_IMAGE_PIXELS = 64, 255, 8192, 8 << 20, 4096 * 4096
+STATE_CACHE_MB = 256  # rlcd.predict.DEFAULT_STATE_CACHE_MB
+StateCacheOpt = Annotated[float, typer.Option(
+    help="MiB of decoder states kept between requests, so a later request about the same state (and image) runs "
+         "only its questions; least recently used states go first; 0 turns it off (docs/SERVING.md)")]
+
+
+def check_state_cache_mb(value: float) -> float:
+    """A negative or non-finite --state-cache-mb is one line and exit 2 (before anything loads)."""
+    import math
+
+    from rlcd.errors import OptionError
+
+    if not (math.isfinite(value) and value >= 0):
+        raise OptionError(f"--state-cache-mb {value:g}: give a size in MiB >= 0 (0 turns the state cache off)")
+    return value
 
 
 def predict(
@@ -25,6 +40,7 @@ def predict(
     question: Annotated[Optional[list[str]], typer.Option(
         "--question", "-q", help='a question: JSON with an "id" key, or qid=JSON (repeatable)')] = None,
     image: Annotated[Optional[Path], typer.Option(help="image file for the request")] = None,
+    state_cache_mb: StateCacheOpt = STATE_CACHE_MB,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
 ) -> None:
@@ -41,6 +57,7 @@ def predict(
     from rlcd.serving.cli_request import build_cli_request
     from rlcd.serving.limits import Limits
 
+    check_state_cache_mb(state_cache_mb)
     path = run_path(run, run_alias)
     if request_arg is not None:
         if request is not None and request != request_arg:
@@ -66,7 +83,8 @@ def predict(
     parse_request(req, Limits())  # before the model loads (and before torch is imported)
     from rlcd.predict import Predictor
 
-    predictor = Predictor.from_run(path, placement=placement(device, dtype), lazy=True)  # loaded only if needed
+    predictor = Predictor.from_run(path, placement=placement(device, dtype), lazy=True,  # loaded only if needed
+                                   state_cache_mb=state_cache_mb)
     echo_json(predictor.predict(req, img))
 
 
@@ -104,6 +122,7 @@ def serve(
     thresholds: Annotated[Optional[Path], typer.Option(
         help="thresholds.json that requests with \"x_gate\": true are gated with (default: RUN/eval/thresholds.json, "
              "written by `rlcd gate` / `rlcd evaluate`)", show_default=False)] = None,
+    state_cache_mb: StateCacheOpt = STATE_CACHE_MB,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
 ) -> None:
@@ -114,6 +133,7 @@ def serve(
     from rlcd.serving.access import check_api_key
     from rlcd.serving.batcher import BatchingConfig
 
+    check_state_cache_mb(state_cache_mb)
     if api_key is not None:
         try:
             check_api_key(api_key, "--api-key / RLCD_API_KEY")
@@ -137,7 +157,8 @@ def serve(
                               max_batch_tokens=max_batch_tokens, max_queue=max_queue, timeout_s=request_timeout)
     run_server(path, host=host, port=port, image_root=image_root, placement=placement(device, dtype),
                served_model_name=served_model_name, strict_model=strict_model, batching=batching, workers=workers,
-               api_key=api_key, quiet=quiet, thresholds=thresholds, max_questions=max_questions, max_candidates=max_candidates, max_tokens=max_tokens,
+               api_key=api_key, quiet=quiet, thresholds=thresholds, state_cache_mb=state_cache_mb,
+               max_questions=max_questions, max_candidates=max_candidates, max_tokens=max_tokens,
                max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels)
 
 

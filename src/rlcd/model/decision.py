@@ -19,7 +19,9 @@ are similar, otherwise a few calls of similar-length rows (`plan_suffix_groups`:
 plus a per-call overhead; at most `max_rows` rows per call, on the family's chunk grid). Each call
 gets the cache rows it needs from its own fork (`fork_cache_rows`: the selected rows copied, so the
 in-place recurrent-state updates of one call cannot reach the next); the last call takes them from
-the prefix cache itself (`Family.select_cache_rows`).
+the prefix cache itself (`Family.select_cache_rows`). With a state cache (`rlcd.model.state_cache`, the
+Predictor's), the prefix ends where the state ends, prefixes already stored skip the forward and new
+ones are stored; the suffix calls then read a cache stacked from copies of every case's prefix state.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from .families.qwen35 import SUFFIX_CHUNK, mrope_positions  # noqa: F401 (mrope_
 from .head import CandidateScorer
 from .paths import CALL_OVERHEAD, sharing_pays
 from .prompt import DEFAULT_MAX_TOKENS, DEFAULT_NOUL, EncodedRow, PromptEncoder
+from .state_cache import PrefixState, image_digest, prefix_key, snapshot_row, stack_states
 
 LORA_DROPOUT = 0.0
 SHAPE_GRANULE = 16  # batched calls round their padded lengths up to this (right pads are never read)
@@ -83,6 +86,13 @@ class CaseInputs:
     pixel_values: torch.Tensor | None = None
     grid: torch.Tensor | None = None
     n_img: int = 0
+    image_digest: str | None = None  # the state cache's key of the image (`state_cache.image_digest`), once computed
+
+    def prefix_key(self, cut: int) -> bytes:
+        """The state cache's key of this case's first `cut` tokens (the image's digest computed here if need be)."""
+        if self.pixel_values is not None and self.image_digest is None:
+            self.image_digest = image_digest(self.pixel_values, self.grid)
+        return prefix_key(self.rows[0].ids[:cut], self.image_digest)
 
     @property
     def n_tokens(self) -> int:
@@ -382,7 +392,7 @@ class DecisionModel(nn.Module):
         return logits, usage
 
     def score_cases(self, cases: Sequence[CaseInputs], *, max_rows: int = 64, exact: bool = False,
-                    path: str = "auto") -> list[tuple[list[torch.Tensor], dict]]:
+                    path: str = "auto", state_cache: Any = None) -> list[tuple[list[torch.Tensor], dict]]:
         """Several requests in one go: `case_features` (prefixes in one left-padded forward, all question
         rows as suffix calls from that cache; or full forwards where the planner finds them cheaper),
         then the head on every row at once. Returns [(logits per question [k] float32 CPU, usage)].
@@ -390,9 +400,12 @@ class DecisionModel(nn.Module):
         Each request's logits equal those it gets alone up to float noise: a prefix's left padding is
         masked (attention) and zeroed (the linear-attention inputs, so its recurrent and conv states stay
         at their initial zeros), positions are each request's own, and every suffix row reads its own
-        request's cache row (`Family.select_cache_rows`).
+        request's cache row (`Family.select_cache_rows`). `state_cache` (a `ScopedStateCache`): prefixes
+        stored by earlier calls are reused, new ones stored (`case_features_with_usage`); same logits up to
+        float noise.
         """
-        feats, usages = self.case_features_with_usage(cases, max_rows=max_rows, exact=exact, path=path)
+        feats, usages = self.case_features_with_usage(cases, max_rows=max_rows, exact=exact, path=path,
+                                                      state_cache=state_cache)
         flat = [f for fs in feats for f in fs]
         if not flat:
             return [([], u) for u in usages]
@@ -444,7 +457,7 @@ class DecisionModel(nn.Module):
         return list(zip(prefixes, rows))
 
     def plan_paths(self, cases: Sequence[CaseInputs], *, exact: bool = False, path: str = "auto",
-                   overhead: int = CALL_OVERHEAD) -> list[int | None]:
+                   overhead: int = CALL_OVERHEAD, state_cut: bool = False) -> list[int | None]:
         """Per case: the shared-prefix cut, or None for full forwards.
 
         `path="auto"`: a case takes the prefix path only when it saves more than one call's overhead
@@ -452,6 +465,11 @@ class DecisionModel(nn.Module):
         instead of once per row saves (rows - 1) * cut tokens, while the prefix path costs one extra
         call. So a single-question case, or one whose suffixes dominate (a short shared prefix), runs as
         full rows. `"prefix"` / `"full"` force a path (benchmarks, tests).
+
+        `state_cut` (a state cache is on): the cut stops at the end of the state (`EncodedRow.prefix_len`), so
+        it depends on the state and image alone and a later request about them finds it; the rule counts
+        one later reuse of the prefix, `rows * cut > overhead`, so a single question about a long state
+        takes the prefix path and leaves its state in the cache.
         """
         if path not in ("auto", "prefix", "full"):
             raise ValueError(f"path must be 'auto', 'prefix' or 'full', not {path!r}")
@@ -460,8 +478,8 @@ class DecisionModel(nn.Module):
             if path == "full" or not c.rows:
                 out.append(None)
                 continue
-            cut = self._cut(c.rows, c.n_img, exact)
-            if path == "auto" and not sharing_pays(len(c.rows), cut, overhead):
+            cut = self._cut(c.rows, c.n_img, exact, state=state_cut)
+            if path == "auto" and not sharing_pays(len(c.rows) + int(state_cut), cut, overhead):
                 out.append(None)
                 continue
             if c.n_img and cut < c.n_img + 2:  # the image is encoded once, so it must lie inside the prefix
@@ -470,29 +488,44 @@ class DecisionModel(nn.Module):
         return out
 
     def case_features_with_usage(self, cases: Sequence[CaseInputs], *, max_rows: int = 64, exact: bool = False,
-                                 path: str = "auto") -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]],
-                                                              list[dict]]:
-        """`case_features` plus per-case usage: {input_tokens (processed), prefix_tokens (0 on the full
-        path), rows, full_tokens, image_tokens, calls (of the whole batch), batched_requests, path}."""
-        plan = self.plan_paths(cases, exact=exact, path=path)
+                                 path: str = "auto", state_cache: Any = None
+                                 ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], list[dict]]:
+        """`case_features` plus per-case usage: {input_tokens (the request's tokens, its shared prefix once),
+        prefix_tokens (0 on the full path), cached_tokens (the prefix tokens the state cache supplied, not
+        run), rows, full_tokens, image_tokens, calls (of the whole batch), batched_requests, path}.
+
+        `state_cache` (a `state_cache.ScopedStateCache`, or None): prefixes are cut at the end of the state,
+        looked up there (a hit skips that prefix's forward and its image encoding) and stored after they run."""
+        plan = self.plan_paths(cases, exact=exact, path=path, state_cut=state_cache is not None)
         feats: list[list[Any]] = [[None] * len(c.rows) for c in cases]
+        keys: list[Any] = [None] * len(cases)
+        warm: list[PrefixState | None] = [None] * len(cases)
         with torch.inference_mode():
             pre = [i for i, cut in enumerate(plan) if cut is not None and cases[i].rows]
             full = [i for i, cut in enumerate(plan) if cut is None and cases[i].rows]
+            keep = None
+            if state_cache is not None and pre:
+                for i in pre:
+                    keys[i] = cases[i].prefix_key(plan[i])
+                    warm[i] = state_cache.get(keys[i])
+
+                def keep(j: int, state: PrefixState) -> None:
+                    state_cache.put(keys[pre[j]], state)
             calls = 0
             if pre:
                 calls += self._prefix_features([cases[i] for i in pre], [plan[i] for i in pre],
-                                               [feats[i] for i in pre], max_rows=max_rows, exact=exact)
+                                               [feats[i] for i in pre], max_rows=max_rows, exact=exact,
+                                               warm=[warm[i] for i in pre], keep=keep)
             if full:
                 calls += self._full_features([cases[i] for i in full], [feats[i] for i in full], max_rows=max_rows)
         usages = []
-        for c, cut in zip(cases, plan):
+        for c, cut, w in zip(cases, plan, warm):
             full_tokens = sum(len(r) for r in c.rows)
             p = cut or 0
             usages.append({"input_tokens": p + sum(len(r) - p for r in c.rows) if cut is not None else full_tokens,
-                           "prefix_tokens": p, "rows": len(c.rows), "full_tokens": full_tokens,
-                           "image_tokens": c.n_img, "calls": calls, "batched_requests": len(cases),
-                           "path": "prefix" if cut is not None else "full"})
+                           "prefix_tokens": p, "cached_tokens": p if w is not None else 0, "rows": len(c.rows),
+                           "full_tokens": full_tokens, "image_tokens": c.n_img, "calls": calls,
+                           "batched_requests": len(cases), "path": "prefix" if cut is not None else "full"})
         return feats, usages
 
     def _full_features(self, cases: Sequence[CaseInputs], out: list[list[Any]], *, max_rows: int,
@@ -524,38 +557,71 @@ class DecisionModel(nn.Module):
 
     def _prefix_features(self, cases: Sequence[CaseInputs], cuts: Sequence[int], out: list[list[Any]], *,
                          max_rows: int, exact: bool, at_layer: int | None = None,
-                         prefixes: list[Any] | None = None) -> int:
+                         prefixes: list[Any] | None = None, warm: Sequence[PrefixState | None] | None = None,
+                         keep: Any = None) -> int:
         """One left-padded prefix forward for `cases` (cut at `cuts`), then the suffix calls; fills `out`
         with each row's (h_dec, h_cand); returns the call count. `at_layer` (a decoder layer): instead, the states
-        entering that layer -- each case's prefix into `prefixes`, each row's suffix into `out` (`_cut_row`)."""
+        entering that layer -- each case's prefix into `prefixes`, each row's suffix into `out` (`_cut_row`).
+
+        The state cache: `warm[i]`, a stored `PrefixState` of case i's prefix, replaces its part of the prefix
+        forward (which then runs for the other cases only, or not at all); `keep(i, state)` receives a copy
+        of every prefix state computed here. With a warm case the suffix calls read a cache stacked from
+        copies of every case's state (`state_cache.stack_states`), padded and masked as the forward's own."""
         layers = (0, at_layer) if at_layer is not None else None
         dev, family = self.device, self.family
-        width = max(cuts)
-        padded = any(cut != width for cut in cuts)
-        if padded:  # few distinct shapes keep the allocator's and kernels' caches small under serving load
-            width = -(-width // SHAPE_GRANULE) * SHAPE_GRANULE
-        pids = torch.full((len(cases), width), self.encoder.pad_id, dtype=torch.long, device=dev)
-        pmask = torch.zeros((len(cases), width), dtype=torch.long, device=dev)
-        positions, next_pos, feats = [], [], []
-        for i, (c, cut) in enumerate(zip(cases, cuts)):
+        warm = list(warm) if warm is not None else [None] * len(cases)
+        cold = [i for i, w in enumerate(warm) if w is None]
+        if prefixes is not None and len(cold) < len(cases):
+            raise ValueError("cut states are computed, never read from the state cache")
+        next_pos, positions = [], []
+        for c, cut in zip(cases, cuts):
             ids = torch.tensor([c.rows[0].ids[:cut]], dtype=torch.long, device=dev)
-            pids[i, width - cut:] = ids[0]
-            pmask[i, width - cut:] = 1
             img_mask = ids == self.image_token_id if self.image_token_id is not None else None
             pos = family.full_positions(ids, img_mask, c.grid, self.merge_size)
             next_pos.append(int(pos.max()) + 1)
-            positions.append(torch.nn.functional.pad(pos, (width - cut, 0)))  # left pads at position 0
-            if c.pixel_values is not None:
-                feats.append(self.image_features(c.pixel_values, c.grid))  # once per request
-        all_pos = torch.cat(positions, dim=-2)
-        o = self._lm(pids, torch.cat(feats) if feats else None, pmask if padded else None, all_pos, use_cache=True,
-                     layers=layers)
-        if prefixes is not None:
-            for i, c in enumerate(cuts):
-                prefixes[i] = _cut_row(o.last_hidden_state, all_pos, i, width - c, width)
-        prefix_cache = out_cache(o)
-        if prefix_cache is None:
-            raise RuntimeError("the language model returned no cache")
+            positions.append(pos)
+        calls, prefix_cache, width, pmask = 0, None, 0, None
+        if cold:
+            width = max(cuts[i] for i in cold)
+            padded = any(cuts[i] != width for i in cold)
+            if padded:  # few distinct shapes keep the allocator's and kernels' caches small under serving load
+                width = -(-width // SHAPE_GRANULE) * SHAPE_GRANULE
+            pids = torch.full((len(cold), width), self.encoder.pad_id, dtype=torch.long, device=dev)
+            pmask = torch.zeros((len(cold), width), dtype=torch.long, device=dev)
+            feats = []
+            for j, i in enumerate(cold):
+                c, cut = cases[i], cuts[i]
+                pids[j, width - cut:] = torch.tensor(c.rows[0].ids[:cut], dtype=torch.long, device=dev)
+                pmask[j, width - cut:] = 1
+                if c.pixel_values is not None:
+                    feats.append(self.image_features(c.pixel_values, c.grid))  # once per request
+            all_pos = torch.cat([torch.nn.functional.pad(positions[i], (width - cuts[i], 0)) for i in cold],
+                                dim=-2)  # left pads at position 0
+            o = self._lm(pids, torch.cat(feats) if feats else None, pmask if padded else None, all_pos,
+                         use_cache=True, layers=layers)
+            calls += 1
+            if prefixes is not None:
+                for j, i in enumerate(cold):
+                    prefixes[i] = _cut_row(o.last_hidden_state, all_pos, j, width - cuts[i], width)
+            prefix_cache = out_cache(o)
+            if prefix_cache is None:
+                raise RuntimeError("the language model returned no cache")
+        if keep is not None or len(cold) < len(cases):
+            states = list(warm)
+            for j, i in enumerate(cold):
+                states[i] = snapshot_row(prefix_cache, j, width - cuts[i])
+                if keep is not None and states[i] is not None:
+                    keep(i, states[i])
+            if len(cold) < len(cases):
+                if any(s is None for s in states):
+                    raise RuntimeError("a cold prefix's cache cannot be batched with cached states")
+                width = max(cuts)
+                if any(cut != width for cut in cuts):
+                    width = -(-width // SHAPE_GRANULE) * SHAPE_GRANULE
+                prefix_cache = stack_states(states, width)
+                pmask = torch.zeros((len(cases), width), dtype=torch.long, device=dev)
+                for i, cut in enumerate(cuts):
+                    pmask[i, width - cut:] = 1
         flat = [(ci, ri) for ci, c in enumerate(cases) for ri in range(len(c.rows))]
         groups = plan_suffix_groups([len(cases[ci].rows[ri]) - cuts[ci] for ci, ri in flat], max_rows=max_rows,
                                     granule=family.suffix_chunk or 1)
@@ -590,11 +656,14 @@ class DecisionModel(nn.Module):
                 cut = cuts[ci]
                 out[ci][ri] = (h[i, r.decision_pos - cut].clone(),  # a copy: a view would keep all of h alive
                                h[i, torch.tensor([m - cut for m in r.marker_pos], dtype=torch.long, device=dev)])
-        return 1 + len(groups)
+        return calls + len(groups)
 
-    def _cut(self, rows: Sequence[EncodedRow], n_img: int, exact: bool) -> int:
-        """Shared-prefix length: the common token prefix, never past any row's decision position."""
+    def _cut(self, rows: Sequence[EncodedRow], n_img: int, exact: bool, state: bool = False) -> int:
+        """Shared-prefix length: the common token prefix, never past any row's decision position (`state`: nor
+        past the end of the state segment)."""
         cut = min(common_prefix_len([r.ids for r in rows]), min(r.decision_pos for r in rows))
+        if state:
+            cut = min(cut, min(r.prefix_len for r in rows))
         if exact and self.family.exact_align:
             aligned = (cut // self.family.exact_align) * self.family.exact_align
             if aligned >= (n_img + 2 if n_img else 1):

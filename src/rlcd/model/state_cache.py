@@ -1,0 +1,232 @@
+"""The cross-request state cache: a state's prefix computed once, reused by later requests about it.
+
+Agents ask several questions about one state over time, in separate requests. Within a request the
+state's prefix already runs once (`DecisionModel.score_cases`); this cache keeps that prefix's decoder
+state -- what the shared-prefix path hands its suffix calls, nothing else -- so a later request about
+the same state runs only its questions' suffixes.
+
+What is stored (`PrefixState`): a one-row copy of the prefix cache: every attention layer's keys and
+values [1, heads, cut, dim] (left padding dropped) and every linear-attention layer's conv and recurrent
+states (Qwen3.5's Gated DeltaNet). The scorer reads no position inside the prefix (the cut never passes
+a decision position), so no hidden states are kept. Only caches made of the layer classes in
+`SUPPORTED_LAYERS` are stored; another kind (sliding window, static, quantized) is never cached.
+
+Exactness: a stored state is never handed to a forward. `stack_states` builds each batch's prefix cache
+from fresh tensors (the keys and values left-padded with zeros to a common width, which the suffix calls
+mask; the recurrent states concatenated), so the in-place updates of the suffix calls cannot reach it.
+
+Keys (`prefix_key`): the exact prefix token ids (chat-template head, image tokens, state) and the
+digest of the preprocessed image's pixels and grid (`image_digest`), under a scope the owner chooses
+(the Predictor's: the model's fingerprint, its info with the prompt frame and LoRA/merge state, the
+placement and the parameters' version counters). Another model, prompt frame, LoRA state or image
+therefore never hits.
+
+`StateCache` is an LRU bounded in bytes (the stored tensors' bytes): least recently used entries go
+first; an entry larger than the bound is not stored; `max_bytes=0` disables it. Thread-safe (one lock).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
+
+import torch
+
+SUPPORTED_LAYERS = frozenset({"DynamicLayer", "LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer"})
+_KV = ("keys", "values")  # [B, heads, T, dim]
+_STATES = ("conv_states", "recurrent_states")  # {index: [B, ...]}
+
+
+@dataclass(frozen=True)
+class PrefixState:
+    """One state's prefix as the decoder left it: a one-row cache of `tokens` positions (`cache` is never
+    given to a forward: `stack_states` copies it) and the bytes of its tensors."""
+
+    cache: Any
+    tokens: int
+    nbytes: int
+
+
+def _layer_twin(layer: Any) -> Any:
+    """A shallow copy of a cache layer whose dicts and lists are copied too (as `fork_cache_rows` does)."""
+    twin = copy.copy(layer)
+    for name, value in vars(layer).items():
+        if isinstance(value, (dict, list)):
+            setattr(twin, name, copy.copy(value))
+    return twin
+
+
+def _supported(cache: Any) -> bool:
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer).__name__ in SUPPORTED_LAYERS
+                                and type(layer).__module__ == "transformers.cache_utils" for layer in layers)
+
+
+def snapshot_row(cache: Any, row: int, start: int) -> PrefixState | None:
+    """Row `row` of a batched prefix cache with its first `start` (left padding) positions dropped, as fresh
+    tensors (`PrefixState`); None for a cache this module does not know how to copy exactly."""
+    if not _supported(cache):
+        return None
+    new = copy.copy(cache)
+    new.layers = []
+    nbytes, tokens = 0, None
+    for layer in cache.layers:
+        twin = _layer_twin(layer)
+        for name in _KV:
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor) and t.dim() == 4:
+                setattr(twin, name, t[row: row + 1, :, start:].clone())
+                nbytes += getattr(twin, name).nbytes
+                tokens = getattr(twin, name).shape[-2]
+        for name in _STATES:
+            d = getattr(layer, name, None)
+            if isinstance(d, dict):
+                setattr(twin, name, {k: v[row: row + 1].clone() if isinstance(v, torch.Tensor) else v
+                                     for k, v in d.items()})
+                nbytes += sum(v.nbytes for v in getattr(twin, name).values() if isinstance(v, torch.Tensor))
+        new.layers.append(twin)
+    return PrefixState(new, int(tokens or 0), int(nbytes))
+
+
+def stack_states(states: Sequence[PrefixState], width: int) -> Any:
+    """One cache whose row i is `states[i]`: keys and values left-padded with zeros to `width` positions (the
+    caller masks them), linear-attention states concatenated. Every tensor is new (`torch.cat` allocates), so
+    forwards that advance this cache in place leave the stored states as they were."""
+    if not states:
+        raise ValueError("stack_states needs at least one state")
+    first = states[0].cache
+    new = copy.copy(first)
+    new.layers = []
+    for li, layer in enumerate(first.layers):
+        rows = [s.cache.layers[li] for s in states]
+        if any(type(r) is not type(layer) for r in rows):
+            raise RuntimeError("cached prefix states of different cache layouts cannot be batched")
+        twin = _layer_twin(layer)
+        for name in _KV:
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor) and t.dim() == 4:
+                parts = [getattr(r, name) for r in rows]
+                setattr(twin, name, torch.cat([torch.nn.functional.pad(p, (0, 0, width - p.shape[-2], 0))
+                                               for p in parts]))
+        for name in _STATES:
+            d = getattr(layer, name, None)
+            if isinstance(d, dict):
+                setattr(twin, name, {k: torch.cat([getattr(r, name)[k] for r in rows])
+                                     if isinstance(v, torch.Tensor) else v for k, v in d.items()})
+        new.layers.append(twin)
+    return new
+
+
+def image_digest(pixel_values: torch.Tensor | None, grid: torch.Tensor | None) -> str | None:
+    """blake2b of the preprocessed image (dtype, shape, bytes) and its grid: what the model sees of it."""
+    if pixel_values is None:
+        return None
+    h = hashlib.blake2b(digest_size=32)
+    for t in (pixel_values, grid):
+        if t is None:
+            continue
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def prefix_key(ids: Sequence[int], image: str | None) -> bytes:
+    """The key of a prefix within one scope: its exact token ids and the image digest (or none)."""
+    h = hashlib.blake2b(digest_size=32)
+    h.update(len(ids).to_bytes(8, "little"))
+    h.update(b"".join(int(i).to_bytes(8, "little", signed=True) for i in ids))
+    h.update(b"image:" + (image.encode() if image else b"-"))
+    return h.digest()
+
+
+class StateCache:
+    """An LRU of `PrefixState`s bounded in bytes; `max_bytes=0` disables it (get misses nothing, put stores
+    nothing, no counter moves). `stats()` is a flat dict of ints for monitoring."""
+
+    def __init__(self, max_bytes: int):
+        if not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[Hashable, PrefixState] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._evictions = self._too_large = self._stores = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def get(self, key: Hashable) -> PrefixState | None:
+        if not self.enabled:
+            return None
+        with self._lock:
+            state = self._entries.get(key)
+            if state is None:
+                self._misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self._hits += 1
+            return state
+
+    def put(self, key: Hashable, state: PrefixState) -> bool:
+        """Store `state` (most recent), evicting the least recently used until it fits; False when it is larger
+        than the whole bound (not stored) or the cache is disabled."""
+        if not self.enabled:
+            return False
+        with self._lock:
+            if state.nbytes > self.max_bytes:
+                self._too_large += 1
+                return False
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old.nbytes
+            while self._entries and self._bytes + state.nbytes > self.max_bytes:
+                _, gone = self._entries.popitem(last=False)
+                self._bytes -= gone.nbytes
+                self._evictions += 1
+            self._entries[key] = state
+            self._bytes += state.nbytes
+            self._stores += 1
+            return True
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def keys(self) -> list[Hashable]:
+        """Keys from least to most recently used (tests, debugging)."""
+        with self._lock:
+            return list(self._entries)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"hits": self._hits, "misses": self._misses, "entries": len(self._entries), "bytes": self._bytes,
+                    "max_bytes": self.max_bytes, "evictions": self._evictions, "stores": self._stores,
+                    "too_large": self._too_large}
+
+    def scoped(self, scope: Hashable) -> "ScopedStateCache":
+        return ScopedStateCache(self, scope)
+
+
+@dataclass(frozen=True)
+class ScopedStateCache:
+    """`StateCache` keys prefixed by `scope` (a model's fingerprint): what `DecisionModel.score_cases` takes."""
+
+    cache: StateCache
+    scope: Hashable
+
+    def get(self, key: Hashable) -> PrefixState | None:
+        return self.cache.get((self.scope, key))
+
+    def put(self, key: Hashable, state: PrefixState) -> bool:
+        return self.cache.put((self.scope, key), state)
+
+
+__all__ = ["PrefixState", "ScopedStateCache", "StateCache", "image_digest", "prefix_key",
+           "snapshot_row", "stack_states", "SUPPORTED_LAYERS"]

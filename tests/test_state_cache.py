@@ -1,0 +1,467 @@
+"""The cross-request state cache: warm answers equal cold ones, keys never cross, the byte bound holds.
+
+The reference is always a Predictor with the cache off (`state_cache_mb=0`) on the same model: what a
+cached prefix must not change. Tolerance 1e-4 in probability, as for batching; the measured differences
+are float noise (~1e-7).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+from _tiny_export import TEMPERATURES, build_tiny_model, tiny_predictor  # noqa: E402
+
+from rlcd.model.state_cache import PrefixState, StateCache, snapshot_row  # noqa: E402
+from rlcd.predict import Predictor, _cache_scope  # noqa: E402
+
+TOL = 1e-4
+LONG = ("Order 5521: the parcel arrived two weeks late, the box was crushed, two of the three plates inside "
+        "were broken and the courier left it in the rain. The customer wrote twice and called once; nobody "
+        "answered. She wants a refund for the plates and the shipping, and says she will not order again.")
+SHORT = "Invoice 1193 was paid twice by bank transfer and the customer asks for one payment back."
+Q = {
+    "dept": {"type": "choice", "instructions": "Which department handles this?",
+             "criteria": ["billing", "shipping", "returns", "sales"]},
+    "chan": {"type": "choice", "instructions": "Pick the channel",
+             "criteria": {"email": "written message", "phone": "a call", "chat": "live chat"}},
+    "angry": {"type": "noul", "instructions": "Is the customer angry?"},
+    "late": {"type": "noul", "instructions": "Was the parcel late?", "criteria": {"false": "on time", "true": "late"}},
+    "urgency": {"type": "score", "instructions": "How urgent is it?",
+                "criteria": ["not urgent", "somewhat", "urgent", "critical"]},
+    "worth": {"type": "score", "instructions": "How much is at stake?", "criteria": ["little", "some", "a lot"]},
+}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Predictor:
+    return tiny_predictor(tmp_path_factory.getbasetemp())
+
+
+def _pair(base: Predictor, mb: float = 64) -> tuple[Predictor, Predictor]:
+    """(with a fresh cache, without one) on the same loaded model."""
+    return (Predictor(base.model, base.meta, name=base.name, state_cache_mb=mb),
+            Predictor(base.model, base.meta, name=base.name, state_cache_mb=0))
+
+
+@pytest.fixture(scope="module")
+def pngs(tmp_path_factory) -> tuple[Path, Path]:
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("sc-img")
+    out = []
+    for k, (w, h) in enumerate([(40, 28), (40, 28)]):  # the same size: the same image tokens, other pixels
+        im = Image.new("RGB", (w, h))
+        for x in range(w):
+            for y in range(h):
+                im.putpixel((x, y), ((x * 6 + 90 * k) % 256, (y * 9 * (k + 1)) % 256, (x * y + 50 * k) % 256))
+        out.append(root / f"im{k}.png")
+        im.save(out[-1])
+    return out[0], out[1]
+
+
+def _probs(answer: dict) -> list[float]:
+    return [1.0 - answer["noul"], answer["noul"]] if answer["type"] == "noul" else list(answer["probabilities"].values())
+
+
+def _gap(a: dict, b: dict) -> float:
+    assert list(a["answers"]) == list(b["answers"])
+    return max(max(abs(x - y) for x, y in zip(_probs(a["answers"][q]), _probs(b["answers"][q])))
+               for q in a["answers"])
+
+
+def _req(state, *qids):
+    return {"state": state, "questions": {q: Q[q] for q in qids}}
+
+
+# --------------------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("with_image", [False, True])
+def test_a_new_question_about_a_cached_state_gets_the_cold_answer(base, pngs, with_image):
+    warm, cold = _pair(base)
+    image = pngs[0] if with_image else None
+    first = warm.predict(_req(LONG, "angry"), image)
+    assert warm.state_cache_stats()["entries"] == 1 and warm.state_cache_stats()["misses"] == 1
+    assert _gap(first, cold.predict(_req(LONG, "angry"), image)) < TOL
+    for qids in (("dept",), ("urgency",), ("late",), ("chan", "worth", "angry"), tuple(Q)):  # every type, 1 and n
+        hits = warm.state_cache_stats()["hits"]
+        got, want = warm.predict(_req(LONG, *qids), image), cold.predict(_req(LONG, *qids), image)
+        assert warm.state_cache_stats()["hits"] == hits + 1, qids  # the prefix came from the cache
+        assert _gap(got, want) < TOL, qids
+        assert got["usage"] == want["usage"]  # usage counts the request's tokens, cached or not
+        for q in qids:
+            if Q[q]["type"] == "choice":
+                assert got["answers"][q]["choice"] == want["answers"][q]["choice"]
+    assert warm.state_cache_stats()["entries"] == 1
+
+
+def test_a_warm_answer_is_the_same_answer_every_time(base, pngs):
+    """A lone request reads the same stored state each time: bit-identical answers, the cold one included."""
+    warm, _ = _pair(base)
+    for image in (None, pngs[1]):
+        req = _req(LONG, "dept", "angry", "urgency")
+        first = warm.predict(req, image)
+        assert all(warm.predict(req, image) == first for _ in range(3))
+
+
+def test_mixed_warm_and_cold_cases_in_one_batch(base, pngs):
+    """One `score_many` call holding warm and cold states, text and images, one and several questions,
+    different prefix lengths (left padding), and the same cold state twice: each request's answers equal
+    its cold answers alone."""
+    warm, cold = _pair(base)
+    im0, im1 = pngs
+    warm.predict(_req(LONG, "angry"))
+    warm.predict(_req(SHORT + " " + LONG, "dept"))
+    warm.predict(_req(LONG, "late"), im0)
+    batch = [
+        (_req(LONG, "dept", "urgency"), None),  # warm
+        (_req(LONG + " Again.", "angry"), None),  # cold, a longer prefix
+        (_req(SHORT + " " + LONG, "worth"), None),  # warm, another length
+        (_req(LONG, "chan", "late", "urgency"), im0),  # warm image
+        (_req(LONG, "chan", "late"), im1),  # cold: the same state and image size, another image
+        (_req(LONG + " Again.", "dept"), None),  # the same cold state twice in one batch
+        (_req(SHORT, *Q), None),  # cold, many questions
+    ]
+    expect_hits = 3
+    hits = warm.state_cache_stats()["hits"]
+    prepared = [warm.prepare(r, img) for r, img in batch]
+    results = warm.score_many(prepared)
+    assert warm.state_cache_stats()["hits"] == hits + expect_hits
+    for (req, img), p, (logits, usage) in zip(batch, prepared, results):
+        got = warm.respond(p, logits, usage)
+        assert _gap(got, cold.predict(req, img)) < TOL, req["state"][:20]
+    # and the same batch again, now every state warm
+    results = warm.score_many([warm.prepare(r, img) for r, img in batch])
+    assert warm.state_cache_stats()["hits"] == hits + expect_hits + len(batch)
+    for (req, img), p, (logits, usage) in zip(batch, prepared, results):
+        assert _gap(warm.respond(p, logits, usage), cold.predict(req, img)) < TOL
+
+
+def test_another_image_never_hits(base, pngs):
+    warm, cold = _pair(base)
+    im0, im1 = pngs
+    req = _req(LONG, "dept", "angry", "urgency")
+    a, b = cold.predict(req, im0), cold.predict(req, im1)
+    assert _gap(a, b) > 1e-3  # the images change the answers, so a wrong hit would show
+    warm.predict(req, im0)
+    misses = warm.state_cache_stats()["misses"]
+    assert _gap(warm.predict(req, im1), b) < TOL
+    assert warm.state_cache_stats()["misses"] == misses + 1
+    assert _gap(warm.predict(req), cold.predict(req)) < TOL  # nor does the same state without an image
+
+
+def test_stored_states_are_never_changed_by_later_calls(base, pngs):
+    """The suffix calls advance their cache in place (Qwen3.5's conv and recurrent states): they must work on
+    copies, never on the stored tensors."""
+    warm, _ = _pair(base)
+    warm.predict(_req(LONG, "angry"), pngs[0])
+    (key,) = warm.state_cache.keys()
+    stored = warm.state_cache._entries[key].cache
+
+    def tensors(cache):
+        out = []
+        for layer in cache.layers:
+            for name in ("keys", "values"):
+                if isinstance(getattr(layer, name, None), torch.Tensor):
+                    out.append(getattr(layer, name).clone())
+            for name in ("conv_states", "recurrent_states"):
+                for v in (getattr(layer, name, None) or {}).values():
+                    if isinstance(v, torch.Tensor):
+                        out.append(v.clone())
+        return out
+
+    before = tensors(stored)
+    assert before and any(t.dim() == 3 for t in before)  # conv states are there to be checked
+    for qids in (tuple(Q), ("dept",), ("angry", "late")):
+        warm.predict(_req(LONG, *qids), pngs[0])
+        warm.score_many([warm.prepare(_req(LONG, *qids), pngs[0]), warm.prepare(_req(SHORT, "dept"))])
+    after = tensors(stored)
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+def test_text_decoder_family_warm_equals_cold():
+    """A text decoder (tiny-llama: keys and values only, a chat-template head in the prefix)."""
+    model = build_tiny_model(model_spec="tiny-llama")
+    meta = {"model": "tiny-llama", "temperatures": dict(TEMPERATURES)}
+    warm = Predictor(model, meta, state_cache_mb=64)
+    cold = Predictor(model, meta, state_cache_mb=0)
+    warm.predict(_req(LONG, "angry"))
+    for qids in (("dept",), ("urgency", "late"), tuple(Q)):
+        assert _gap(warm.predict(_req(LONG, *qids)), cold.predict(_req(LONG, *qids))) < TOL
+    assert warm.state_cache_stats()["hits"] == 3
+    batch = [(_req(LONG, "worth"), None), (_req(SHORT, "dept", "chan"), None), (_req(LONG + " More.", "angry"), None)]
+    results = warm.score_many([warm.prepare(r, i) for r, i in batch])
+    for (req, img), (logits, usage) in zip(batch, results):
+        assert _gap(warm.respond(warm.prepare(req, img), logits, usage), cold.predict(req, img)) < TOL
+
+
+# --------------------------------------------------------------------------------------- keys
+def test_changed_lora_weights_or_a_merge_never_hit():
+    """The scope follows the model as it is: weights changed in place or LoRA merged is a new scope."""
+    model = build_tiny_model()
+    meta = {"model": "tiny-toy", "temperatures": dict(TEMPERATURES)}
+    warm = Predictor(model, meta, state_cache_mb=64)
+    cold = Predictor(model, meta, state_cache_mb=0)
+    req = _req(LONG, "dept", "angry", "urgency")
+    before = cold.predict(req)
+    warm.predict(req)
+    sd = model.trainable_state_dict()
+    model.load_trainable_state_dict({k: v * 3 if "lora_B" in k else v for k, v in sd.items()})
+    changed = cold.predict(req)
+    assert _gap(before, changed) > 1e-3  # the new weights change the answers, so a wrong hit would show
+    misses = warm.state_cache_stats()["misses"]
+    assert _gap(warm.predict(req), changed) < TOL
+    assert warm.state_cache_stats()["misses"] == misses + 1
+    model.merge()
+    assert _gap(warm.predict(req), cold.predict(req)) < TOL
+    assert warm.state_cache_stats()["misses"] == misses + 2
+
+
+def test_scopes_differ_by_model_export_and_frame(base):
+    other = build_tiny_model(seed=1)
+    llama = build_tiny_model(model_spec="tiny-llama")
+    scopes = {_cache_scope(base.model, base.meta), _cache_scope(other, base.meta), _cache_scope(llama, base.meta),
+              _cache_scope(base.model, {**base.meta, "checkpoint_sha256": "0" * 64})}
+    assert len(scopes) == 4
+    assert _cache_scope(base.model, base.meta) == _cache_scope(base.model, dict(base.meta))  # and is stable
+
+
+def test_one_cache_shared_by_two_models_never_crosses(base):
+    """Even one StateCache under two models' scopes: the same request on each misses, and each answer is
+    its own model's cold answer."""
+    other = build_tiny_model(seed=1)
+    shared = StateCache(64 << 20)
+    from rlcd.schema import Question
+
+    q = Question(type="choice", instructions="Which department?", criteria=["billing", "shipping"])
+    for m in (base.model, other):
+        case = m.prepare_case(LONG, [q], None, ["dept"])
+        m.score_cases([case], state_cache=shared.scoped(_cache_scope(m, base.meta)))
+    assert shared.stats()["misses"] == 2 and shared.stats()["hits"] == 0 and shared.stats()["entries"] == 2
+
+
+# --------------------------------------------------------------------------------------- LRU
+def _state(nbytes: int) -> PrefixState:
+    return PrefixState(cache=None, tokens=1, nbytes=nbytes)
+
+
+def test_lru_bound_order_and_counters():
+    c = StateCache(100)
+    assert c.put("a", _state(40)) and c.put("b", _state(40))
+    assert c.get("a") is not None  # a is now the most recent: b goes first
+    assert c.put("c", _state(40))
+    assert c.keys() == ["a", "c"] and c.stats()["evictions"] == 1 and c.stats()["bytes"] == 80
+    assert c.get("b") is None
+    assert not c.put("huge", _state(101))  # larger than the bound: not stored, nothing evicted
+    assert c.keys() == ["a", "c"] and c.stats()["too_large"] == 1
+    assert c.put("d", _state(100))  # exactly the bound: everything else goes
+    assert c.keys() == ["d"] and c.stats()["bytes"] == 100 and c.stats()["evictions"] == 3
+    assert c.put("d", _state(10))  # replacing an entry counts its bytes once
+    assert c.stats()["bytes"] == 10
+    assert {k: c.stats()[k] for k in ("hits", "misses", "entries", "max_bytes")} == {
+        "hits": 1, "misses": 1, "entries": 1, "max_bytes": 100}
+
+
+def test_zero_disables_and_bad_sizes_are_refused(base):
+    off = StateCache(0)
+    assert not off.put("a", _state(1)) and off.get("a") is None
+    assert off.stats() == {"hits": 0, "misses": 0, "entries": 0, "bytes": 0, "max_bytes": 0, "evictions": 0,
+                           "stores": 0, "too_large": 0}
+    p = Predictor(base.model, base.meta, state_cache_mb=0)
+    p.predict(_req(LONG, "dept"))
+    p.predict(_req(LONG, "angry"))
+    assert p.state_cache_stats()["entries"] == 0 and p.state_cache_stats()["misses"] == 0
+    for bad in (-1, float("nan"), float("inf"), "12", True):
+        with pytest.raises(ValueError, match="state_cache_mb"):
+            Predictor(base.model, base.meta, state_cache_mb=bad)
+
+
+def test_predictor_cache_keeps_its_byte_bound_and_counts(base):
+    """Real states: a bound of two and a half entries keeps two, drops the least recently used, and the
+    counters match the requests (one lookup per state on the prefix path)."""
+    probe, _ = _pair(base)
+    states = [f"{LONG} Case {i}." for i in range(4)]  # the same token count each
+    probe.predict(_req(states[0], "dept"))
+    size = probe.state_cache_stats()["bytes"]
+    assert size > 0
+    p = Predictor(base.model, base.meta, state_cache_mb=2.5 * size / (1 << 20))
+    bound = p.state_cache_stats()["max_bytes"]
+    seen = []
+    for s in (states[0], states[1], states[0], states[2], states[1], states[0]):
+        p.predict(_req(s, "angry"))
+        seen.append(p.state_cache_stats())
+        assert seen[-1]["bytes"] <= bound and seen[-1]["entries"] <= 2
+    # s0 miss, s1 miss, s0 hit, s2 miss (evicts s1), s1 miss (evicts s0), s0 miss (evicts s2)
+    assert [s["hits"] for s in seen] == [0, 0, 1, 1, 1, 1]
+    assert [s["misses"] for s in seen] == [1, 2, 2, 3, 4, 5]
+    assert [s["evictions"] for s in seen] == [0, 0, 0, 1, 2, 3]
+    small = Predictor(base.model, base.meta, state_cache_mb=0.5 * size / (1 << 20))
+    small.predict(_req(states[0], "dept"))
+    assert small.state_cache_stats()["entries"] == 0 and small.state_cache_stats()["too_large"] == 1
+
+
+def test_a_short_state_asked_once_is_not_cached(base):
+    """Planning: a prefix shorter than one call's overhead is not worth a forward of its own."""
+    p, _ = _pair(base)
+    p.predict(_req("Late.", "dept"))
+    assert p.state_cache_stats()["entries"] == 0 and p.state_cache_stats()["misses"] == 0
+    p.predict(_req(LONG, "dept"))
+    assert p.state_cache_stats()["entries"] == 1
+
+
+def test_unsupported_cache_layouts_are_not_stored():
+    class Layer:  # not one of transformers' known layer classes
+        def __init__(self):
+            self.keys = self.values = torch.zeros(1, 1, 3, 2)
+
+    class Cache:
+        layers = [Layer()]
+
+    assert snapshot_row(Cache(), 0, 0) is None
+
+
+# --------------------------------------------------------------------------------------- threads
+def test_concurrent_predicts_on_a_shared_predictor(base, pngs):
+    warm, cold = _pair(base)
+    reqs = [(_req(f"{LONG} #{i}", *list(Q)[i: i + 2 + i % 3]), pngs[i % 2] if i % 3 == 0 else None)
+            for i in range(6)]
+    expected = [cold.predict(r, img) for r, img in reqs]
+    first = [warm.predict(r, img) for r, img in reqs]  # stores every state
+    got: dict[tuple[int, int], dict] = {}
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for k in range(4):
+                i = (t + k) % len(reqs)
+                got[t, k] = (i, warm.predict(*reqs[i]))
+                _ = warm.state_cache_stats()  # read while others write
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert len(got) == 24
+    for i, answer in got.values():
+        assert answer == first[i]  # the same stored state, the same answer, whatever ran beside it
+        assert _gap(answer, expected[i]) < TOL
+    assert warm.state_cache_stats()["hits"] == 24 and warm.state_cache_stats()["entries"] == len(reqs)
+
+
+ROUNDS = 8000
+
+
+def test_the_cache_itself_is_thread_safe():
+    """Many threads putting and getting at once (the GIL switching as often as it can): the counters add up,
+    the bytes held equal the entries' bytes and never pass the bound."""
+    import sys
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        c = StateCache(1000)
+        seen_over: list[int] = []
+
+        def worker(t: int) -> None:
+            for k in range(ROUNDS):
+                key = (t * 7 + k) % 23
+                if k % 3:
+                    c.get(key)
+                else:
+                    c.put(key, _state(10 + key * 5))
+                if c.stats()["bytes"] > 1000:
+                    seen_over.append(k)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        sys.setswitchinterval(old)
+    s = c.stats()
+    n_gets = sum(1 for _ in range(8) for k in range(ROUNDS) if k % 3)
+    n_puts = 8 * ROUNDS - n_gets
+    assert s["hits"] + s["misses"] == n_gets
+    assert s["stores"] == n_puts
+    assert s["bytes"] == sum(c._entries[k].nbytes for k in c.keys()) <= 1000
+    assert not seen_over
+
+
+# --------------------------------------------------------------------------------------- CLI
+@pytest.mark.parametrize("command", ["predict", "serve"])
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_bad_state_cache_size_is_one_line_and_exit_2(base, tmp_path, command, value):
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    res = CliRunner().invoke(app, [command, str(tmp_path), "--state-cache-mb", value])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.startswith("rlcd: error: --state-cache-mb") and len(res.stderr.splitlines()) == 1
+
+
+def test_the_cli_default_is_the_predictors(tmp_path_factory):
+    import inspect
+
+    from rlcd.cli import serve as cli
+    from rlcd.predict import DEFAULT_STATE_CACHE_MB
+    from rlcd.server import serve
+
+    assert cli.STATE_CACHE_MB == DEFAULT_STATE_CACHE_MB == inspect.signature(serve).parameters["state_cache_mb"].default
+    assert inspect.signature(Predictor).parameters["state_cache_mb"].default == DEFAULT_STATE_CACHE_MB
+
+
+@pytest.mark.parametrize("mb", ["0", "3.5"])
+def test_predict_command_takes_the_cache_size(base, tmp_path_factory, monkeypatch, mb):
+    """`rlcd predict RUN --state-cache-mb N` builds its Predictor with that cache and answers as it does."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from _tiny_export import tiny_export
+    from rlcd.cli import app
+
+    built: list[Predictor] = []
+    original = Predictor.from_run.__func__
+
+    def spy(cls, *a, **kw):
+        built.append(original(cls, *a, **kw))
+        return built[-1]
+
+    monkeypatch.setattr(Predictor, "from_run", classmethod(spy))
+    run = tiny_export(tmp_path_factory.getbasetemp())
+    req = _req(LONG, "dept")
+    path = tmp_path_factory.mktemp("sc-cli") / "req.json"
+    path.write_text(json.dumps(req))
+    res = CliRunner().invoke(app, ["predict", str(run), str(path), "--state-cache-mb", mb, "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert built[0].state_cache_stats()["max_bytes"] == int(float(mb) * (1 << 20))
+    want = Predictor(base.model, base.meta, name=base.name, state_cache_mb=float(mb)).predict(req)
+    assert json.loads(res.stdout) == want
+
+
+# --------------------------------------------------------------------------------------- bench
+def test_state_cache_bench_runs_and_counts_suffixes(base):
+    """`rlcd bench serve RUN --state-cache` on the tiny export (one repeat, one thread; no timing asserted):
+    every scenario measured, the warm ones hit, and the suffix breakdown adds up to the real rows."""
+    from rlcd.bench.prefix import make_questions
+    from rlcd.bench.state_cache import SCENARIOS, run_state_cache_bench, suffix_breakdown
+
+    res = run_state_cache_bench(base, threads=(1,), repeats=1, state_tokens=60, say=lambda _: None)
+    assert set(res["p50_ms"]["1"]) == set(SCENARIOS) and all(v > 0 for v in res["p50_ms"]["1"].values())
+    assert res["cache"]["hits"] == 2 * (1 + 4)  # warm_1q + the four later requests of five_requests_on, 2 rounds
+    enc = base.model.encoder
+    for q in make_questions(5):
+        b = suffix_breakdown(enc, q)
+        row = enc.encode(LONG, q)
+        assert b["suffix"] == len(row) - row.prefix_len
+        assert b["template"] + b["content"] == b["suffix"] and b["options"] == q.k
