@@ -40,16 +40,24 @@ def predictor(tmp_path_factory) -> Predictor:
     return tiny_predictor(tmp_path_factory.getbasetemp())
 
 
-class Slow(Predictor):
-    """The tiny predictor with `delay` seconds per batch, counting its model calls."""
+class Held(Predictor):
+    """The tiny predictor whose model waits for the test: `entered` is set when a batch reaches the model, which
+    then waits for `release` (events, not sleeps: the checks hold however slow the machine is)."""
 
-    delay = 0.5
     calls = 0
 
     def score_many(self, prepared):
         self.calls += 1
-        time.sleep(self.delay)
+        self.entered.set()
+        assert self.release.wait(120), "the test never released the model"
         return super().score_many(prepared)
+
+
+def _held(predictor, released: bool) -> Held:
+    p = _like(Held, predictor, entered=threading.Event(), release=threading.Event())
+    if released:
+        p.release.set()
+    return p
 
 
 class Broken(Predictor):
@@ -87,28 +95,34 @@ def _wait_ready(get, timeout: float = 60.0) -> None:
 
 # ------------------------------------------------------------------------------------------------ /ready
 def test_ready_waits_for_the_warm_up_and_health_does_not(predictor):
-    slow = _like(Slow, predictor, delay=1.0)
-    app = create_app(slow, batching=_no_window())
+    held = _held(predictor, released=False)
+    app = create_app(held, batching=_no_window())
     with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=30, trust_env=False) as http:
-        assert http.get("/health").status_code == 200  # alive at once
+        assert held.entered.wait(60)  # the warm-up is in the model, which waits
+        assert http.get("/health").status_code == 200  # alive meanwhile
         r = http.get("/ready")
         assert r.status_code == 503 and r.json()["ready"] is False and "warming up" in r.json()["reason"]
+        held.release.set()
         _wait_ready(http.get)
         assert http.get("/ready").json() == {"ready": True, "model": predictor.name}
-        assert slow.calls == 1  # the warm-up went through the model thread...
+        assert held.calls == 1  # the warm-up went through the model thread...
         assert app.state.batcher.stats()["requests"] == 0  # ...and is not in the numbers of the served requests
         assert http.post("/v1/systemone", json=REQ).json() == predictor.predict(REQ)
 
 
 def test_ready_says_when_the_model_is_not_loaded_yet(predictor):
+    loading = threading.Event()
+
     def load():
-        time.sleep(1.0)
+        assert loading.wait(120)
         return predictor.model
 
     lazy = Predictor(None, predictor.meta, name=predictor.name, loader=load)
     with TestClient(create_app(lazy)) as c:  # `with`: the lifespan runs, and with it the warm-up
         r = c.get("/ready")
         assert r.status_code == 503 and r.json()["reason"] == "the model is not loaded yet"
+        assert not lazy.loaded
+        loading.set()
         _wait_ready(c.get)
         assert lazy.loaded
 
@@ -120,14 +134,15 @@ def test_a_failed_warm_up_keeps_the_server_unready_with_the_reason(predictor):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         r = c.get("/ready")
-        assert r.status_code == 503 and r.json()["reason"] == "the warm-up request failed: RuntimeError: the device is gone"
+        assert r.status_code == 503
+        assert r.json()["reason"] == "the warm-up request failed: RuntimeError: the device is gone"
         assert c.get("/health").status_code == 200
 
 
 # ------------------------------------------------------------------------------------------------ /drain
 def test_drain_finishes_the_request_in_flight_then_refuses_and_unreadies(predictor):
-    slow = _like(Slow, predictor, delay=1.5)
-    app = create_app(slow, api_key=KEY, batching=_no_window())
+    held = _held(predictor, released=True)
+    app = create_app(held, api_key=KEY, batching=_no_window())
     done: dict[str, tuple[float, httpx.Response]] = {}
 
     def post(name, path, **kw):
@@ -138,24 +153,32 @@ def test_drain_finishes_the_request_in_flight_then_refuses_and_unreadies(predict
     with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=30, trust_env=False) as http:
         _wait_ready(http.get)
         assert http.post("/drain").status_code == 401  # the key guards it: nobody else takes the server out
+        held.release.clear()
+        held.entered.clear()
         in_flight = threading.Thread(target=post, args=("request", "/v1/systemone"), kwargs={"json": REQ})
         in_flight.start()
-        time.sleep(0.4)  # the request is in the model now
+        assert held.entered.wait(60)  # the request is in the model, which waits
         assert _value(_samples(http.get("/metrics").text), "rlcd_http_requests_in_flight") == 1
         drain = threading.Thread(target=post, args=("drain", "/drain"))
         drain.start()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 60
+        while http.get("/ready").json().get("reason", "") != "draining: this server takes no new requests":
+            assert time.monotonic() < deadline, "the drain did not start"
+            time.sleep(0.02)
         refused = http.post("/v1/systemone", json=REQ, headers=_bearer())
         assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
         assert refused.json()["detail"][0]["type"] == "draining" and "draining" in refused.json()["detail"][0]["msg"]
         ready = http.get("/ready")
         assert ready.status_code == 503 and ready.json()["reason"].startswith("draining")
         assert http.get("/health").status_code == 200  # still alive: liveness is not readiness
+        time.sleep(0.2)
+        assert drain.is_alive() and "drain" not in done  # the drain waits for the request the model holds
+        held.release.set()
         in_flight.join(60)
         drain.join(60)
         assert "drain" in done, "the drain did not return"
         r = done["request"][1]
-        assert r.status_code == 200 and r.json()["answers"] == predictor.predict(REQ)["answers"]  # finished, not dropped
+        assert r.status_code == 200 and r.json()["answers"] == predictor.predict(REQ)["answers"]  # not dropped
         assert done["request"][0] <= done["drain"][0]  # the drain answered after the request in flight
         assert done["drain"][1].status_code == 200 and done["drain"][1].json() == {"status": "drained", "in_flight": 0}
         assert http.get("/ready").status_code == 503  # for good

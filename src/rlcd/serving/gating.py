@@ -78,7 +78,7 @@ class Gates:
         return self.by_definition.get(question_key(q)) or self.by_type.get(q.type)
 
     def decide(self, q: Question, c: float) -> str | None:
-        """The decision ("auto" or "escalate") for an answer to `q` with gate confidence `c`; None: no gate covers `q`."""
+        """An answer's decision from its gate confidence `c`: "auto", "escalate", or None (no gate covers `q`)."""
         gate = self.gate_for(q)
         return None if gate is None else _verdict(c, gate[1])
 

@@ -19,6 +19,7 @@ using an asyncio primitive, which would bind to one event loop (a TestClient run
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from typing import Any, Callable
@@ -88,8 +89,6 @@ class Lifecycle:
 
     async def warm_up(self, answer: Callable[[Any], Any]) -> None:
         """Run `answer(WARM_UP_REQUEST)` (a coroutine function: the real request path); ready when it returns."""
-        import logging
-
         try:
             await answer(WARM_UP_REQUEST)
         except Exception as e:  # noqa: BLE001 - reported by /ready and the log; the server keeps running

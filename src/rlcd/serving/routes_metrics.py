@@ -1,7 +1,8 @@
 """`GET /metrics`: the app's Prometheus registry in the text exposition format (`rlcd.serving.server_metrics`).
 
 Open like /health (a scraper holds no secret; no metric holds a request's content) and outside the OpenAPI document
-(it is not the API). With `--workers N` each worker answers with its own counts: scrape one server per process.
+(it is not the API). With `--workers N` a scrape reaches one worker and shows its counts only (prometheus-client's
+multi-process mode is not used): run one process per port to see them all.
 """
 
 from __future__ import annotations

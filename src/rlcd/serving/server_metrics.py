@@ -32,7 +32,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CONFIDENCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 OTHER_ROUTE = "other"
 # state_cache_stats() keys that only grow (exported as counters); any other numeric key is a gauge
-STATE_CACHE_COUNTERS = {"hits": "state-cache lookups that found the state", "misses": "state-cache lookups that did not",
+STATE_CACHE_COUNTERS = {"hits": "state-cache lookups that found the state",
+                        "misses": "state-cache lookups that did not",
                         "evictions": "states dropped from the state cache"}
 STATE_CACHE_GAUGES = {"entries": "states held in the state cache", "bytes": "bytes the state cache holds"}
 _NAME = re.compile(r"[^a-zA-Z0-9_]")
