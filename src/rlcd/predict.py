@@ -164,6 +164,11 @@ class Predictor:
                     self._model.eval()
         return self._model
 
+    @property
+    def loaded(self) -> bool:
+        """Whether the model is in memory (a lazy Predictor's is not until a request needs it): /ready reads it."""
+        return self._model is not None
+
     @classmethod
     def from_run(cls, path: str | Path, *, placement: Placement | None = None, name: str | None = None,
                  limits: Limits | None = None, strict_model: bool = False, lazy: bool = False,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -27,6 +28,13 @@ def check_state_cache_mb(value: float) -> float:
     if not (math.isfinite(value) and value >= 0):
         raise OptionError(f"--state-cache-mb {value:g}: give a size in MiB >= 0 (0 turns the state cache off)")
     return value
+
+
+class AccessLog(str, Enum):
+    """The access line's format (rlcd.serving.access.ACCESS_FORMATS)."""
+
+    text = "text"
+    json = "json"
 
 
 def predict(
@@ -119,6 +127,9 @@ def serve(
         help="require 'Authorization: Bearer KEY' on every /v1/* request (/health stays open); prefer the "
              "environment variable, which stays out of shell history and ps")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="no access log line per request on stderr")] = False,
+    access_log: Annotated[Optional[AccessLog], typer.Option(
+        help="the access line per request on stderr: text (key=value pairs) or json (one object per line)",
+        show_default="text")] = None,
     thresholds: Annotated[Optional[Path], typer.Option(
         help="thresholds.json that requests with \"x_gate\": true are gated with (default: RUN/eval/thresholds.json, "
              "written by `rlcd gate` / `rlcd evaluate`)", show_default=False)] = None,
@@ -127,7 +138,7 @@ def serve(
     dtype: DTypeOpt = DType.auto,
 ) -> None:
     """Serve a run over HTTP: POST /v1/systemone (System One: transformers' clients and TypeSafe's SDK family),
-    GET /health, GET /v1/models."""
+    GET /v1/models, GET /health (liveness), GET /ready (readiness), POST /drain, GET /metrics (Prometheus)."""
     from rlcd.run import find_export
     from rlcd.server import serve as run_server
     from rlcd.serving.access import check_api_key
@@ -139,6 +150,9 @@ def serve(
             check_api_key(api_key, "--api-key / RLCD_API_KEY")
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--api-key") from None
+    if quiet and access_log is not None:
+        raise typer.BadParameter("--quiet turns the access log off; give --quiet or --access-log, not both",
+                                 param_hint="--access-log")
     path = run_path(run, run_alias)
     find_export(path)
     if image_root is not None and not image_root.is_dir():
@@ -157,7 +171,8 @@ def serve(
                               max_batch_tokens=max_batch_tokens, max_queue=max_queue, timeout_s=request_timeout)
     run_server(path, host=host, port=port, image_root=image_root, placement=placement(device, dtype),
                served_model_name=served_model_name, strict_model=strict_model, batching=batching, workers=workers,
-               api_key=api_key, quiet=quiet, thresholds=thresholds, state_cache_mb=state_cache_mb,
+               api_key=api_key, quiet=quiet, access_log=(access_log or AccessLog.text).value, thresholds=thresholds,
+               state_cache_mb=state_cache_mb,
                max_questions=max_questions, max_candidates=max_candidates, max_tokens=max_tokens,
                max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels)
 

@@ -15,12 +15,17 @@ Back-pressure: at most `max_queue` requests wait; one more is refused at once (`
 with a `Retry-After` hint) instead of waiting without bound; a request not answered within
 `timeout_s` gets the same 503 (its work is skipped if it had not started). `close()` stops accepting
 (503) and answers what is queued before it returns: graceful shutdown.
+
+`submit(prepared, counted=False)` runs a request without counting it in `stats()` or telling the `observer`:
+the server's start-up warm-up, which must not show in the numbers of the requests it serves. `observer(requests,
+questions, tokens, seconds)` is called after each batch with its counted requests (the /metrics batch histograms).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 import math
 import queue
 import threading
@@ -102,16 +107,19 @@ class _Item:
     questions: int
     tokens: int
     future: TimedFuture
+    counted: bool = True
 
 
 class Batcher:
     """Queue + model thread around `score_many(prepared list) -> [(logits, usage) | Exception]`."""
 
     def __init__(self, score_many: Callable[[Sequence[Any]], list[Any]], config: BatchingConfig | None = None, *,
-                 size_of: Callable[[Any], tuple[int, int]] = lambda p: (1, 0)):
+                 size_of: Callable[[Any], tuple[int, int]] = lambda p: (1, 0),
+                 observer: Callable[[int, int, int, float], None] | None = None):
         self.score_many = score_many
         self.config = config or BatchingConfig()
         self.size_of = size_of  # prepared -> (questions, tokens)
+        self.observer = observer  # (requests, questions, tokens, seconds) of each batch's counted requests
         self.queue: queue.Queue[_Item] = queue.Queue()
         self.accepting = True
         self.batches = 0
@@ -142,15 +150,16 @@ class Batcher:
             with self._arriving_lock:
                 self._arriving -= 1
 
-    def submit(self, prepared: Any) -> TimedFuture:
-        """Queue `prepared`; raises Overloaded (503) when the queue is full or the server is closing."""
+    def submit(self, prepared: Any, *, counted: bool = True) -> TimedFuture:
+        """Queue `prepared`; raises Overloaded (503) when the queue is full or the server is closing.
+        `counted=False`: left out of `stats()` and the observer (the start-up warm-up)."""
         if not self.accepting:
             raise Overloaded("the server is shutting down; retry on another replica", 1)
         if self.queue.qsize() >= self.config.max_queue:
             raise Overloaded(f"the server is overloaded ({self.config.max_queue} requests queued); retry later",
                              self.retry_after())
         questions, tokens = self.size_of(prepared)
-        item = _Item(prepared, int(questions), int(tokens), TimedFuture())
+        item = _Item(prepared, int(questions), int(tokens), TimedFuture(), counted)
         self.queue.put(item)
         return item.future
 
@@ -209,9 +218,7 @@ class Batcher:
             except Exception as e:  # a bug in scoring: every request of the batch gets it
                 results = [e] * len(batch)
             self.last_batch_s = time.perf_counter() - t0
-            self.busy_s += self.last_batch_s
-            self.batches += 1
-            self.batched_requests += len(batch)
+            self._count([i for i in batch if i.counted], self.last_batch_s)
             for item, res in zip(batch, results):
                 item.future.queue_s, item.future.model_s = t0 - item.future.submitted, self.last_batch_s
                 if isinstance(res, BaseException):
@@ -220,6 +227,19 @@ class Batcher:
                     item.future.set_result(res)
             del batch, results
             release_free_memory()
+
+    def _count(self, items: list[_Item], seconds: float) -> None:
+        """A batch in `stats()` and to the observer, its uncounted requests (the warm-up) left out."""
+        if not items:
+            return
+        self.busy_s += seconds
+        self.batches += 1
+        self.batched_requests += len(items)
+        if self.observer is not None:
+            try:
+                self.observer(len(items), sum(i.questions for i in items), sum(i.tokens for i in items), seconds)
+            except Exception:  # noqa: BLE001 - metrics must never stop the model thread
+                logging.getLogger("rlcd.server").exception("batch observer failed")
 
     def close(self, timeout: float | None = None) -> None:
         """Stop accepting, answer everything queued, stop the model thread."""

@@ -37,6 +37,10 @@ def question_key(q: Question) -> str:
     return json.dumps([q.type, q.instructions, q.labels, q.descriptions()], sort_keys=True, ensure_ascii=False)
 
 
+def _verdict(c: float, threshold: float) -> str:
+    return "auto" if c >= threshold else "escalate"
+
+
 class Gates:
     """The gates of one `thresholds.json` (contract version 1, with or without rlcd's `x_rlcd`)."""
 
@@ -73,12 +77,16 @@ class Gates:
     def gate_for(self, q: Question) -> tuple[str, float] | None:
         return self.by_definition.get(question_key(q)) or self.by_type.get(q.type)
 
+    def decide(self, q: Question, c: float) -> str | None:
+        """An answer's decision from its gate confidence `c`: "auto", "escalate", or None (no gate covers `q`)."""
+        gate = self.gate_for(q)
+        return None if gate is None else _verdict(c, gate[1])
+
     @staticmethod
     def _decision(c: float | None, gate: tuple[str, float] | None) -> dict[str, Any]:
         if gate is None or c is None:
             return {"decision": None, "confidence": c, "threshold": None, "gate": None}
-        return {"decision": "auto" if c >= gate[1] else "escalate", "confidence": c, "threshold": gate[1],
-                "gate": gate[0]}
+        return {"decision": _verdict(c, gate[1]), "confidence": c, "threshold": gate[1], "gate": gate[0]}
 
     def annotate(self, response: dict[str, Any], qids: list[str], questions: list[Question]) -> dict[str, Any]:
         """`response` with `x_gate` on each answer and on the response (the module docstring)."""
