@@ -19,17 +19,23 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-import torch
+import numpy as np
 
 from rlcd.schema import Question
 
 NULL_LEVEL = "null"  # the legend value of a score level given as null: the text the prompt shows for it
 
 
-def probabilities(logits: torch.Tensor | Sequence[float], temperature: float) -> torch.Tensor:
-    """softmax(logits / T) in float64."""
-    z = torch.as_tensor(logits, dtype=torch.float64) / float(temperature)
-    return torch.softmax(z, dim=-1)
+def probabilities(logits: Any, temperature: float) -> Any:
+    """softmax(logits / T) in float64: a torch tensor for torch logits (torch's softmax, as always), else a numpy
+    array. numpy for the rest keeps this module torch-free: the portable ONNX server answers without torch."""
+    if type(logits).__module__.split(".")[0] == "torch":
+        import torch
+
+        return torch.softmax(torch.as_tensor(logits, dtype=torch.float64) / float(temperature), dim=-1)
+    z = np.asarray(logits, dtype=np.float64) / float(temperature)
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
 
 
 def choice_confidence(p_max: float, k: int) -> float:
@@ -45,7 +51,7 @@ def score_confidence(probs: Sequence[float], best: int) -> float:
     return max(0.0, 1 - distance / uniform)
 
 
-def make_answer(question: Question, logits: torch.Tensor | Sequence[float], temperature: float,
+def make_answer(question: Question, logits: Any, temperature: float,
                 levels: Sequence[Any] | None = None) -> dict[str, Any]:
     """The wire answer for one question from its raw logits and its type's temperature.
 
