@@ -297,11 +297,21 @@ def app_from_env():
     cfg = json.loads(os.environ[SERVE_ENV])
     placement = Placement(**cfg["placement"]) if cfg.get("placement") else None
     lim = Limits(**cfg["limits"])
-    predictor = Predictor.from_run(Path(cfg["run"]), limits=lim, placement=placement, name=cfg.get("name"),
-                                   strict_model=bool(cfg.get("strict_model")))
+    predictor = load_predictor(Path(cfg["run"]), portable=bool(cfg.get("portable")), limits=lim, placement=placement,
+                               name=cfg.get("name"), strict_model=bool(cfg.get("strict_model")))
     return create_app(predictor, image_root=cfg.get("image_root"), limits=lim,
                       batching=BatchingConfig(**cfg["batching"]), api_key=os.environ.get(access.API_KEY_ENV) or None,
                       access_log=bool(cfg.get("access_log")), thresholds=cfg.get("thresholds"))
+
+
+def load_predictor(path: Path, *, portable: bool = False, placement: Any = None, **kw: Any) -> Predictor:
+    """The Predictor of a run's export (torch), or with `portable` of a portable ONNX export directory
+    (`rlcd.portable.runtime`: onnxruntime + tokenizers + numpy, torch never imported)."""
+    if portable:
+        from .portable.runtime import load_portable
+
+        return load_portable(path, **kw)
+    return Predictor.from_run(path, placement=placement, **kw)
 
 
 def default_thresholds(run: Path | str) -> Path | None:
@@ -314,12 +324,13 @@ def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root
           log_level: str = "info", placement: Any = None, served_model_name: str | None = None,
           strict_model: bool = False, batching: BatchingConfig | None = None, workers: int = 1,
           api_key: str | None = None, quiet: bool = False, thresholds: Path | str | None = None,
-          **limits: Any) -> None:
+          portable: bool = False, **limits: Any) -> None:
     """Load `run`'s export and serve it with uvicorn until interrupted.
 
     `api_key`: required on /v1/* (binding a non-loopback host without one prints a warning). `quiet`: no
     access log line per request (uvicorn's own access log is always off: rlcd's line replaces it).
     `thresholds`: the thresholds.json `x_gate` requests are gated with (default: RUN/eval/thresholds.json, if any).
+    `portable`: `run` is a portable ONNX export directory (`rlcd export --format onnx`), served without torch.
 
     `workers` > 1 runs that many uvicorn worker processes (uvicorn's own process manager), each with its
     own copy of the model: memory grows by one model per worker; throughput by up to one model's per
@@ -347,12 +358,12 @@ def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root
         os.environ[SERVE_ENV] = json.dumps({"access_log": not quiet,
             "run": str(Path(run).resolve()), "placement": placement.to_dict() if placement is not None else None,
             "limits": lim.to_dict(), "batching": batching.to_dict(), "name": served_model_name,
-            "strict_model": strict_model, "image_root": str(image_root) if image_root is not None else None,
+            "strict_model": strict_model, "portable": portable, "image_root": str(image_root) if image_root is not None else None,
             "thresholds": str(Path(thresholds).resolve()) if thresholds is not None else None})
         uvicorn.run("rlcd.server:app_from_env", factory=True, workers=workers, **server_kw)
         return
-    predictor = Predictor.from_run(Path(run), limits=lim, placement=placement, name=served_model_name,
-                                   strict_model=strict_model)
+    predictor = load_predictor(Path(run), portable=portable, limits=lim, placement=placement, name=served_model_name,
+                               strict_model=strict_model)
     app = create_app(predictor, image_root=image_root, limits=lim, batching=batching, api_key=api_key,
                      access_log=not quiet, thresholds=gates)
     uvicorn.run(app, **server_kw)

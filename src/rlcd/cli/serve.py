@@ -104,11 +104,15 @@ def serve(
     thresholds: Annotated[Optional[Path], typer.Option(
         help="thresholds.json that requests with \"x_gate\": true are gated with (default: RUN/eval/thresholds.json, "
              "written by `rlcd gate` / `rlcd evaluate`)", show_default=False)] = None,
+    export: Annotated[Optional[Path], typer.Option(
+        "--export", metavar="DIR", help="serve a portable ONNX export (`rlcd export RUN --format onnx --out DIR`) "
+                                        "instead of a run: onnxruntime + tokenizers + numpy, no torch",
+        show_default=False)] = None,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
 ) -> None:
     """Serve a run over HTTP: POST /v1/systemone (System One: transformers' clients and TypeSafe's SDK family),
-    GET /health, GET /v1/models."""
+    GET /health, GET /v1/models. With --export DIR: a portable ONNX export, same wire format, without torch."""
     from rlcd.run import find_export
     from rlcd.server import serve as run_server
     from rlcd.serving.access import check_api_key
@@ -119,8 +123,16 @@ def serve(
             check_api_key(api_key, "--api-key / RLCD_API_KEY")
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--api-key") from None
-    path = run_path(run, run_alias)
-    find_export(path)
+    if export is not None:
+        if run is not None or run_alias is not None:
+            raise typer.BadParameter("give RUN or --export DIR, not both", param_hint="--export")
+        from rlcd.portable.runtime import read_manifest
+
+        read_manifest(export)  # a one-line error before binding
+        path = export
+    else:
+        path = run_path(run, run_alias)
+        find_export(path)
     if image_root is not None and not image_root.is_dir():
         raise typer.BadParameter(f"{image_root}: not a directory", param_hint="--image-root")
     if thresholds is not None:
@@ -135,7 +147,8 @@ def serve(
     check_port(host, port)  # before the model loads
     batching = BatchingConfig(window_ms=batch_window_ms, max_batch_questions=max_batch_questions,
                               max_batch_tokens=max_batch_tokens, max_queue=max_queue, timeout_s=request_timeout)
-    run_server(path, host=host, port=port, image_root=image_root, placement=placement(device, dtype),
+    run_server(path, host=host, port=port, image_root=image_root,
+               placement=None if export is not None else placement(device, dtype), portable=export is not None,
                served_model_name=served_model_name, strict_model=strict_model, batching=batching, workers=workers,
                api_key=api_key, quiet=quiet, thresholds=thresholds, max_questions=max_questions, max_candidates=max_candidates, max_tokens=max_tokens,
                max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels)
