@@ -74,7 +74,7 @@ def compare(rows: Sequence[Mapping[str, Any]], reference: Sequence[Sequence[floa
 def describe(report: Mapping[str, Any]) -> str:
     """One line: flips, max |dp|, NLL and ECE deltas with their intervals."""
     n, e = report["nll"], report["ece"]
-    return (f"{report['flips']}/{report['rows']} decision flips ({100 * report['flip_rate']:.2f}%), max |dp| "
+    return (f"{report['flips']}/{report['rows']} test decisions flipped ({100 * report['flip_rate']:.2f}%), max |dp| "
             f"{report['max_abs_dp']:.2g}, NLL delta {n['delta']:+.2g} [{n['delta_95'][0]:+.2g}, {n['delta_95'][1]:+.2g}], "
             f"ECE delta {e['delta']:+.2g} [{e['delta_95'][0]:+.2g}, {e['delta_95'][1]:+.2g}]")
 
