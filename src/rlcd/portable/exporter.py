@@ -156,6 +156,16 @@ def export_graph(model: Any, path: Path, example: tuple[torch.Tensor, ...], *, o
 
 def quantize_graph(src: Path, dst: Path, scheme: str) -> dict[str, Any]:
     """int8 copy of `src` (module docstring); returns what the manifest says about it."""
+    root = logging.getLogger()  # onnxruntime's quantizers log a line per tensor on the root logger
+    level = root.level
+    root.setLevel(logging.WARNING)
+    try:
+        return _quantize(src, dst, scheme)
+    finally:
+        root.setLevel(level)
+
+
+def _quantize(src: Path, dst: Path, scheme: str) -> dict[str, Any]:
     import onnx
 
     if scheme == "int8":
