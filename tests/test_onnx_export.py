@@ -125,6 +125,23 @@ def test_packed_suffixes_read_the_prefix_and_themselves_only():
     assert seq.reads == [[60, 61, 62], [63, 64]]
 
 
+@pytest.mark.parametrize("centring", ["running_mean", "layernorm", "none"])
+def test_the_numpy_scorer_is_the_torch_scorer(centring):
+    import torch
+
+    from rlcd.model.head import CandidateScorer
+    from rlcd.portable.runtime import score
+
+    torch.manual_seed(0)
+    head = CandidateScorer(48, proj_dim=16, centring=centring).eval()
+    head.init_centring(torch.randn(5, 48) + 2, torch.randn(9, 48) - 1)
+    h_dec, h_cand = torch.randn(48) * 3, torch.randn(4, 48) * 3
+    want = head(h_dec[None], h_cand[None], update=False)[0].detach().numpy()
+    t = {"w_d": head.w_d.weight.detach().numpy(), "w_c": head.w_c.weight.detach().numpy(),
+         "mu_d": head.mu_d.numpy(), "mu_c": head.mu_c.numpy()}
+    np.testing.assert_allclose(score(h_dec.numpy(), h_cand.numpy(), t, centring, 16), want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_gate_refuses_a_perturbed_scorer(run, monkeypatch):
     from typer.testing import CliRunner
 
@@ -239,3 +256,14 @@ def test_serve_export_answers_like_torch_without_torch(run, exported):
             assert a.get("choice") == b.get("choice")
         if "noul" in a:
             assert abs(a["noul"] - b["noul"]) < 1e-4
+
+
+def test_bench_onnx_measures_every_graph_with_parity(run, exported):
+    from rlcd.bench.onnx import run_onnx_bench, table
+
+    result = run_onnx_bench(run, threads=(1,), repeats=1, export=exported)
+    rows = {r["precision"] if r["engine"] == "onnxruntime" else "torch": r for r in result["rows"]}
+    assert set(rows) == {"torch", "float32", "int8", "int8-dynamic"}
+    assert rows["torch"]["speedup_vs_torch"] == 1.0 and rows["float32"]["flips"] == 0
+    assert rows["float32"]["max_abs_dp"] < 1e-4 and rows["int8-dynamic"]["graph_mb"] < rows["float32"]["graph_mb"]
+    assert all(r["rows_per_s"] > 0 for r in result["rows"]) and "int8-dynamic" in table(result)

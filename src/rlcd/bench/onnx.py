@@ -3,13 +3,15 @@
 One run measures, on the run's test split, the rows/s of the torch path (`case_scoring.score_records` on the
 export rebuilt on the CPU in float32: what `rlcd predict` serves) and of onnxruntime on each graph
 (`PortableModel`, what `rlcd serve --export` runs), at each thread count asked (intra-op threads for both
-engines; default 1), best of `repeats` after one warm-up. Each ONNX row carries its parity against torch
+engines; default 1): one warm-up each, then `repeats` rounds in which every engine runs once in turn (a change
+in the machine's load hits all alike), best time kept. Each ONNX row carries its parity against torch
 (`portable.parity`: flips, max |dp|, NLL and ECE deltas) and its time ratio to torch measured in the same run.
 The fp32 graph comes from `export_onnx` with the gate opened (`max_flips=1`): a bench reports, it does not refuse.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -20,24 +22,30 @@ from rlcd.run import Run
 SCHEMES = ("int8", "int8-dynamic")
 
 
-def _best(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
-    out = fn()  # warm-up (allocations, kernels' first shapes)
-    times = []
+def _interleaved(engines: dict[str, Callable[[], Any]], repeats: int) -> tuple[dict[str, float], dict[str, Any]]:
+    """One warm-up each, then `repeats` rounds running every engine once in turn; per engine its best time and
+    output. Taking turns spreads a change in the machine's load (other processes) over every engine alike."""
+    got = {name: fn() for name, fn in engines.items()}
+    best = {name: float("inf") for name in engines}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return min(times), out
+        for name, fn in engines.items():
+            t0 = time.perf_counter()
+            got[name] = fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best, got
 
 
-def run_onnx_bench(run: Path | str, *, threads: Sequence[int] = (1,), repeats: int = 3,
+def run_onnx_bench(run: Path | str, *, threads: Sequence[int] = (1,), repeats: int = 3, export: Path | None = None,
                    say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """`export`: an fp32 portable export of `run` to measure instead of exporting one (the export takes minutes on a
+    real backbone); its manifest must name the run's checkpoint."""
     import torch
 
     from rlcd.export import load_export
     from rlcd.portable.exporter import export_onnx, onnx_logits, parity_rows, quantize_graph, test_records, torch_logits
     from rlcd.portable.parity import compare
-    from rlcd.portable.runtime import PortableModel
+    from rlcd.errors import OptionError
+    from rlcd.portable.runtime import PortableModel, read_manifest
 
     run = run if isinstance(run, Run) else Run.open(run)
     records = test_records(run)
@@ -46,37 +54,46 @@ def run_onnx_bench(run: Path | str, *, threads: Sequence[int] = (1,), repeats: i
     temps = meta["temperatures"]
     out: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="rlcd-bench-onnx-") as tmp:
-        fp32 = Path(tmp) / "fp32"
-        say("bench onnx: exporting fp32")
-        export_onnx(run, fp32, max_flips=1.0)
-        graphs = {"float32": "model.onnx"}
+        if export is None:
+            fp32 = Path(tmp) / "fp32"
+            say("bench onnx: exporting fp32")
+            export_onnx(run, fp32, max_flips=1.0)
+        else:
+            fp32 = Path(export)
+            found = read_manifest(fp32)
+            if found["graph"]["precision"] != "float32" or \
+                    found["source"].get("checkpoint_sha256") != meta.get("checkpoint_sha256"):
+                raise OptionError(f"--export {fp32}: not an fp32 portable export of {run.root}'s export/")
+        graphs = {"float32": str(fp32 / "model.onnx")}
         for scheme in SCHEMES:
             say(f"bench onnx: quantizing {scheme}")
-            quantize_graph(fp32 / "model.onnx", fp32 / f"model.{scheme}.onnx", scheme)
-            graphs[scheme] = f"model.{scheme}.onnx"
-        sizes = {name: (fp32 / g).stat().st_size for name, g in graphs.items()}
+            graphs[scheme] = str(Path(tmp) / f"model.{scheme}.onnx")
+            quantize_graph(fp32 / "model.onnx", Path(graphs[scheme]), scheme)
+        sizes = {name: Path(g).stat().st_size for name, g in graphs.items()}
         was = torch.get_num_threads()
         try:
             for n in threads:
                 torch.set_num_threads(int(n))
-                say(f"bench onnx: torch, {n} thread(s)")
-                t_torch, ref = _best(lambda: torch_logits(model, records), repeats)
-                out.append({"engine": "torch", "precision": "float32", "threads": n, "seconds": t_torch,
-                            "rows_per_s": len(records) / t_torch, "speedup_vs_torch": 1.0})
+                engines: dict[str, Callable[[], Any]] = {"torch": lambda: torch_logits(model, records)}
                 for name, graph in graphs.items():
-                    say(f"bench onnx: onnxruntime {name}, {n} thread(s)")
                     pm = PortableModel(fp32, threads=int(n), graph=graph)
-                    t, got = _best(lambda: onnx_logits(pm, records), repeats)
-                    p = compare(rows, ref, got, temps, resamples=200)
-                    out.append({"engine": "onnxruntime", "precision": name, "threads": n, "seconds": t,
-                                "rows_per_s": len(records) / t, "speedup_vs_torch": t_torch / t,
+                    engines[name] = (lambda pm=pm: onnx_logits(pm, records))
+                say(f"bench onnx: {', '.join(engines)} in turn, {n} thread(s), {repeats} timed passes each")
+                times, got = _interleaved(engines, repeats)
+                ref = got["torch"]
+                out.append({"engine": "torch", "precision": "float32", "threads": n, "seconds": times["torch"],
+                            "rows_per_s": len(records) / times["torch"], "speedup_vs_torch": 1.0})
+                for name in graphs:
+                    p = compare(rows, ref, got[name], temps, resamples=200)
+                    out.append({"engine": "onnxruntime", "precision": name, "threads": n, "seconds": times[name],
+                                "rows_per_s": len(records) / times[name], "speedup_vs_torch": times["torch"] / times[name],
                                 "graph_mb": sizes[name] / 2**20, "flips": p["flips"], "flip_rate": p["flip_rate"],
                                 "max_abs_dp": p["max_abs_dp"], "nll_delta": p["nll"]["delta"],
                                 "ece_delta": p["ece"]["delta"]})
         finally:
             torch.set_num_threads(was)
     return {"run": str(run.root), "model": meta.get("model"), "test_rows": len(records), "repeats": repeats,
-            "rows": out}
+            "load_average": os.getloadavg(), "rows": out}
 
 
 def table(result: dict[str, Any]) -> str:

@@ -257,6 +257,8 @@ def onnx(
     run_alias: RunAlias = None,
     threads: Annotated[str, typer.Option(help="intra-op threads of both engines, comma-separated (e.g. 1,2)")] = "1",
     repeats: Annotated[int, typer.Option(min=1, help="timed passes over the test split (best kept), after a warm-up")] = 3,
+    export: Annotated[Optional[Path], typer.Option(
+        "--export", metavar="DIR", help="measure this fp32 portable export of RUN instead of exporting one")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the result here")] = None,
 ) -> None:
     """The portable export (ONNX fp32, int8 blockwise, int8 dynamic) against torch on the run's test split: rows/s,
@@ -273,9 +275,10 @@ def onnx(
         raise typer.BadParameter("comma-separated integers, e.g. 1,2", param_hint="--threads") from None
     if not counts or min(counts) < 1:
         raise typer.BadParameter("at least one thread count, each >= 1", param_hint="--threads")
-    result = run_onnx_bench(path, threads=counts, repeats=repeats, say=echo)
+    result = run_onnx_bench(path, threads=counts, repeats=repeats, export=export, say=echo)
     typer.echo(table(result))
-    _save("onnx", json_out, result, ("--threads", threads, "1"), ("--repeats", repeats, 3), positional=(path,))
+    _save("onnx", json_out, result, ("--threads", threads, "1"), ("--repeats", repeats, 3), ("--export", export, None),
+          positional=(path,))
 
 
 @app.command("report")

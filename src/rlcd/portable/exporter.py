@@ -115,6 +115,23 @@ def test_records(run: Run) -> list:
 
 
 # ---------------------------------------------------------------------------------------- writing
+def remove_dead_temps(out: Path) -> None:
+    """Remove `.tmp-<out>-<pid>` directories of exports whose process is gone (killed before its cleanup)."""
+    for tmp in out.parent.glob(f".tmp-{out.name}-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if not pid.isdigit():
+            continue
+        try:
+            if int(pid) != os.getpid():
+                os.kill(int(pid), 0)
+                continue  # a live export writes there
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def scorer_tensors(model: Any, temperatures: dict[str, float]) -> dict[str, np.ndarray]:
     head = model.head
     t = {k: getattr(head, k).detach().float().cpu().numpy() for k in ("mu_d", "mu_c")}
@@ -156,13 +173,19 @@ def export_graph(model: Any, path: Path, example: tuple[torch.Tensor, ...], *, o
 
 def quantize_graph(src: Path, dst: Path, scheme: str) -> dict[str, Any]:
     """int8 copy of `src` (module docstring); returns what the manifest says about it."""
-    root = logging.getLogger()  # onnxruntime's quantizers log a line per tensor on the root logger
-    level = root.level
-    root.setLevel(logging.WARNING)
+    # onnxruntime's quantizers log a line per tensor: on the root logger, which importing the MatMulNBits quantizer
+    # configures (`logging.basicConfig(level=INFO)`), and on that module's own; imported first, then quieted
+    import onnxruntime.quantization.matmul_nbits_quantizer  # noqa: F401
+
+    loggers = [logging.getLogger(), logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
     try:
         return _quantize(src, dst, scheme)
     finally:
-        root.setLevel(level)
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _quantize(src: Path, dst: Path, scheme: str) -> dict[str, Any]:
@@ -268,7 +291,7 @@ def export_onnx(run: Run | Path, out: Path, *, quantize: str | None = None, max_
 
     model, meta = load_export(run.export_dir)  # CPU, float32: what `rlcd predict` serves
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_dead_temps(out)
     tmp.mkdir(parents=True)
     try:
         say(f"onnx: exporting the merged backbone (opset {opset})")

@@ -105,8 +105,7 @@ class PortableModel:
         self.session = ort.InferenceSession(str(self.path / graph), opts, providers=["CPUExecutionProvider"])
         self.graph = graph
         t = load_file(str(self.path / SCORER))
-        self.w_d, self.w_c = t["w_d"].astype(np.float32), t["w_c"].astype(np.float32)
-        self.mu_d, self.mu_c = t["mu_d"].astype(np.float32), t["mu_c"].astype(np.float32)
+        self.tensors = {k: t[k].astype(np.float32) for k in ("w_d", "w_c", "mu_d", "mu_c")}
         self.temperatures = {q: float(v) for q, v in zip(QUESTION_TYPES, t["temperatures"].tolist())}
         scorer = self.manifest["scorer"]
         self.centring, self.proj_dim = scorer["centring"], int(scorer["proj_dim"])
@@ -149,7 +148,7 @@ class PortableModel:
         feats = self.case_features(cases)
         out = []
         for c, fs in zip(cases, feats):
-            logits = [self.scorer(hd[None], hc[None])[0] for hd, hc in fs]
+            logits = [self.scorer(hd, hc) for hd, hc in fs]
             cut = layout.case_cut(c.rows) if c.rows else None
             out.append((logits, {"input_tokens": layout.processed_tokens(c.rows) if c.rows else 0,
                                  "prefix_tokens": cut or 0, "rows": len(c.rows), "full_tokens": c.n_tokens,
@@ -177,10 +176,14 @@ class PortableModel:
         return out
 
     def scorer(self, h_dec: np.ndarray, h_cand: np.ndarray) -> np.ndarray:
-        """h_dec [B, H], h_cand [B, K, H] -> logits [B, K] (float32), as `CandidateScorer.forward`."""
-        d = centre(h_dec.astype(np.float32), self.mu_d, self.centring) @ self.w_d.T
-        c = centre(h_cand.astype(np.float32), self.mu_c, self.centring) @ self.w_c.T
-        return (np.einsum("bkp,bp->bk", c, d) / math.sqrt(self.proj_dim)).astype(np.float32)
+        return score(h_dec, h_cand, self.tensors, self.centring, self.proj_dim)
+
+
+def score(h_dec: np.ndarray, h_cand: np.ndarray, t: Mapping[str, np.ndarray], centring: str, proj_dim: int) -> np.ndarray:
+    """h_dec [H], h_cand [K, H] -> logits [K] (float32), as `CandidateScorer.forward` on one row; `t`: scorer.safetensors."""
+    d = centre(h_dec.astype(np.float32), t["mu_d"], centring) @ t["w_d"].T
+    c = centre(h_cand.astype(np.float32), t["mu_c"], centring) @ t["w_c"].T
+    return ((c @ d) / np.float32(math.sqrt(proj_dim))).astype(np.float32)
 
 
 def load_portable(path: Path | str, *, name: str | None = None, limits: Any = None, strict_model: bool = False,
@@ -195,5 +198,5 @@ def load_portable(path: Path | str, *, name: str | None = None, limits: Any = No
     return predictor
 
 
-__all__ = ["FORMAT", "MANIFEST", "SCORER", "TOKENIZER", "INPUTS", "OUTPUTS", "PortableModel", "PortableCase",
+__all__ = ["score", "FORMAT", "MANIFEST", "SCORER", "TOKENIZER", "INPUTS", "OUTPUTS", "PortableModel", "PortableCase",
            "load_portable", "read_manifest", "centre"]
