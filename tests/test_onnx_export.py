@@ -168,7 +168,9 @@ def test_the_gate_refuses_a_perturbed_scorer(run, monkeypatch):
     assert not [p for p in run.parent.iterdir() if p.name.startswith(".tmp-")]
 
 
-def test_command_line_mistakes_are_one_line_and_write_nothing(run, tmp_path):
+def test_command_line_mistakes_are_one_line_and_write_nothing(run, tmp_path, monkeypatch):
+    import importlib.util
+
     from _tiny_export import tiny_export
 
     user_error(["export", run, "--quantize", "int8"], contains="--quantize goes with --format onnx")
@@ -183,7 +185,10 @@ def test_command_line_mistakes_are_one_line_and_write_nothing(run, tmp_path):
     user_error(["export", tiny_export(tmp_path), "--format", "onnx", "--out", tmp_path / "b"],
                contains="text decoders only")
     user_error(["serve", "--export", tmp_path / "nothing"], contains="not a portable export")
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnxscript" else real(name, *a))
+    user_error(["export", run, "--format", "onnx", "--out", tmp_path / "c"], contains="pip install 'rlcd[onnx]'")
+    assert not [p for p in tmp_path.iterdir() if p.name in ("a", "b", "c")]
 
 
 def test_int8_ships_only_through_the_gate(run):

@@ -126,9 +126,10 @@ def serve(
     if export is not None:
         if run is not None or run_alias is not None:
             raise typer.BadParameter("give RUN or --export DIR, not both", param_hint="--export")
-        from rlcd.portable.runtime import read_manifest
+        from rlcd.portable.runtime import read_manifest, require_onnx
 
-        read_manifest(export)  # a one-line error before binding
+        read_manifest(export)  # one-line errors before binding
+        require_onnx()
         path = export
     else:
         path = run_path(run, run_alias)

@@ -50,7 +50,7 @@ from torch import nn
 from rlcd.errors import OptionError, RunError, UserError
 from rlcd.portable import layout
 from rlcd.portable.parity import compare, describe
-from rlcd.portable.runtime import FORMAT, INPUTS, MANIFEST, OUTPUTS, SCORER, TOKENIZER, PortableModel
+from rlcd.portable.runtime import FORMAT, INPUTS, MANIFEST, OUTPUTS, SCORER, TOKENIZER, PortableModel, require_onnx
 from rlcd.run import Run, write_json
 from rlcd.schema import QUESTION_TYPES
 
@@ -284,6 +284,7 @@ def export_onnx(run: Run | Path, out: Path, *, quantize: str | None = None, max_
     if not 0.0 <= max_flips <= 1.0:
         raise OptionError(f"--max-flips {max_flips}: a fraction of the test rows in [0, 1] (0.005 = 0.5%)")
     check_out(out)
+    require_onnx("onnx", "onnxscript")
     run.require_export()
     meta = read_export_meta(run.export_dir)
     check_supported(meta)

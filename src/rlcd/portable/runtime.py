@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rlcd.errors import RunError
+from rlcd.errors import RunError, UserError
 from rlcd.model.frame import PromptSpec
 from rlcd.model.prompt import EncodedRow, PromptEncoder
 from rlcd.portable import layout
@@ -35,6 +35,15 @@ MANIFEST, SCORER, TOKENIZER = "manifest.json", "scorer.safetensors", "tokenizer.
 INPUTS = ("input_ids", "position_ids", "attention_mask", "read_positions")
 OUTPUTS = ("hidden",)
 LN_EPS = 1e-5  # torch.nn.functional.layer_norm's default, as the torch scorer uses it
+
+
+def require_onnx(*modules: str) -> None:
+    """A one-line error naming the extra when a package of `rlcd[onnx]` is missing (the default install lacks it)."""
+    import importlib.util
+
+    missing = [m for m in ("onnxruntime", *modules) if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"the portable export needs {', '.join(missing)}: pip install 'rlcd[onnx]'")
 
 
 def read_manifest(path: Path | str) -> dict[str, Any]:
@@ -91,12 +100,14 @@ class PortableModel:
     supports_images = False
 
     def __init__(self, path: Path | str, *, threads: int | None = None, graph: str | None = None):
-        import onnxruntime as ort
         from safetensors.numpy import load_file
         from tokenizers import Tokenizer
 
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
+        require_onnx()
+        import onnxruntime as ort
+
         opts = ort.SessionOptions()
         if threads is not None:
             opts.intra_op_num_threads = int(threads)
@@ -198,5 +209,5 @@ def load_portable(path: Path | str, *, name: str | None = None, limits: Any = No
     return predictor
 
 
-__all__ = ["score", "FORMAT", "MANIFEST", "SCORER", "TOKENIZER", "INPUTS", "OUTPUTS", "PortableModel", "PortableCase",
-           "load_portable", "read_manifest", "centre"]
+__all__ = ["require_onnx", "score", "FORMAT", "MANIFEST", "SCORER", "TOKENIZER", "INPUTS", "OUTPUTS", "PortableModel",
+           "PortableCase", "load_portable", "read_manifest", "centre"]
