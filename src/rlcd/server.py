@@ -183,12 +183,24 @@ def app_from_env():
     cfg = json.loads(os.environ[SERVE_ENV])
     placement = Placement(**cfg["placement"]) if cfg.get("placement") else None
     lim = Limits(**cfg["limits"])
-    predictor = Predictor.from_run(Path(cfg["run"]), limits=lim, placement=placement, name=cfg.get("name"),
-                                   strict_model=bool(cfg.get("strict_model")),
-                                   state_cache_mb=cfg.get("state_cache_mb", DEFAULT_STATE_CACHE_MB))
+    predictor = load_predictor(Path(cfg["run"]), portable=bool(cfg.get("portable")), limits=lim, placement=placement,
+                               name=cfg.get("name"), strict_model=bool(cfg.get("strict_model")),
+                               state_cache_mb=cfg.get("state_cache_mb", DEFAULT_STATE_CACHE_MB))
     return create_app(predictor, image_root=cfg.get("image_root"), limits=lim,
                       batching=BatchingConfig(**cfg["batching"]), api_key=os.environ.get(access.API_KEY_ENV) or None,
                       access_log=cfg.get("access_log") or None, thresholds=cfg.get("thresholds"))
+
+
+def load_predictor(path: Path, *, portable: bool = False, placement: Any = None,
+                   state_cache_mb: float = DEFAULT_STATE_CACHE_MB, **kw: Any) -> Predictor:
+    """The Predictor of a run's export (torch), or with `portable` of a portable ONNX export directory
+    (`rlcd.portable.runtime`: onnxruntime + tokenizers + numpy, torch never imported; no state cache: its
+    graph takes whole packed rows, not a decoder state)."""
+    if portable:
+        from .portable.runtime import load_portable
+
+        return load_portable(path, **kw)
+    return Predictor.from_run(path, placement=placement, state_cache_mb=state_cache_mb, **kw)
 
 
 def default_thresholds(run: Path | str) -> Path | None:
@@ -201,14 +213,16 @@ def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root
           log_level: str = "info", placement: Any = None, served_model_name: str | None = None,
           strict_model: bool = False, batching: BatchingConfig | None = None, workers: int = 1,
           api_key: str | None = None, quiet: bool = False, thresholds: Path | str | None = None,
-          access_log: str = "text", state_cache_mb: float = DEFAULT_STATE_CACHE_MB, **limits: Any) -> None:
+          access_log: str = "text", state_cache_mb: float = DEFAULT_STATE_CACHE_MB, portable: bool = False,
+          **limits: Any) -> None:
     """Load `run`'s export and serve it with uvicorn until interrupted.
 
     `api_key`: required on /v1/* and /drain (binding a non-loopback host without one prints a warning).
     `access_log`: "text" (logfmt) or "json", one line per request; `quiet`: none (uvicorn's own access log is always
     off: rlcd's line replaces it).
     `thresholds`: the thresholds.json `x_gate` requests are gated with (default: RUN/eval/thresholds.json, if any).
-    `state_cache_mb`: each process's state cache (`Predictor`; 0 turns it off).
+    `state_cache_mb`: each process's state cache (`Predictor`; 0 turns it off; a portable export has none).
+    `portable`: `run` is a portable ONNX export directory (`rlcd export --format onnx`), served without torch.
 
     `workers` > 1 runs that many uvicorn worker processes (uvicorn's own process manager), each with its
     own copy of the model: memory grows by one model per worker; throughput by up to one model's per
@@ -237,13 +251,13 @@ def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root
         os.environ[SERVE_ENV] = json.dumps({"access_log": fmt,
             "run": str(Path(run).resolve()), "placement": placement.to_dict() if placement is not None else None,
             "limits": lim.to_dict(), "batching": batching.to_dict(), "name": served_model_name,
-            "strict_model": strict_model, "image_root": str(image_root) if image_root is not None else None,
-            "state_cache_mb": state_cache_mb,
+            "strict_model": strict_model, "portable": portable,
+            "image_root": str(image_root) if image_root is not None else None, "state_cache_mb": state_cache_mb,
             "thresholds": str(Path(thresholds).resolve()) if thresholds is not None else None})
         uvicorn.run("rlcd.server:app_from_env", factory=True, workers=workers, **server_kw)
         return
-    predictor = Predictor.from_run(Path(run), limits=lim, placement=placement, name=served_model_name,
-                                   strict_model=strict_model, state_cache_mb=state_cache_mb)
+    predictor = load_predictor(Path(run), portable=portable, limits=lim, placement=placement, name=served_model_name,
+                               strict_model=strict_model, state_cache_mb=state_cache_mb)
     app = create_app(predictor, image_root=image_root, limits=lim, batching=batching, api_key=api_key,
                      access_log=fmt, thresholds=gates)
     uvicorn.run(app, **server_kw)

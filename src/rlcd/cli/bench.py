@@ -1,4 +1,4 @@
-"""`rlcd bench data|prefix|pipeline|train|features|cut|serve|report`: ratios measured in one run, saved as result JSON."""
+"""`rlcd bench data|prefix|pipeline|train|features|cut|serve|onnx|report`: ratios measured in one run, saved as result JSON."""
 
 from __future__ import annotations
 
@@ -273,6 +273,36 @@ def serve(
           ("--seed", seed, 0), ("--device", device, "auto"), ("--dtype", dtype, DType.auto), positional=(path,))
     if summary["c5xx"] or summary["crashes"]:
         raise typer.Exit(1)
+
+
+@app.command("onnx")
+def onnx(
+    run: RunArg = None,
+    run_alias: RunAlias = None,
+    threads: Annotated[str, typer.Option(help="intra-op threads of both engines, comma-separated (e.g. 1,2)")] = "1",
+    repeats: Annotated[int, typer.Option(min=1, help="timed passes over the test split (best kept), after a warm-up")] = 3,
+    export: Annotated[Optional[Path], typer.Option(
+        "--export", metavar="DIR", help="measure this fp32 portable export of RUN instead of exporting one")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the result here")] = None,
+) -> None:
+    """The portable export (ONNX fp32, int8 blockwise, int8 dynamic) against torch on the run's test split: rows/s,
+    the ratio to torch measured in the same run, and each graph's parity (flips, max |dp|, NLL and ECE deltas)."""
+    from rlcd.bench.onnx import run_onnx_bench, table
+    from rlcd.progress import echo
+    from rlcd.run import find_export
+
+    path = run_path(run, run_alias)
+    find_export(path)
+    try:
+        counts = tuple(int(x) for x in threads.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter("comma-separated integers, e.g. 1,2", param_hint="--threads") from None
+    if not counts or min(counts) < 1:
+        raise typer.BadParameter("at least one thread count, each >= 1", param_hint="--threads")
+    result = run_onnx_bench(path, threads=counts, repeats=repeats, export=export, say=echo)
+    typer.echo(table(result))
+    _save("onnx", json_out, result, ("--threads", threads, "1"), ("--repeats", repeats, 3), ("--export", export, None),
+          positional=(path,))
 
 
 @app.command("report")

@@ -94,22 +94,63 @@ def report(run: RunArg = None, out: Annotated[Optional[str], typer.Option(
     typer.echo(str(md.with_suffix(".html")))
 
 
-def export(run: RunArg = None) -> None:
-    """Write export/ (rlcd's predictor) and export/hf/ (transformers: pipeline("decision", trust_remote_code=True)).
+class Format(str, Enum):
+    hf = "hf"
+    onnx = "onnx"
+
+
+class Quantize(str, Enum):
+    int8 = "int8"
+    int8_dynamic = "int8-dynamic"
+
+
+def export(run: RunArg = None,
+           format: Annotated[Format, typer.Option(
+               "--format", help="hf: export/ and export/hf/ (torch, transformers); onnx: the portable export into --out "
+                                "(onnxruntime + tokenizers + numpy; text decoders only), behind the parity gate")] = Format.hf,
+           out: Annotated[Optional[Path], typer.Option(
+               "--out", metavar="DIR", help="with --format onnx: the directory to write (new or empty)")] = None,
+           quantize: Annotated[Optional[Quantize], typer.Option(
+               "--quantize", help="with --format onnx: int8 = weight-only blockwise int8 (Q8_0-like); int8-dynamic = "
+                                  "onnxruntime's dynamic quantization; shipped only if it passes the gate")] = None,
+           max_flips: Annotated[Optional[float], typer.Option(
+               "--max-flips", metavar="FRACTION", help="with --format onnx: the most test decisions the export may flip "
+                                                       "against torch (default 0.005 = 0.5%); above it nothing is "
+                                                       "exported and the command exits 1", show_default=False)] = None,
+           ) -> None:
+    """Write export/ (rlcd's predictor) and export/hf/ (transformers: pipeline("decision", trust_remote_code=True)),
+    or with --format onnx the portable export into --out.
 
     Uses the best checkpoint and the temperatures `rlcd calibrate` / `rlcd evaluate` stored; runs on the CPU
-    in float32 (what `rlcd predict` serves).
+    in float32 (what `rlcd predict` serves). --format onnx starts from export/ (run `rlcd export RUN` first), scores
+    the run's test split with torch and with onnxruntime, and writes DIR only when the decisions agree (manifest.json
+    records the parity; `rlcd serve --export DIR` serves it without torch).
     """
     from rlcd.cli._common import run_path
+
+    path = run_path(run, None)
+    if format is Format.onnx:
+        if out is None:
+            raise typer.BadParameter("--format onnx needs --out DIR (the directory to write)", param_hint="--out")
+        from rlcd.portable.exporter import MAX_FLIPS, export_onnx
+        from rlcd.progress import echo
+
+        export_onnx(path, out, quantize=quantize.value if quantize is not None else None,
+                    max_flips=MAX_FLIPS if max_flips is None else max_flips, say=echo)
+        typer.echo(str(out))
+        return
+    for name, value in (("--out", out), ("--quantize", quantize), ("--max-flips", max_flips)):
+        if value is not None:
+            raise typer.BadParameter(f"{name} goes with --format onnx", param_hint=name)
     from rlcd.evaluate import export_run
     from rlcd.run import Run
 
     from rlcd.export import read_export_meta
     from rlcd.report.notes import result_notes
 
-    r = Run.open(run_path(run, None))
-    out = export_run(r)
+    r = Run.open(path)
+    out_dir = export_run(r)
     meta = {**read_export_meta(r.export_dir), "run": str(r.root), "training_progress": r.training_progress()}
     for note in result_notes(meta):
         typer.echo(f"note: {note}", err=True)
-    typer.echo(str(out))
+    typer.echo(str(out_dir))

@@ -134,11 +134,16 @@ def serve(
         help="thresholds.json that requests with \"x_gate\": true are gated with (default: RUN/eval/thresholds.json, "
              "written by `rlcd gate` / `rlcd evaluate`)", show_default=False)] = None,
     state_cache_mb: StateCacheOpt = STATE_CACHE_MB,
+    export: Annotated[Optional[Path], typer.Option(
+        "--export", metavar="DIR", help="serve a portable ONNX export (`rlcd export RUN --format onnx --out DIR`) "
+                                        "instead of a run: onnxruntime + tokenizers + numpy, no torch",
+        show_default=False)] = None,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
 ) -> None:
     """Serve a run over HTTP: POST /v1/systemone (System One: transformers' clients and TypeSafe's SDK family),
-    GET /v1/models, GET /health (liveness), GET /ready (readiness), POST /drain, GET /metrics (Prometheus)."""
+    GET /v1/models, GET /health (liveness), GET /ready (readiness), POST /drain, GET /metrics (Prometheus).
+    With --export DIR: a portable ONNX export, same wire format, without torch."""
     from rlcd.run import find_export
     from rlcd.server import serve as run_server
     from rlcd.serving.access import check_api_key
@@ -153,8 +158,17 @@ def serve(
     if quiet and access_log is not None:
         raise typer.BadParameter("--quiet turns the access log off; give --quiet or --access-log, not both",
                                  param_hint="--access-log")
-    path = run_path(run, run_alias)
-    find_export(path)
+    if export is not None:
+        if run is not None or run_alias is not None:
+            raise typer.BadParameter("give RUN or --export DIR, not both", param_hint="--export")
+        from rlcd.portable.runtime import read_manifest, require_onnx
+
+        read_manifest(export)  # one-line errors before binding
+        require_onnx()
+        path = export
+    else:
+        path = run_path(run, run_alias)
+        find_export(path)
     if image_root is not None and not image_root.is_dir():
         raise typer.BadParameter(f"{image_root}: not a directory", param_hint="--image-root")
     if thresholds is not None:
@@ -169,7 +183,8 @@ def serve(
     check_port(host, port)  # before the model loads
     batching = BatchingConfig(window_ms=batch_window_ms, max_batch_questions=max_batch_questions,
                               max_batch_tokens=max_batch_tokens, max_queue=max_queue, timeout_s=request_timeout)
-    run_server(path, host=host, port=port, image_root=image_root, placement=placement(device, dtype),
+    run_server(path, host=host, port=port, image_root=image_root,
+               placement=None if export is not None else placement(device, dtype), portable=export is not None,
                served_model_name=served_model_name, strict_model=strict_model, batching=batching, workers=workers,
                api_key=api_key, quiet=quiet, access_log=(access_log or AccessLog.text).value, thresholds=thresholds,
                state_cache_mb=state_cache_mb,

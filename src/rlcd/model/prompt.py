@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..schema import MAX_CANDIDATES, MIN_CANDIDATES, Question, RecordError, find_reserved, text_of
-from .families.base import PromptSpec
+from .frame import PromptSpec
 
 DEFAULT_MAX_TOKENS = 8192
 DEFAULT_NOUL = {"false": "no", "true": "yes"}

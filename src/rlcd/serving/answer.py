@@ -19,17 +19,29 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-import torch
+import numpy as np
 
 from rlcd.schema import Question
 
 NULL_LEVEL = "null"  # the legend value of a score level given as null: the text the prompt shows for it
 
 
-def probabilities(logits: torch.Tensor | Sequence[float], temperature: float) -> torch.Tensor:
-    """softmax(logits / T) in float64."""
+def probabilities(logits: Any, temperature: float) -> Any:
+    """softmax(logits / T) in float64, a torch tensor (torch is imported here, on first use)."""
+    import torch
+
     z = torch.as_tensor(logits, dtype=torch.float64) / float(temperature)
     return torch.softmax(z, dim=-1)
+
+
+def probability_list(logits: Any, temperature: float) -> list[float]:
+    """softmax(logits / T) in float64 as floats: torch's softmax for torch logits (the torch Predictor's answers are
+    what they always were), numpy's for anything else -- so the portable ONNX server answers without torch."""
+    if type(logits).__module__.split(".")[0] == "torch":
+        return [float(x) for x in probabilities(logits, temperature).tolist()]
+    z = np.asarray(logits, dtype=np.float64) / float(temperature)
+    e = np.exp(z - z.max())
+    return [float(x) for x in (e / e.sum()).tolist()]
 
 
 def choice_confidence(p_max: float, k: int) -> float:
@@ -45,14 +57,14 @@ def score_confidence(probs: Sequence[float], best: int) -> float:
     return max(0.0, 1 - distance / uniform)
 
 
-def make_answer(question: Question, logits: torch.Tensor | Sequence[float], temperature: float,
+def make_answer(question: Question, logits: Any, temperature: float,
                 levels: Sequence[Any] | None = None) -> dict[str, Any]:
     """The wire answer for one question from its raw logits and its type's temperature.
 
     `levels`: the score levels as the request gave them (content objects included) for the legend;
     defaults to the parsed level texts.
     """
-    probs = [float(x) for x in probabilities(logits, temperature).tolist()]
+    probs = probability_list(logits, temperature)
     labels = question.labels
     by_option = dict(zip(labels, probs))
     if question.type == "noul":
@@ -76,4 +88,4 @@ def fixed_answer(question: Question, levels: Sequence[Any] | None = None) -> dic
     return make_answer(question, [0.0], 1.0, levels=levels)
 
 
-__all__ = ["make_answer", "fixed_answer", "probabilities", "choice_confidence", "score_confidence"]
+__all__ = ["make_answer", "fixed_answer", "probabilities", "probability_list", "choice_confidence", "score_confidence"]
