@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from table_head_only import TYPES, get
 
 HERE = Path(__file__).resolve().parent
-TYPES = ("choice", "noul", "score")
 RUNS = {"head": "head only, RL+CE, head LR 5e-3 (the init)",
         "control": "matched control: head only, CE, head LR 5e-4 kept",
         "top4": "top-4 LoRA, CE, head LR 5e-4 kept, LoRA LR 1e-3"}
@@ -32,15 +32,6 @@ GOAL = {"overall": 0.30, "choice": 0.50, "score": 0.50}
 
 def read_gz(path: Path) -> str:
     return gzip.decompress(path.read_bytes()).decode()
-
-
-def get(ev: dict, path: str):
-    cur = ev
-    for k in path.split("."):
-        if not isinstance(cur, dict) or k not in cur:
-            return None
-        cur = cur[k]
-    return cur
 
 
 def evaluation(d: Path, run: str) -> dict | None:
