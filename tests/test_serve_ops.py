@@ -216,7 +216,12 @@ def test_metrics_count_the_requests_answers_and_gate_decisions_sent(predictor):
     assert _value(s, "rlcd_batch_duration_seconds_count") == _value(s, "rlcd_batch_requests_count")
     assert _value(s, "rlcd_queue_depth") == 0 and _value(s, "rlcd_http_requests_in_flight") == 0
     assert _value(s, "rlcd_ready") == 1
-    assert not any(name.startswith("rlcd_state_cache") for name, _ in s)  # this predictor has no state cache
+    # the Predictor's own state cache (on by default), read at the scrape: the same counters it reports itself
+    stats = predictor.state_cache_stats()
+    assert stats["max_bytes"] > 0 and stats["hits"] + stats["misses"] > 0
+    assert _value(s, "rlcd_state_cache_hits_total") == stats["hits"]
+    assert _value(s, "rlcd_state_cache_misses_total") == stats["misses"]
+    assert _value(s, "rlcd_state_cache_bytes") == stats["bytes"]
 
 
 def test_metrics_export_the_state_cache_and_each_app_has_its_own_registry(predictor):
