@@ -117,27 +117,6 @@ def _cache_scope(model: Any, meta: Mapping[str, Any]) -> str:
     return hashlib.blake2b(json.dumps(ident, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
 
 
-class _NoStateCache:
-    """The state cache turned off (state_cache_mb=0), without importing torch (a portable export's Predictor)."""
-
-    enabled = False
-    max_bytes = 0
-
-    def stats(self) -> dict[str, int]:
-        return dict.fromkeys(("hits", "misses", "entries", "bytes", "max_bytes", "evictions", "stores", "too_large"), 0)
-
-    def clear(self) -> None:
-        pass
-
-
-def _state_cache(max_bytes: int) -> Any:
-    if not max_bytes:
-        return _NoStateCache()
-    from .model.state_cache import StateCache  # rlcd.model costs 0.7 s of imports: not before a request is checked
-
-    return StateCache(max_bytes)
-
-
 class Predictor:
     """Answers typed-decision requests with one merged, calibrated model.
 
@@ -158,7 +137,9 @@ class Predictor:
                 raise ValueError(f"temperature for {t} must be a positive finite number, got {temps[t]!r}")
         if model is None and loader is None:
             raise ValueError("a Predictor needs a model or a loader of one")
-        self.state_cache = _state_cache(state_cache_bytes(state_cache_mb))
+        from .model.state_cache import StateCache  # torch only when a state is stored: a portable Predictor has none
+
+        self.state_cache = StateCache(state_cache_bytes(state_cache_mb))
         self._model, self._loader = model, loader
         self.meta = dict(meta)
         self.temperatures = {t: float(temps[t]) for t in QUESTION_TYPES}

@@ -243,3 +243,10 @@ def lr_factor(step: int, horizon: int, *, warmup_frac: float = 0.03, floor: floa
         return floor
     progress = min(1.0, (step - w) / (horizon - w))
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def head_lr(r: Recipe, step: int, horizon: int, kept_peak: float | None = None) -> float:
+    """The head's LR for update `step`: `lr_head` times the schedule, or, for a head an --init start keeps
+    (`kept_peak`, config "init"."head_lr_peak"), that peak times the schedule without its warm-up."""
+    peak = r.lr_head if kept_peak is None else kept_peak
+    return peak * lr_factor(step, horizon, warmup_frac=r.warmup_frac, floor=r.lr_floor, warmup=kept_peak is None)

@@ -34,7 +34,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
-import torch
 
 SUPPORTED_LAYERS = frozenset({"DynamicLayer", "LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer"})
 _KV = ("keys", "values")  # [B, heads, T, dim]
@@ -69,6 +68,8 @@ def _supported(cache: Any) -> bool:
 def snapshot_row(cache: Any, row: int, start: int) -> PrefixState | None:
     """Row `row` of a batched prefix cache with its first `start` (left padding) positions dropped, as fresh
     tensors (`PrefixState`); None for a cache this module does not know how to copy exactly."""
+    import torch  # here, not at import: a Predictor with the cache off (the portable server) needs no torch
+
     if not _supported(cache):
         return None
     new = copy.copy(cache)
@@ -96,6 +97,8 @@ def stack_states(states: Sequence[PrefixState], width: int) -> Any:
     """One cache whose row i is `states[i]`: keys and values left-padded with zeros to `width` positions (the
     caller masks them), linear-attention states concatenated. Every tensor is new (`torch.cat` allocates), so
     forwards that advance this cache in place leave the stored states as they were."""
+    import torch  # here, not at import: a Predictor with the cache off (the portable server) needs no torch
+
     if not states:
         raise ValueError("stack_states needs at least one state")
     first = states[0].cache
@@ -123,6 +126,8 @@ def stack_states(states: Sequence[PrefixState], width: int) -> Any:
 
 def image_digest(pixel_values: torch.Tensor | None, grid: torch.Tensor | None) -> str | None:
     """blake2b of the preprocessed image (dtype, shape, bytes) and its grid: what the model sees of it."""
+    import torch  # here, not at import: a Predictor with the cache off (the portable server) needs no torch
+
     if pixel_values is None:
         return None
     h = hashlib.blake2b(digest_size=32)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rlcd import checkpoint as ckpt
 from rlcd.errors import OptionError, UserError
-from rlcd.recipe import Recipe, lr_factor
+from rlcd.recipe import Recipe, head_lr
 from rlcd.run import Run
 
 DATA_FILES = ("train.jsonl", "dev.jsonl", "calibration.jsonl", "test.jsonl")
@@ -165,11 +165,9 @@ def last_head_lr(config: dict, step: int) -> float:
     untrained head, step 0): what an --init start that keeps that head may continue at."""
     r = Recipe.from_dict(config["recipe"])
     kept = (config.get("init") or {}).get("head_lr_peak")
-    peak = r.lr_head if kept is None else kept
     if step <= 0:
-        return peak
-    return peak * lr_factor(step - 1, int(config["decay_horizon"]), warmup_frac=r.warmup_frac, floor=r.lr_floor,
-                            warmup=kept is None)
+        return r.lr_head if kept is None else kept
+    return head_lr(r, step - 1, int(config["decay_horizon"]), kept)
 
 
 def _same_model_path(theirs: str, mine: str, same_seed: bool) -> bool:

@@ -17,7 +17,7 @@ import torch
 
 from rlcd.diagnostics import ObjectiveDiagnostics, RewardDiagnostics, TypeDiagnostics
 from rlcd.objectives import ce_loss, gradient_diagnostics, reward_samples, rlcd_loss, row_terms
-from rlcd.recipe import Recipe, lr_factor
+from rlcd.recipe import Recipe, head_lr, lr_factor
 from rlcd.schema import Record
 
 from .distributed import Dist, micro_indices, reduce_stats
@@ -80,9 +80,10 @@ class Session:
         r = self.recipe
         out = {}
         for g in self.optimizer.param_groups:
-            kept = g["name"] == "head" and self.head_peak is not None
-            peak = self.head_peak if kept else r.lr_lora if g["name"] == "lora" else r.lr_head
-            g["lr"] = peak * lr_factor(step, self.horizon, warmup_frac=r.warmup_frac, floor=r.lr_floor, warmup=not kept)
+            if g["name"] == "head":
+                g["lr"] = head_lr(r, step, self.horizon, self.head_peak)
+            else:
+                g["lr"] = r.lr_lora * lr_factor(step, self.horizon, warmup_frac=r.warmup_frac, floor=r.lr_floor)
             out[f"lr_{g['name']}"] = g["lr"]
         return out
 
