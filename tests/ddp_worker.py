@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from rlcd.recipe import Recipe
-from rlcd.train import build_session, init_centring, init_distributed, new_run, train
+from rlcd.train import build_session, finish_distributed, init_centring, init_distributed, new_run, train
 
 
 def grads(data_dir: Path, out: Path, batch_by: str = "row") -> None:
@@ -32,11 +32,16 @@ def grads(data_dir: Path, out: Path, batch_by: str = "row") -> None:
     if d.main:
         torch.save({n: p.grad.detach().clone() for n, p in s.model.named_parameters() if p.grad is not None},
                    out / f"grads-world{d.world}.pt")
+    finish_distributed()  # no rank exits with its gloo group alive (an abort at exit, pytorch#190489)
 
 
 def run(data_dir: Path, run_dir: Path) -> None:
     recipe = Recipe(steps=3, eval_every=2, checkpoint_every=1, log_every=1, diagnostics_every=2)
     train(run_dir, data_dir=data_dir, model="tiny-toy", recipe=recipe, progress=False)
+    import torch.distributed as dist
+
+    # train() ends the process group it joined: no rank exits with a live gloo group (pytorch#190489)
+    print(f"group after train: {'alive' if dist.is_initialized() else 'ended'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -246,6 +246,7 @@ def test_ddp_keeps_the_recipe_batch_and_matches_one_process(tmp_path, data_dir):
     consumed = ckpt.load(run / "checkpoints" / "last")["state"]["consumed"]
     assert sum(consumed.values()) == 3 * 32, "every rank's examples are counted"
     assert not list(run.glob("checkpoints/.tmp-*")), out.stdout[-2000:]
+    assert out.stdout.count("group after train: ended") == 2, out.stdout[-2000:]
 
     single = tmp_path / "single"
     ddp_worker.run(data_dir, single)

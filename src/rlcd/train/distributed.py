@@ -42,6 +42,9 @@ class Dist:
             dist.barrier()
 
 
+_OWNED = {"group": False}  # whether init_distributed created the process group (so finish_distributed may end it)
+
+
 def init_distributed() -> Dist:
     """Join the torchrun process group when launched by torchrun; a plain launch uses none."""
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) <= 1:
@@ -49,10 +52,25 @@ def init_distributed() -> Dist:
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend=backend)
+        _OWNED["group"] = True
     local = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
     return Dist(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local)
+
+
+def finish_distributed(*, clean: bool = True) -> None:
+    """End the process group init_distributed created (a caller's own group is left alone).
+
+    Without it a gloo rank can abort at interpreter exit ("terminate called without an active exception",
+    pytorch#190489: its worker threads outlive the interpreter). `clean`: every rank got here (barrier first, so
+    no rank tears its group down while a peer still talks to it); a failing rank only destroys its own."""
+    if not (_OWNED["group"] and dist.is_initialized()):
+        return
+    if clean:
+        dist.barrier()
+    dist.destroy_process_group()
+    _OWNED["group"] = False
 
 
 def local_accum(grad_accum: int, world: int, batch_size: int = 8) -> int:

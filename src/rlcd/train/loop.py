@@ -10,6 +10,7 @@ from typing import Any
 from rlcd.progress import Progress
 from rlcd.recipe import Recipe
 
+from .distributed import finish_distributed
 from .setup import Trainer, early_stop_notice, setup
 
 
@@ -27,9 +28,15 @@ def train(run_dir: Path, **kwargs: Any) -> dict:
     new run starts from that run's dev-selected (best) trainable weights -- LoRA, head and centring
     buffers -- with a fresh optimizer and schedule (same backbone required). See `rlcd.train.setup.setup`.
     """
-    with contextlib.ExitStack() as held:
-        t = setup(run_dir, held=held, **kwargs)
-        return t.finished if t.finished is not None else fit(t)
+    try:
+        with contextlib.ExitStack() as held:
+            t = setup(run_dir, held=held, **kwargs)
+            out = t.finished if t.finished is not None else fit(t)
+    except BaseException:
+        finish_distributed(clean=False)
+        raise
+    finish_distributed()
+    return out
 
 
 def fit(t: Trainer) -> dict:
