@@ -27,10 +27,10 @@ TABLE = {
     "serve": None, "compare": None, "sweep": None, "sweep-worker": None, "demo": None,
     "analyze": {"toy-bias"},
     "probe": {"order", "noise"},
-    "bench": {"prefix", "pipeline", "train", "features", "cut", "serve", "onnx", "report", "data"},
+    "bench": {"prefix", "pipeline", "train", "features", "cut", "serve", "onnx", "votes", "report", "data"},
 }
 RUNS_A_MODEL = ["train", "features", "calibrate", "evaluate", "predict", "serve", "demo", "probe order", "bench prefix",
-                "bench pipeline", "bench train", "bench features", "bench cut", "bench serve"]
+                "bench pipeline", "bench train", "bench features", "bench cut", "bench serve", "bench votes"]
 
 
 def _command(path: str):

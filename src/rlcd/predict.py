@@ -31,6 +31,14 @@ prompt frame, LoRA and merge state, the placement, the parameters' version count
 frame, LoRA state or image never hits. `state_cache_stats()` is what monitoring reads.
 `usage.input_tokens` does not depend on it: a hit skips the prefix's forward, not its count.
 
+Order votes (`order_votes` N, default 1: off; `rlcd.order_votes`): each choice question of K > 1 options is
+also asked in the other orders of `vote_orders(K, N)`, as extra rows of the same case (more suffixes on the
+same shared prefix: the state still runs once, and a cached state serves them all). Its logits become
+`combine(...)`: log of the mean over orders of softmax(z_o), aligned back to the question's own option order;
+the answer is then made from them as from any logits (the type's temperature applied). noul and score
+questions are never voted. `usage.input_tokens` counts the extra suffixes (they are processed tokens), and
+the batcher's question count (`Prepared.size`) counts them as rows.
+
 Validation errors raise `PredictError` (a `RecordError`): `.field` is a path into the request
 (`"questions.q1.criteria"`), `.question` the question id where there is one, `.status` the HTTP
 status. Limits (`Limits`): questions per request, candidates per question, tokens per row (image
@@ -48,6 +56,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .device import Placement
+from .order_votes import asked, check_votes, vote_plan, voted
 from .schema import QUESTION_TYPES, RecordError
 from .serving.answer import fixed_answer, make_answer, probabilities
 from .serving.errors import PredictError
@@ -66,10 +75,14 @@ class Prepared:
     request: ParsedRequest
     image: Any
     case: Any = None  # None when no question needs the model (each has a single option)
+    # order votes: per scored question (the case's first rows, in order), the orders it is asked in; the rows
+    # of the orders after the first follow the scored questions in the case, question by question. None: no votes
+    votes: list[list[list[int]]] | None = None
 
     def size(self) -> tuple[int, int]:
-        """(questions, tokens) for the batcher's bounds."""
-        return len(self.request.qids), int(self.case.n_tokens) if self.case is not None else 0
+        """(questions, tokens) for the batcher's bounds; a voted question counts once per order it is asked in."""
+        extra = sum(len(orders) - 1 for orders in self.votes) if self.votes else 0
+        return len(self.request.qids) + extra, int(self.case.n_tokens) if self.case is not None else 0
 
 
 # ----------------------------------------------------------------------------------- predictor
@@ -127,7 +140,7 @@ class Predictor:
 
     def __init__(self, model: Any, meta: Mapping[str, Any], *, name: str | None = None,
                  limits: Limits | None = None, strict_model: bool = False, loader: Any = None,
-                 state_cache_mb: float = DEFAULT_STATE_CACHE_MB):
+                 state_cache_mb: float = DEFAULT_STATE_CACHE_MB, order_votes: int = 1):
         temps = dict(meta.get("temperatures") or {})
         missing = [t for t in QUESTION_TYPES if t not in temps]
         if missing:
@@ -137,6 +150,7 @@ class Predictor:
                 raise ValueError(f"temperature for {t} must be a positive finite number, got {temps[t]!r}")
         if model is None and loader is None:
             raise ValueError("a Predictor needs a model or a loader of one")
+        self.order_votes = check_votes(order_votes)
         from .model.state_cache import StateCache  # torch only when a state is stored: a portable Predictor has none
 
         self.state_cache = StateCache(state_cache_bytes(state_cache_mb))
@@ -172,15 +186,16 @@ class Predictor:
     @classmethod
     def from_run(cls, path: str | Path, *, placement: Placement | None = None, name: str | None = None,
                  limits: Limits | None = None, strict_model: bool = False, lazy: bool = False,
-                 state_cache_mb: float = DEFAULT_STATE_CACHE_MB) -> "Predictor":
+                 state_cache_mb: float = DEFAULT_STATE_CACHE_MB, order_votes: int = 1) -> "Predictor":
         """Load from a run dir (its `export/`) or an export dir (merged model, temperatures). `lazy`: read only
         the export's metadata now and load the model when a request first needs it (`rlcd predict`: a request
-        whose every question has one option is answered without it)."""
+        whose every question has one option is answered without it). `order_votes`: see the module docstring."""
         from .export import load_export, read_export_meta
         from .run import find_export
 
         name = name or _run_name(Path(path))
-        kw = dict(name=name, limits=limits, strict_model=strict_model, state_cache_mb=state_cache_mb)
+        kw = dict(name=name, limits=limits, strict_model=strict_model, state_cache_mb=state_cache_mb,
+                  order_votes=order_votes)
         if lazy:
             meta = read_export_meta(find_export(Path(path)))
             predictor = cls(None, meta, loader=lambda: load_export(Path(path), placement=placement)[0], **kw)
@@ -216,6 +231,7 @@ class Predictor:
             "confidence": "transformers' System One definitions: choice (p_max - 1/K) / (1 - 1/K); score "
                           "1 - E|level - argmax| / E_uniform|level - middle|; noul has none (its answer is P(true))",
             "placement": getattr(self._model, "placement", None),
+            "order_votes": self.order_votes,
         }
 
     # ------------------------------------------------------------------ answering
@@ -243,8 +259,11 @@ class Predictor:
         if not scored:
             return Prepared(parsed, decoded, None)
         qids = [parsed.qids[i] for i in scored]
+        questions = [parsed.questions[i] for i in scored]
+        votes = vote_plan(questions, self.order_votes)  # the other orders: more rows of the same case
+        ids = qids + [qid for qid, orders in zip(qids, votes or []) for _ in orders[1:]]  # an error names its question
         try:
-            case = self.model.prepare_case(parsed.state, [parsed.questions[i] for i in scored], decoded, qids,
+            case = self.model.prepare_case(parsed.state, asked(questions, votes), decoded, ids,
                                            max_tokens=lim.max_tokens)  # rows over the limit: a 413 naming the question
         except RecordError as e:
             raise self._from_record_error(e, qids) from None
@@ -252,7 +271,7 @@ class Predictor:
             from .model.state_cache import image_digest
 
             case.image_digest = image_digest(case.pixel_values, case.grid)  # here, off the model thread
-        return Prepared(parsed, decoded, case)
+        return Prepared(parsed, decoded, case, votes)
 
     def score(self, prepared: Prepared) -> tuple[list[Any], dict]:
         """The model call for one request: logits per question and usage (serialised by a lock)."""
@@ -264,12 +283,13 @@ class Predictor:
 
         Should the batched call fail, each request is scored alone, so one bad request cannot fail the
         others: its own error takes its place in the list. A request with nothing to score (`case` None)
-        gets no logits and 0 tokens."""
+        gets no logits and 0 tokens. With order votes, a voted question's logits are its combined ones and
+        the usage counts every order's suffix."""
         out: list[Any] = [([], {"input_tokens": 0}) for _ in prepared]
         live = [i for i, p in enumerate(prepared) if p.case is not None]
         if live:
             for i, res in zip(live, self._score_cases([prepared[i].case for i in live])):
-                out[i] = res
+                out[i] = res if isinstance(res, Exception) else (voted(res[0], prepared[i].votes), res[1])
         return out
 
     def _score_cases(self, cases: list[Any]) -> list[Any]:

@@ -26,6 +26,22 @@ RunArg = Annotated[Optional[Path], typer.Argument(metavar="RUN", help="run direc
 RunAlias = Annotated[Optional[Path], typer.Option("--run", help="the run directory (alias of RUN)",
                                                    show_default=False)]
 
+MAX_ORDER_VOTES = 8  # rlcd.order_votes.MAX_VOTES, spelled here so --help imports nothing of it
+OrderVotesOpt = Annotated[int, typer.Option(
+    "--order-votes", metavar="N", help=f"ask each choice question in N option orders (1..{MAX_ORDER_VOTES}; 1 = "
+                                       "off) and answer on the mean probabilities; each extra order is one more "
+                                       "suffix on the shared state (docs/SERVING.md)")]
+
+
+def check_order_votes(n: int) -> int:
+    """--order-votes outside 1..MAX_ORDER_VOTES is one line and exit 2 (before anything loads)."""
+    from rlcd.errors import OptionError
+
+    if not 1 <= n <= MAX_ORDER_VOTES:
+        raise OptionError(f"--order-votes {n}: give a whole number from 1 (no votes) to {MAX_ORDER_VOTES} "
+                          "(the orders each choice question is asked in)")
+    return n
+
 
 def placement(device: str, dtype: DType | str) -> Any:
     """The device policy (`rlcd.device.resolve_placement`); a bad value is a one-line DeviceError."""

@@ -1,4 +1,5 @@
-"""`rlcd bench data|prefix|pipeline|train|features|cut|serve|onnx|report`: ratios measured in one run, saved as result JSON."""
+"""`rlcd bench data|prefix|pipeline|train|features|cut|serve|onnx|votes|report`: ratios measured in one run, saved as
+result JSON."""
 
 from __future__ import annotations
 
@@ -302,6 +303,51 @@ def onnx(
     result = run_onnx_bench(path, threads=counts, repeats=repeats, export=export, say=echo)
     typer.echo(table(result))
     _save("onnx", json_out, result, ("--threads", threads, "1"), ("--repeats", repeats, 3), ("--export", export, None),
+          positional=(path,))
+
+
+@app.command("votes")
+def votes(
+    run: RunArg = None,
+    run_alias: RunAlias = None,
+    order_votes: Annotated[str, typer.Option(
+        "--order-votes", metavar="N,N,...", help="vote counts to compare, comma-separated (1 is always measured: "
+                                                 "the ratios' base)")] = "1,2,3,4",
+    questions: Annotated[int, typer.Option(min=1, help="questions per request (choice, noul, score in turn)")] = 6,
+    repeats: Annotated[int, typer.Option(min=1, help="timed repeats (median), every N in each")] = 5,
+    state_tokens: Annotated[int, typer.Option(min=1, help="approximate state length in tokens")] = 250,
+    seed: Annotated[int, typer.Option()] = 0,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads (default: torch's)")] = None,
+    json_out: Annotated[Optional[Path], typer.Option(
+        "--json", help="also write the result here (bench format)")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DTypeOpt = DType.auto,
+) -> None:
+    """What order votes cost: time and input tokens per request at each --order-votes N, and their ratios to N = 1,
+    measured in one interleaved run (state cache off). The result JSON goes to stdout, progress lines to stderr."""
+    from rlcd.cli._common import MAX_ORDER_VOTES, echo_json
+    from rlcd.run import find_export
+
+    try:
+        counts = tuple(int(x) for x in order_votes.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter("comma-separated integers, e.g. 1,2,3,4", param_hint="--order-votes") from None
+    if not counts or not all(1 <= n <= MAX_ORDER_VOTES for n in counts):
+        raise typer.BadParameter(f"vote counts from 1 to {MAX_ORDER_VOTES}, e.g. 1,2,3,4", param_hint="--order-votes")
+    path = run_path(run, run_alias)
+    find_export(path)
+    from rlcd.bench.votes import run_votes_bench
+    from rlcd.predict import Predictor
+    from rlcd.progress import echo
+
+    _threads(threads)
+    res = run_votes_bench(Predictor.from_run(path, placement=placement(device, dtype), state_cache_mb=0),
+                          votes=counts, questions=questions, repeats=repeats, state_tokens=state_tokens, seed=seed,
+                          say=echo)
+    echo_json(res)
+    _save("votes", json_out, res, ("--order-votes", order_votes, "1,2,3,4"), ("--questions", questions, 6),
+          ("--repeats", repeats, 5), ("--state-tokens", state_tokens, 250), ("--seed", seed, 0),
+          ("--threads", threads, None), ("--device", device, "auto"), ("--dtype", dtype, DType.auto),
           positional=(path,))
 
 

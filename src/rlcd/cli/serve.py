@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from rlcd.cli._common import DeviceOpt, DType, DTypeOpt, RunAlias, RunArg, echo_json, placement, run_path
+from rlcd.cli._common import (DeviceOpt, DType, DTypeOpt, OrderVotesOpt, RunAlias, RunArg, check_order_votes, echo_json,
+                              placement, run_path)
 
 # the server's defaults (rlcd.serving.limits.Limits), spelled here so --help needs no import of it
 MAX_QUESTIONS, MAX_CANDIDATES, MAX_TOKENS, MAX_REQUEST_BYTES, MAX_IMAGE_PIXELS = 64, 255, 8192, 8 << 20, 4096 * 4096
@@ -49,6 +50,7 @@ def predict(
         "--question", "-q", help='a question: JSON with an "id" key, or qid=JSON (repeatable)')] = None,
     image: Annotated[Optional[Path], typer.Option(help="image file for the request")] = None,
     state_cache_mb: StateCacheOpt = STATE_CACHE_MB,
+    order_votes: OrderVotesOpt = 1,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
 ) -> None:
@@ -66,6 +68,7 @@ def predict(
     from rlcd.serving.limits import Limits
 
     check_state_cache_mb(state_cache_mb)
+    check_order_votes(order_votes)
     path = run_path(run, run_alias)
     if request_arg is not None:
         if request is not None and request != request_arg:
@@ -92,7 +95,7 @@ def predict(
     from rlcd.predict import Predictor
 
     predictor = Predictor.from_run(path, placement=placement(device, dtype), lazy=True,  # loaded only if needed
-                                   state_cache_mb=state_cache_mb)
+                                   state_cache_mb=state_cache_mb, order_votes=order_votes)
     echo_json(predictor.predict(req, img))
 
 
@@ -138,6 +141,7 @@ def serve(
         "--export", metavar="DIR", help="serve a portable ONNX export (`rlcd export RUN --format onnx --out DIR`) "
                                         "instead of a run: onnxruntime + tokenizers + numpy, no torch",
         show_default=False)] = None,
+    order_votes: OrderVotesOpt = 1,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
 ) -> None:
@@ -150,6 +154,7 @@ def serve(
     from rlcd.serving.batcher import BatchingConfig
 
     check_state_cache_mb(state_cache_mb)
+    check_order_votes(order_votes)
     if api_key is not None:
         try:
             check_api_key(api_key, "--api-key / RLCD_API_KEY")
@@ -187,7 +192,7 @@ def serve(
                placement=None if export is not None else placement(device, dtype), portable=export is not None,
                served_model_name=served_model_name, strict_model=strict_model, batching=batching, workers=workers,
                api_key=api_key, quiet=quiet, access_log=(access_log or AccessLog.text).value, thresholds=thresholds,
-               state_cache_mb=state_cache_mb,
+               state_cache_mb=state_cache_mb, order_votes=order_votes,
                max_questions=max_questions, max_candidates=max_candidates, max_tokens=max_tokens,
                max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels)
 
