@@ -64,9 +64,10 @@ def first_position(records):
 
 def test_candidate_permutations():
     assert candidate_permutations(2) == [("reversal", [1, 0])]  # shift 1 == reversal for K = 2
-    perms = candidate_permutations(4)
-    assert [n for n, _ in perms] == ["reversal", "shift1", "shift2", "shift3"]
-    assert dict(perms)["shift1"] == [1, 2, 3, 0]
+    perms = candidate_permutations(4)  # K <= 4: all 23 other orders, named where they have a name
+    assert len(perms) == 23 and len({tuple(p) for _, p in perms}) == 23
+    assert {"reversal", "shift1", "shift2", "shift3"} <= {n for n, _ in perms}
+    assert dict(perms)["shift1"] == [1, 2, 3, 0] and dict(perms)["order:0,1,3,2"] == [0, 1, 3, 2]
     capped = candidate_permutations(12, max_perms=8)
     assert len(capped) == 8 and capped[0][0] == "reversal"
     assert len({tuple(p) for _, p in capped}) == 8
@@ -92,18 +93,26 @@ def test_permute_choice_moves_target_posterior_and_descriptions():
 def test_order_blind_model_never_flips():
     res = probe_order_scores(order_blind, _records())
     ch = res["per_type"]["choice"]
-    assert ch["n_rows"] == 4 and ch["n_comparisons"] == 1 + 4 + 8 + 3
-    assert ch["flip_rate"] == 0.0 and ch["rows_with_flip"] == 0.0
+    assert ch["n_rows"] == 4 and ch["n_comparisons"] == 1 + 23 + 8 + 5  # K = 2, 4 (all), 12 (sampled), 3 (all)
+    assert ch["flip_rate"] == 0.0 and ch["rows_with_flip"] == 0.0 and ch["flip_rate95"] == [0.0, 0.0]
     assert ch["mean_tv"] < 1e-12 and ch["max_tv"] < 1e-12
-    for t in ("noul", "score"):
-        assert res["per_type"][t]["applicable"] is False and res["per_type"][t]["n_rows"] == 1
+    assert ch["votes"]["2"]["flip_rate"] == 0.0 and ch["votes"]["2"]["mean_tv"] < 1e-12
+    assert res["counts"]["noul"] == {"read": 1, "probed": 0, "not_probed": 1,
+                                     "reasons": {res["not_probed"][0]["reason"]: 1}}
+    assert res["per_type"]["score"]["n_rows"] == 1
+    assert res["per_type"]["score"]["votes"] == "order votes apply to choice only"
 
 
 def test_position_preferring_model_flips():
     res = probe_order_scores(first_position, _records())
     ch = res["per_type"]["choice"]
-    # every non-identity permutation moves another label to position 0: the top label always changes
-    assert ch["flip_rate"] == 1.0 and ch["rows_with_flip"] == 1.0
+    # an order flips exactly when it moves another label to position 0
+    for row in [r for r in res["rows"] if r["type"] == "choice"]:
+        moved = [c["flip"] for c in row["comparisons"]]
+        assert row["n_flips"] == sum(moved) and 0 < sum(moved) <= len(moved)
+    assert ch["n_comparisons"] == 37 and round(ch["flip_rate"] * 37) == 1 + 18 + 4 + sum(
+        r["n_flips"] for r in res["rows"] if r["k"] == 12)
+    assert ch["rows_with_flip"] == 1.0
     assert ch["top_at_first"] == 1.0 and ch["top_at_first_uniform"] < 0.5
     assert ch["mean_tv"] > 0.5
     assert res["per_type"]["choice"]["by_kind"]["reversal"]["flip_rate"] == 1.0
@@ -116,9 +125,9 @@ def test_tv_is_measured_on_label_aligned_distributions():
     def by_position(records):
         return [fixed.tolist() for _ in records]
 
-    res = probe_order_scores(by_position, [_choice("d", ["x", "y", "z"])], max_perms=1)  # reversal only
+    res = probe_order_scores(by_position, [_choice("d", ["x", "y", "z"])])
     (row,) = res["rows"]
-    (comp,) = row["comparisons"]
+    (comp,) = [c for c in row["comparisons"] if c["perm"] == "reversal"]
     # reference {x: .6, y: .3, z: .1}; reversed order (z, y, x) gets (.6, .3, .1) -> {z: .6, y: .3, x: .1}
     assert comp["tv"] == pytest.approx(0.5 * (0.5 + 0.0 + 0.5), abs=1e-12)  # index-wise it would be 0
     assert comp["top"] == "z" and comp["flip"] is True
@@ -147,8 +156,10 @@ def test_probe_order_through_the_collator(tmp_path):
 
     collator = Collator(toy_tokenizer(), None)
     res = probe_order(FirstPosition(), _records(), collator, batch_size=5)
-    assert res["per_type"]["choice"]["flip_rate"] == 1.0
-    assert res["per_type"]["noul"]["applicable"] is False
+    assert res["per_type"]["choice"]["flip_rate"] == pytest.approx(probe_order_scores(first_position, _records())
+                                                                   ["per_type"]["choice"]["flip_rate"])
+    assert res["per_type"]["score"]["flip_rate"] == 1.0  # level 0 first, then level K-1 first
+    assert res["per_type"]["noul"]["n_rows"] == 0 and res["counts"]["noul"]["not_probed"] == 1
 
 
 def test_probe_order_cli_on_tiny_model(tmp_path):
@@ -160,17 +171,29 @@ def test_probe_order_cli_on_tiny_model(tmp_path):
     data = tmp_path / "data"
     recs = generate(2, seed=5)
     write_jsonl(data / "test.jsonl", recs)
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "data_dir": str(data)}))  # the run's own test split
     out = tmp_path / "order.json"
-    result = CliRunner().invoke(app, ["probe", "order", str(run), "--data", str(data), "--limit", "3", "--max-perms", "3",
-                                      "--out", str(out)])
+    result = CliRunner().invoke(app, ["probe", "order", str(run), "--limit", "3", "--max-perms", "3",
+                                      "--resamples", "200", "--json-out", str(out)])
     assert result.exit_code == 0, result.output
-    assert "candidate-order probe" in result.output
+    assert "option-order probe" in result.output and "not probed" in result.output
     res = json.loads(out.read_text())
+    assert res["format"] == "rlcd.probe_order/2" and res["votes"] == [1, 2] and res["resamples"] == 200
+    saved = run / "eval" / "probe-order.json"
+    assert res["saved"] == str(saved) and json.loads(saved.read_text()) == res
     ch = res["per_type"]["choice"]
     assert ch["n_rows"] == 3 and 0.0 <= ch["flip_rate"] <= 1.0 and ch["mean_tv"] > 0
-    n_types = {t: sum(r.question.type == t for r in recs) for t in ("noul", "score")}
-    for t, n in n_types.items():
-        assert res["per_type"][t] == {"applicable": False, "n_rows": n, "reason": res["per_type"][t]["reason"]}
+    # the first 3 of each type: noul "escalate", "recontact" (no wording to swap) and "hold"; score K = 4, 3, 5
+    assert res["counts"]["noul"]["read"] == 3 and res["counts"]["noul"]["probed"] == 2
+    assert res["counts"]["noul"]["not_probed"] == 1 and res["per_type"]["score"]["n_comparisons"] == 3
+    assert res["n_records"] == 9 == len(res["rows"]) + len(res["not_probed"])
+    for t in ("choice", "noul", "score"):
+        b = res["per_type"][t]
+        lo, hi = b["flip_rate95"]
+        assert lo - 1e-12 <= b["flip_rate"] <= hi + 1e-12 and b["n_cases"] == 2
+    assert set(ch["votes"]) == {"2"} and res["per_type"]["noul"]["votes"] == "order votes apply to choice only"
+    assert {q["type"] for q in res["questions"]} == {"choice", "noul", "score"}
     # the identity order of the scorer reproduces a plain forward of the same records
     from rlcd.analysis.probes import load_run_model
     from rlcd.model.collate import Collator
@@ -181,6 +204,12 @@ def test_probe_order_cli_on_tiny_model(tmp_path):
     ref = {r["id"]: r["top"] for r in res["rows"]}
     for rec, logits in zip(choice, z):
         assert ref[rec.id] == rec.question.labels[int(np.argmax(logits))]
+    # the probe scores a case's orders on its shared prefix: the same logits as full rows, up to float32 noise
+    asked = [permute_choice(rec, p) for rec in choice for _, p in candidate_permutations(rec.question.k, 3)[:2]]
+    full = model_scorer(model, Collator(model.tokenizer, model.image_processor), batch_size=2, shared=False)(asked)
+    shared = model_scorer(model, Collator(model.tokenizer, model.image_processor), batch_size=2)(asked)
+    assert np.allclose(np.concatenate(full), np.concatenate(shared), atol=1e-4)
+    assert res["checkpoint_sha256"] and len(res["checkpoint_sha256"]) == 64
 
 
 # ----------------------------------------------------------------------------------------------

@@ -104,6 +104,11 @@ class Run:
         return self.eval_dir / "evaluation.json"
 
     @property
+    def probe_order_path(self) -> Path:
+        """`rlcd probe order RUN` on the run's own test split (read by the report)."""
+        return self.eval_dir / "probe-order.json"
+
+    @property
     def report_md(self) -> Path:
         return self.eval_dir / "report.md"
 

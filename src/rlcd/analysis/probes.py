@@ -1,26 +1,49 @@
-"""Probes of a trained run: candidate-order sensitivity and noise over-sharpening.
+"""Probes of a trained run: option-order sensitivity and noise over-sharpening.
 
-**Order probe** (``probe_order``). Each ``choice`` record is re-scored under candidate
-permutations: the reversal and the cyclic shifts 1..K-1 (duplicates removed, e.g. for K = 2 the
-reversal *is* the shift), at most ``max_perms`` of them (the reversal plus evenly spaced shifts when
-capped). A permutation ``perm`` lists original candidate indices in their new order, as
-``rlcd.data.sampling.shuffle_choice`` does: the permuted question's candidate j is the original
-candidate ``perm[j]`` (a mapping keeps each description with its label), and target and posterior
-move with it. The model's distribution ``p'`` over the permuted order is mapped back to the original
-label order (``aligned[perm[j]] = p'[j]``) and compared with the distribution ``p`` under the order
-as given:
+**Order probe** (``probe_order``). Each question is asked again with its options listed differently, and
+the answer is mapped back to the question's own option order and compared with the answer as given. An
+order ``perm`` lists original candidate indices in their new order: the asked question's candidate j shows
+the *description* of original candidate ``perm[j]`` (``permute_record``), so the consistent answer is
+``p'[j] = p[perm[j]]`` and the aligned answer is ``aligned[perm[j]] = p'[j]``. Per type:
 
-- **flip**: the top *label* differs (``labels[argmax p] != labels[perm[argmax p']]``), counted only
-  when the two labels are not tied (probability difference > ``TIE_TOL`` under either order), so an
-  exact tie broken by position is not a flip;
-- **TV**: the total-variation distance ``0.5 * sum_k |aligned_k - p_k|`` between label-aligned
-  distributions;
-- **top at first**: how often the top candidate sits in the first position, over all scored orders,
-  next to ``mean 1/K``, the rate of a position-blind model with distinct scores.
+- **choice**: label and description move together (``rlcd.data.sampling.shuffle_choice``). All K! - 1
+  non-identity orders for K <= 4 (``ALL_ORDERS_MAX_K``), or when K! - 1 <= ``max_perms``; above, the
+  reversal plus ``max_perms - 1`` other orders drawn without replacement from
+  ``numpy.random.default_rng((seed, K, crc32(id)))`` (``candidate_permutations``), so each question's
+  sample is a pure function of the seed and its id.
+- **score**: the level descriptions reversed (level i shows the description of level K-1-i); mapped back
+  level i <-> K-1-i.
+- **noul**: the descriptions of false and true swapped; the consistent answer is the complement, so
+  P(true) is compared with 1 - P'(true) (the aligned answer). A noul question whose criteria do not
+  describe both, or describe both alike, has nothing to swap: it is counted as *not probed*, with the
+  reason, never dropped silently.
 
-``noul`` and ``score`` candidates have a fixed order that carries meaning; they are not permuted and
-are reported as not applicable. Probabilities are ``softmax(logits / T)``, raw (T = 1) unless
-temperatures are given; flips do not depend on T.
+Per comparison:
+
+- **flip**: the top candidate of the aligned answer differs from the top as given, counted only when the
+  two are not tied (probability difference > ``TIE_TOL`` under either order), so an exact tie broken by
+  position is not a flip. For noul this is: the decision at 0.5 does not invert.
+- **TV**: the total-variation distance ``0.5 * sum_k |aligned_k - p_k|``;
+- **top at first** (choice, plain answers): how often the top candidate sits in the first position, over
+  all scored orders, next to ``mean 1/K``, the rate of a position-blind model with distinct scores.
+
+**Order votes** (``votes``, choice only; ``rlcd.order_votes``): with N votes a choice answer is
+``log mean_o softmax(z_o)`` over the orders ``vote_orders(K, N)`` of the listing it is asked in, aligned
+back (``order_votes.combine``). The voted answer under the original listing is compared with the voted
+answer under each probe order (voted from that order's listing: asked orders ``perm[v[j]]``). N = 1 is the
+plain answer; noul and score are never voted. Every distinct asked order of a question is scored once.
+
+**Intervals**: the flip rate is the fraction of (question, order) comparisons that flip; its 95% interval is
+a percentile bootstrap over whole cases (``rlcd.bootstrap``: ``case_id``, else the id prefix before ':'),
+``resamples`` draws from ``default_rng(seed)``. Reported per type (and per vote count), for choice per K
+bucket, and per question (type + instructions), highest flip rate first.
+
+**Cost**: the asked records of a case share its ``case_id`` (``PROBE_CASE`` + id when it has none) and are
+scored together, so with ``model_scorer`` (``case_scoring.score_records``) a case's state runs once and
+every order of every question is a suffix on its cache.
+
+Probabilities are ``softmax(logits / T)``, raw (T = 1) unless temperatures are given; flips do not
+depend on T (a voted answer's T applies to its voted logits, as in ``rlcd evaluate``).
 
 **Noise probe** (``probe_noise``), from prediction rows alone (``eval/predictions-<split>.jsonl``,
 raw logits): the noise-free prediction ``p = softmax(z)`` against the noise-averaged one
@@ -39,19 +62,36 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import zlib
 from collections import defaultdict
+from itertools import permutations as _all_orders
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from rlcd.run import Run
-from rlcd.schema import QUESTION_TYPES, Record
+from rlcd.schema import QUESTION_TYPES, Record, text_of
 
-ORDER_FORMAT = "rlcd.probe_order/1"
+ORDER_FORMAT = "rlcd.probe_order/2"
 NOISE_FORMAT = "rlcd.probe_noise/1"
 TIE_TOL = 1e-9
-NOT_PERMUTED = "candidate order is fixed and carries meaning (noul: false/true; score: ascending levels)"
+ALL_ORDERS_MAX_K = 4  # choice questions up to this K are asked in all K! - 1 other orders
+RESAMPLES = 1000
+CONFIDENCE = 0.95
+DEFAULT_VOTES = (1, 2)
+MAX_QUESTIONS = 50  # question groups listed (highest flip rate first), each with its interval
+PROBE_CASE = "probe-order/"  # the scoring case of a record without case_id (its orders share its state)
+CASE_ROWS_PER_CALL = 4096  # asked records per scorer call (whole cases)
+PROBES = {
+    "choice": "other option orders (label and description move together)",
+    "noul": "false/true descriptions swapped (consistent answer: the complement)",
+    "score": "levels reversed (level i <-> K-1-i)",
+}
+NOUL_UNDESCRIBED = "noul criteria do not describe both false and true: no wording to swap"
+NOUL_ALIKE = "noul criteria describe false and true alike: swapping changes nothing"
+VOTES_CHOICE_ONLY = "order votes apply to choice only"
 
 ScoreFn = Callable[[list[Record]], Sequence[Sequence[float]]]
 """records -> raw logits over each record's K candidates (in the record's candidate order)."""
@@ -91,38 +131,50 @@ def k_bucket(k: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# permutations
+# orders
 
 
-def candidate_permutations(k: int, max_perms: int = 8) -> list[tuple[str, list[int]]]:
-    """Non-identity probe permutations of K candidates: ``[("reversal", perm), ("shift1", perm), ...]``.
+def perm_name(perm: Sequence[int]) -> str:
+    """``reversal``, ``shiftS`` (original ``(j + S) % K`` at position j) or ``order:2,0,1``."""
+    k = len(perm)
+    p = [int(i) for i in perm]
+    if p == list(range(k - 1, -1, -1)):
+        return "reversal"
+    for s in range(1, k):
+        if p == [(j + s) % k for j in range(k)]:
+            return f"shift{s}"
+    return "order:" + ",".join(map(str, p))
 
-    ``perm[j]`` is the original index placed at position j. The reversal comes first, then cyclic
-    shifts (shift s puts original candidate ``(j + s) % K`` at position j); a permutation equal to
-    an earlier one is dropped. With more than ``max_perms`` the reversal is kept with
-    ``max_perms - 1`` evenly spaced shifts.
+
+def all_orders(k: int, max_perms: int = 8) -> bool:
+    """Whether a K-option choice question is asked in all its K! - 1 other orders (else a sample)."""
+    return k <= ALL_ORDERS_MAX_K or math.factorial(k) - 1 <= max_perms
+
+
+def candidate_permutations(k: int, max_perms: int = 8, seed: int | Sequence[int] = 0) -> list[tuple[str, list[int]]]:
+    """Non-identity probe orders of K choice options: ``[(name, perm), ...]``, ``perm[j]`` the original index at j.
+
+    ``all_orders(k, max_perms)``: every non-identity order, lexicographic. Otherwise the reversal first, then
+    ``max_perms - 1`` further distinct orders, each ``rng.permutation(k)`` with ``rng = default_rng(seed)``
+    (identity, the reversal and repeats skipped): a seeded sample, reproducible for the same (k, max_perms, seed).
     """
     if k < 2:
         return []
     if max_perms < 1:
         raise ValueError(f"max_perms must be >= 1, got {max_perms}")
-    rev = list(range(k - 1, -1, -1))
-    shifts = [(f"shift{s}", [(j + s) % k for j in range(k)]) for s in range(1, k)]
-    out: list[tuple[str, list[int]]] = [("reversal", rev)]
-    seen = {tuple(rev)}
-    uniq_shifts = []
-    for name, p in shifts:
-        if tuple(p) not in seen:
-            seen.add(tuple(p))
-            uniq_shifts.append((name, p))
-    room = max_perms - 1
-    if len(uniq_shifts) > room:
-        if room <= 0:
-            uniq_shifts = []
-        else:
-            idx = np.unique(np.round(np.linspace(0, len(uniq_shifts) - 1, room)).astype(int))
-            uniq_shifts = [uniq_shifts[i] for i in idx]
-    return out + uniq_shifts
+    ident = tuple(range(k))
+    if all_orders(k, max_perms):
+        return [(perm_name(p), list(p)) for p in _all_orders(range(k)) if p != ident]
+    rev = ident[::-1]
+    out = [("reversal", list(rev))]
+    seen = {ident, rev}
+    rng = np.random.default_rng(seed)
+    while len(out) < max_perms:
+        p = tuple(int(i) for i in rng.permutation(k))
+        if p not in seen:
+            seen.add(p)
+            out.append((perm_name(p), list(p)))
+    return out
 
 
 def permute_choice(record: Record, perm: Sequence[int]) -> Record:
@@ -146,6 +198,51 @@ def permute_choice(record: Record, perm: Sequence[int]) -> Record:
     return record.model_copy(update=update)
 
 
+def permute_record(record: Record, perm: Sequence[int]) -> Record:
+    """The record asked with candidate j showing the description of original candidate ``perm[j]``.
+
+    choice: ``permute_choice`` (labels move with their descriptions). score: the level descriptions in
+    order ``perm`` (levels keep their index). noul: the false/true descriptions in order ``perm`` (``[1, 0]``
+    swaps them). Target and posterior move with the descriptions, so they stay the consistent answer."""
+    q = record.question
+    if q.type == "choice":
+        return permute_choice(record, perm)
+    perm = [int(i) for i in perm]
+    if sorted(perm) != list(range(q.k)):
+        raise ValueError(f"record {record.id!r}: {perm} is not a permutation of {q.k} candidates")
+    desc = q.descriptions()
+    if q.type == "score":
+        criteria: Any = [desc[i] for i in perm]
+    else:
+        criteria = {lab: desc[i] for lab, i in zip(q.labels, perm) if desc[i] is not None}
+    update: dict[str, Any] = {"question": q.model_copy(update={"criteria": criteria}),
+                              "target": [record.target[i] for i in perm]}
+    if record.posterior is not None:
+        update["posterior"] = [record.posterior[i] for i in perm]
+    return record.model_copy(update=update)
+
+
+def noul_unswappable(question: Any) -> str | None:
+    """Why a noul question cannot be asked with its wording swapped (None when it can)."""
+    c = question.criteria if isinstance(question.criteria, dict) else {}
+    f, t = (c.get("false") or "").strip(), (c.get("true") or "").strip()
+    if not f or not t:
+        return NOUL_UNDESCRIBED
+    return NOUL_ALIKE if f == t else None
+
+
+def probe_orders(record: Record, max_perms: int = 8, seed: int = 0) -> tuple[str, list[tuple[str, list[int]]]] | str:
+    """(how, [(name, perm), ...]) of the orders a record is probed in, or the reason it is not probed."""
+    q = record.question
+    if q.type == "choice":
+        how = "all" if all_orders(q.k, max_perms) else "sampled"
+        return how, candidate_permutations(q.k, max_perms, (int(seed), q.k, zlib.crc32(record.id.encode("utf-8"))))
+    if q.type == "score":
+        return "reversed", [("reversal", list(range(q.k - 1, -1, -1)))]
+    why = noul_unswappable(q)
+    return why if why is not None else ("swapped", [("swap", [1, 0])])
+
+
 def align(p_perm: Sequence[float], perm: Sequence[int]) -> np.ndarray:
     """Probabilities over a permuted order mapped back to the original order: out[perm[j]] = p_perm[j]."""
     p_perm = np.asarray(p_perm, dtype=np.float64)
@@ -162,13 +259,48 @@ def is_flip(p_ref: np.ndarray, p_aligned: np.ndarray, tol: float = TIE_TOL) -> b
     return bool(max(abs(p_ref[a] - p_ref[b]), abs(p_aligned[a] - p_aligned[b])) > tol)
 
 
+def percentile_interval(samples: np.ndarray, confidence: float = CONFIDENCE) -> list[float] | None:
+    s = np.asarray(samples, dtype=np.float64)
+    s = s[np.isfinite(s)]
+    if s.size == 0:
+        return None
+    a = 1.0 - confidence
+    lo, hi = np.quantile(s, [a / 2, 1 - a / 2])
+    return [float(lo), float(hi)]
+
+
+def flip_interval(flips: Sequence[float], groups: Sequence[str], *, resamples: int = RESAMPLES,
+                  seed: int = 0) -> list[float] | None:
+    """95% percentile interval of the flip rate, resampling whole cases (``bootstrap.bootstrap_means``)."""
+    from rlcd.bootstrap import bootstrap_means
+
+    if not len(flips):
+        return None
+    return percentile_interval(bootstrap_means(np.asarray(flips, dtype=np.float64), resamples=resamples, seed=seed,
+                                               groups=np.asarray(list(groups), dtype=object).astype(str)))
+
+
 # ----------------------------------------------------------------------------------------------
 # order probe
 
 
-def model_scorer(model, collator, *, device: Any = "cpu", batch_size: int = 32) -> ScoreFn:
-    """Wrap a DecisionModel (``model(batch) -> [B, Kmax]`` logits) and a Collator as a ScoreFn."""
+def model_scorer(model, collator, *, device: Any = "cpu", batch_size: int = 32, shared: bool = True) -> ScoreFn:
+    """Wrap a DecisionModel (``model(batch) -> [B, Kmax]`` logits) and a Collator as a ScoreFn.
+
+    ``shared`` (default) and a model that scores cases (``case_inputs_from_records``): each case's state runs
+    once and its records as suffixes on its cache (``case_scoring.score_records``, at most max(batch_size, 64)
+    rows per call); else every record as a full row through the collator, records of similar K together."""
     import torch
+
+    if shared and hasattr(model, "case_inputs_from_records") and hasattr(model, "score_cases"):
+        from rlcd.model.case_scoring import score_records
+
+        def score_cases(records: list[Record]) -> list[list[float]]:
+            logits = score_records(model, records, image_root=getattr(collator, "image_root", None),
+                                   max_rows=max(batch_size, 64))
+            return [lg.float().tolist() for lg in logits]
+
+        return score_cases
 
     @torch.no_grad()
     def score(records: list[Record]) -> list[list[float]]:
@@ -193,104 +325,271 @@ def _temperature_for(qtype: str, temperatures: Mapping[str, float] | float | Non
     return float(temperatures.get(qtype, 1.0))
 
 
-def _order_block(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    comps = [c for r in rows for c in r["comparisons"]]
+def check_vote_list(votes: Sequence[int] | int) -> list[int]:
+    """Vote counts to report: sorted, unique, each 1..MAX_VOTES, with 1 (the plain answer) always included."""
+    from rlcd.order_votes import check_votes
+
+    items = [votes] if isinstance(votes, int) else list(votes)
+    return sorted({1, *(check_votes(n) for n in items)})
+
+
+def _compose(perm: Sequence[int], vote: Sequence[int]) -> tuple[int, ...]:
+    """The order asked when the listing ``perm`` is itself asked in vote order ``vote``: position j shows
+    original candidate ``perm[vote[j]]``."""
+    return tuple(int(perm[v]) for v in vote)
+
+
+def _vote_sets(k: int, qtype: str, votes: Sequence[int]) -> dict[int, list[list[int]]]:
+    from rlcd.order_votes import vote_orders
+
+    return {n: vote_orders(k, n) for n in (votes if qtype == "choice" else [1])}
+
+
+def _plan_item(rec: Record, max_perms: int, seed: int, votes: Sequence[int]) -> dict[str, Any] | str:
+    """What one record is asked: its probe orders and every distinct asked order (identity first)."""
+    got = probe_orders(rec, max_perms, seed)
+    if isinstance(got, str):
+        return got
+    how, perms = got
+    k = rec.question.k
+    ident = list(range(k))
+    vote_sets = _vote_sets(k, rec.question.type, votes)
+    asked: dict[tuple[int, ...], int] = {tuple(ident): 0}
+    for pi in [ident] + [p for _, p in perms]:
+        for orders in vote_sets.values():
+            for v in orders:
+                asked.setdefault(_compose(pi, v), len(asked))
+    return {"rec": rec, "how": how, "perms": perms, "votes": vote_sets, "asked": list(asked)}
+
+
+def _score_plan(score_fn: ScoreFn, items: list[dict[str, Any]]) -> None:
+    """Score every item's asked orders, a case's records together (one scorer call holds whole cases);
+    sets ``item["z"] = {order: logits}``."""
+    by_case: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for it in items:
+        rec = it["rec"]
+        by_case[rec.case_id if rec.case_id is not None else PROBE_CASE + rec.id].append(it)
+    batch: list[Record] = []
+    owners: list[tuple[dict[str, Any], tuple[int, ...]]] = []
+
+    def flush() -> None:
+        if not batch:
+            return
+        logits = list(score_fn(list(batch)))
+        if len(logits) != len(batch):
+            raise ValueError(f"scorer returned {len(logits)} rows for {len(batch)} records")
+        for (it, order), z, asked in zip(owners, logits, batch):
+            z = np.asarray(z, dtype=np.float64)
+            if z.shape != (asked.question.k,):
+                raise ValueError(f"record {asked.id!r}: scorer gave {z.shape} logits for {asked.question.k} candidates")
+            it["z"][order] = z
+        batch.clear()
+        owners.clear()
+
+    for case, case_items in by_case.items():
+        n = sum(len(it["asked"]) for it in case_items)
+        if batch and len(batch) + n > CASE_ROWS_PER_CALL:
+            flush()
+        for it in case_items:
+            rec, ident = it["rec"], tuple(range(it["rec"].question.k))
+            it["z"] = {}
+            for j, order in enumerate(it["asked"]):
+                asked = rec if order == ident else permute_record(rec, order)
+                rid = rec.id if j == 0 else f"{rec.id}#probe-{j}"
+                batch.append(asked.model_copy(update={"case_id": case, "id": rid}))
+                owners.append((it, order))
+    flush()
+
+
+def _answer(it: dict[str, Any], perm: Sequence[int], n: int, temperature: float) -> np.ndarray:
+    """The answer (original candidate order) to the question listed as ``perm``, voted over n orders."""
+    from rlcd.order_votes import combine
+
+    orders = [_compose(perm, v) for v in it["votes"][n]]
+    if len(orders) == 1:
+        return align(softmax(it["z"][orders[0]], temperature), orders[0])
+    return softmax(np.asarray(combine([it["z"][o] for o in orders], orders)), temperature)
+
+
+def _evaluate_item(it: dict[str, Any], temperature: float) -> dict[str, Any]:
+    rec = it["rec"]
+    q = rec.question
+    ident = list(range(q.k))
+    out: dict[str, Any] = {"id": rec.id, "type": q.type, "k": q.k, "orders": it["how"],
+                           "question": text_of(q.instructions), "by_votes": {}}
+    for n in it["votes"]:
+        p_ref = _answer(it, ident, n, temperature)
+        comps = []
+        for name, perm in it["perms"]:
+            aligned = _answer(it, perm, n, temperature)
+            comps.append({"perm": name, "flip": is_flip(p_ref, aligned), "tv": total_variation(aligned, p_ref),
+                          "top": q.labels[int(np.argmax(aligned))]})
+        out["by_votes"][n] = {"top": q.labels[int(np.argmax(p_ref))], "comparisons": comps}
+    if q.type == "choice":
+        shown = [ident] + [p for _, p in it["perms"]]
+        out["top_at_first"] = [float(int(np.argmax(it["z"][tuple(p)])) == 0) for p in shown]
+    return out
+
+
+def _order_block(rows: list[dict[str, Any]], n: int, *, resamples: int, seed: int) -> dict[str, Any]:
+    """Flip rate [95% case-bootstrap interval], TV and counts of the rows' comparisons under n votes."""
+    comps = [(r["case"], c) for r in rows for c in r["by_votes"][n]["comparisons"]]
+    flips = [float(c["flip"]) for _, c in comps]
     out: dict[str, Any] = {
         "applicable": True,
         "n_rows": len(rows),
+        "n_cases": len({r["case"] for r in rows}),
         "n_comparisons": len(comps),
-        "flip_rate": _mean([float(c["flip"]) for c in comps]),
-        "rows_with_flip": _mean([float(any(c["flip"] for c in r["comparisons"])) for r in rows]),
-        "mean_tv": _mean([c["tv"] for c in comps]),
-        "max_tv": max((c["tv"] for c in comps), default=None),
-        "top_at_first": _mean([x for r in rows for x in r["top_at_first"]]),
-        "top_at_first_uniform": _mean([1.0 / r["k"] for r in rows]),
+        "flip_rate": _mean(flips),
+        "flip_rate95": flip_interval(flips, [g for g, _ in comps], resamples=resamples, seed=seed),
+        "rows_with_flip": _mean([float(any(c["flip"] for c in r["by_votes"][n]["comparisons"])) for r in rows]),
+        "mean_tv": _mean([c["tv"] for _, c in comps]),
+        "max_tv": max((c["tv"] for _, c in comps), default=None),
     }
+    if n == 1 and rows and all("top_at_first" in r for r in rows):
+        out["top_at_first"] = _mean([x for r in rows for x in r["top_at_first"]])
+        out["top_at_first_uniform"] = _mean([1.0 / r["k"] for r in rows])
     by_kind: dict[str, list] = defaultdict(list)
-    for c in comps:
-        by_kind["reversal" if c["perm"] == "reversal" else "shift"].append(c)
+    for _, c in comps:
+        by_kind["reversal" if c["perm"] == "reversal" else "shift" if c["perm"].startswith("shift") else
+                "other" if c["perm"].startswith("order:") else c["perm"]].append(c)
     out["by_kind"] = {kind: {"n_comparisons": len(cs), "flip_rate": _mean([float(c["flip"]) for c in cs]),
                              "mean_tv": _mean([c["tv"] for c in cs])} for kind, cs in sorted(by_kind.items())}
     return out
 
 
-def probe_order_scores(score_fn: ScoreFn, records: Sequence[Record], *, max_perms: int = 8,
-                       temperatures: Mapping[str, float] | float | None = None,
-                       keep_rows: bool = True) -> dict[str, Any]:
-    """The order probe with any scorer ``score_fn(records) -> logits per record`` (see module doc)."""
-    records = list(records)
-    choice = [r for r in records if r.question.type == "choice"]
-    plan: list[tuple[int, str, list[int]]] = []  # (record index in choice, perm name, perm)
-    batch: list[Record] = []
-    for i, rec in enumerate(choice):
-        k = rec.question.k
-        plan.append((i, "identity", list(range(k))))
-        batch.append(rec)
-        for name, perm in candidate_permutations(k, max_perms):
-            plan.append((i, name, perm))
-            batch.append(permute_choice(rec, perm))
-    logits = list(score_fn(batch)) if batch else []
-    if len(logits) != len(batch):
-        raise ValueError(f"scorer returned {len(logits)} rows for {len(batch)} records")
-    per_rec: dict[int, dict[str, Any]] = {}
-    for (i, name, perm), z, rec in zip(plan, logits, batch):
-        z = np.asarray(z, dtype=np.float64)
-        if z.shape != (rec.question.k,):
-            raise ValueError(f"record {rec.id!r}: scorer gave {z.shape} logits for {rec.question.k} candidates")
-        p = softmax(z, _temperature_for("choice", temperatures))
-        top_first = float(int(np.argmax(p)) == 0)
-        if name == "identity":
-            per_rec[i] = {"id": rec.id, "k": rec.question.k, "group": rec.group, "p_ref": p,
-                          "top": rec.question.labels[int(np.argmax(p))], "comparisons": [],
-                          "top_at_first": [top_first]}
-            continue
-        entry = per_rec[i]
-        aligned = align(p, perm)
-        orig_labels = choice[i].question.labels
-        entry["comparisons"].append({
-            "perm": name,
-            "flip": is_flip(entry["p_ref"], aligned),
-            "tv": total_variation(aligned, entry["p_ref"]),
-            "top": orig_labels[int(np.argmax(aligned))],
-        })
-        entry["top_at_first"].append(top_first)
-    rows = [per_rec[i] for i in range(len(choice))]
-    per_type: dict[str, Any] = {}
-    counts = defaultdict(int)
-    for r in records:
-        counts[r.question.type] += 1
-    for t in QUESTION_TYPES:
-        if t == "choice":
-            per_type[t] = _order_block(rows) if rows else {"applicable": True, "n_rows": 0}
-        else:
-            per_type[t] = {"applicable": False, "n_rows": counts.get(t, 0), "reason": NOT_PERMUTED}
-    by_k: dict[str, list] = defaultdict(list)
+def _with_votes(rows: list[dict[str, Any]], votes: Sequence[int], **kw: Any) -> dict[str, Any]:
+    """The plain block (old keys at the top level) and, for choice, one block per vote count N > 1."""
+    block = _order_block(rows, 1, **kw)
+    block["votes"] = {str(n): _order_block(rows, n, **kw) for n in votes if n > 1}
+    return block
+
+
+def _question_table(rows: list[dict[str, Any]], votes: Sequence[int], *, resamples: int, seed: int) -> list[dict]:
+    """Per question (type + instructions): flip rate [95%] per vote count, highest plain flip rate first."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
+        groups[(r["type"], r["question"])].append(r)
+
+    def rate(rs: list[dict[str, Any]]) -> float:
+        fl = [float(c["flip"]) for r in rs for c in r["by_votes"][1]["comparisons"]]
+        return math.fsum(fl) / len(fl) if fl else 0.0
+
+    ranked = sorted(groups.items(), key=lambda kv: (-rate(kv[1]), -len(kv[1]), kv[0]))[:MAX_QUESTIONS]
+    out = []
+    for (qtype, text), rs in ranked:
+        plain = _order_block(rs, 1, resamples=resamples, seed=seed)
+        entry = {"type": qtype, "instructions": text, **{k: plain[k] for k in (
+            "n_rows", "n_cases", "n_comparisons", "flip_rate", "flip_rate95", "mean_tv")}}
+        if qtype == "choice":
+            entry["votes"] = {}
+            for n in votes:
+                if n > 1:
+                    b = _order_block(rs, n, resamples=resamples, seed=seed)
+                    entry["votes"][str(n)] = {k: b[k] for k in ("flip_rate", "flip_rate95", "mean_tv")}
+        out.append(entry)
+    return out
+
+
+def probe_order_scores(score_fn: ScoreFn, records: Sequence[Record], *, max_perms: int = 8,
+                       votes: Sequence[int] | int = DEFAULT_VOTES,
+                       temperatures: Mapping[str, float] | float | None = None, resamples: int = RESAMPLES,
+                       seed: int = 0, keep_rows: bool = True) -> dict[str, Any]:
+    """The order probe with any scorer ``score_fn(records) -> logits per record`` (see module doc).
+
+    Every record read is either probed or listed in ``not_probed`` with its reason; ``counts`` per type say
+    ``read == probed + not_probed``."""
+    from rlcd.bootstrap import group_key
+
+    records = list(records)
+    vote_list = check_vote_list(votes)
+    if max_perms < 1:
+        raise ValueError(f"max_perms must be >= 1, got {max_perms}")
+    if resamples < 1:
+        raise ValueError(f"resamples must be >= 1, got {resamples}")
+    items, not_probed = [], []
+    for rec in records:
+        it = _plan_item(rec, max_perms, seed, vote_list)
+        if isinstance(it, str):
+            not_probed.append({"id": rec.id, "type": rec.question.type, "reason": it})
+        else:
+            items.append(it)
+    _score_plan(score_fn, items)
+    rows = []
+    for it in items:
+        row = _evaluate_item(it, _temperature_for(it["rec"].question.type, temperatures))
+        row["case"] = group_key({"id": it["rec"].id, "case_id": it["rec"].case_id})
+        rows.append(row)
+    kw = {"resamples": resamples, "seed": seed}
+    per_type: dict[str, Any] = {}
+    counts: dict[str, Any] = {}
+    for t in QUESTION_TYPES:
+        rs = [r for r in rows if r["type"] == t]
+        skipped = [x for x in not_probed if x["type"] == t]
+        reasons: dict[str, int] = defaultdict(int)
+        for x in skipped:
+            reasons[x["reason"]] += 1
+        counts[t] = {"read": len(rs) + len(skipped), "probed": len(rs), "not_probed": len(skipped),
+                     "reasons": dict(reasons)}
+        block = (_with_votes(rs, vote_list, **kw) if t == "choice" else _order_block(rs, 1, **kw)) if rs else {
+            "applicable": True, "n_rows": 0, "n_cases": 0, "n_comparisons": 0, "flip_rate": None, "flip_rate95": None}
+        if t != "choice":
+            block["votes"] = VOTES_CHOICE_ONLY
+        block.update(probe=PROBES[t], n_not_probed=len(skipped), not_probed_reasons=dict(reasons))
+        per_type[t] = block
+    choice = [r for r in rows if r["type"] == "choice"]
+    by_k: dict[str, list] = defaultdict(list)
+    for r in choice:
         by_k[k_bucket(r["k"])].append(r)
     out: dict[str, Any] = {
         "format": ORDER_FORMAT,
         "n_records": len(records),
         "max_perms": max_perms,
+        "votes": vote_list,
+        "seed": seed,
+        "resamples": resamples,
+        "confidence": CONFIDENCE,
         "temperature_choice": _temperature_for("choice", temperatures),
+        "temperatures": {t: _temperature_for(t, temperatures) for t in QUESTION_TYPES},
         "tie_tolerance": TIE_TOL,
+        "orders": {
+            "choice": f"all K!-1 non-identity orders for K <= {ALL_ORDERS_MAX_K} (or K!-1 <= max_perms); above, the "
+                      f"reversal and {max_perms - 1} other orders drawn from default_rng((seed, K, crc32(id)))",
+            "score": PROBES["score"], "noul": PROBES["noul"],
+        },
+        "choice_orders": {"all": sum(r["orders"] == "all" for r in choice),
+                          "sampled": sum(r["orders"] == "sampled" for r in choice)},
+        "counts": counts,
         "per_type": per_type,
-        "choice_per_k_bucket": {b: _order_block(v) for b, v in sorted(by_k.items(), key=lambda kv: min(x["k"] for x in kv[1]))},
+        "choice_per_k_bucket": {b: _with_votes(v, vote_list, **kw)
+                                for b, v in sorted(by_k.items(), key=lambda kv: min(x["k"] for x in kv[1]))},
+        "questions": _question_table(rows, vote_list, **kw),
+        "n_question_groups": len({(r["type"], r["question"]) for r in rows}),
+        "not_probed": not_probed,
     }
     if keep_rows:
-        out["rows"] = [{"id": r["id"], "k": r["k"], "top": r["top"],
-                        "n_flips": sum(c["flip"] for c in r["comparisons"]),
-                        "max_tv": max((c["tv"] for c in r["comparisons"]), default=0.0),
-                        "comparisons": [{"perm": c["perm"], "flip": c["flip"], "tv": c["tv"], "top": c["top"]}
-                                        for c in r["comparisons"]]} for r in rows]
+        out["rows"] = []
+        for r in rows:
+            plain = r["by_votes"][1]
+            row = {"id": r["id"], "type": r["type"], "k": r["k"], "case": r["case"], "orders": r["orders"],
+                   "top": plain["top"], "n_flips": sum(c["flip"] for c in plain["comparisons"]),
+                   "max_tv": max((c["tv"] for c in plain["comparisons"]), default=0.0),
+                   "comparisons": plain["comparisons"]}
+            if len(r["by_votes"]) > 1:
+                row["n_flips_by_votes"] = {str(n): sum(c["flip"] for c in b["comparisons"])
+                                           for n, b in r["by_votes"].items()}
+            out["rows"].append(row)
     return out
 
 
 def probe_order(model, records: Sequence[Record], collator, *, max_perms: int = 8, device: Any = "cpu",
                 batch_size: int = 32, temperatures: Mapping[str, float] | float | None = None,
-                keep_rows: bool = True) -> dict[str, Any]:
-    """Order probe of a DecisionModel (``model(batch) -> logits``) with its Collator."""
-    return probe_order_scores(model_scorer(model, collator, device=device, batch_size=batch_size), records,
-                              max_perms=max_perms, temperatures=temperatures, keep_rows=keep_rows)
+                votes: Sequence[int] | int = DEFAULT_VOTES, resamples: int = RESAMPLES, seed: int = 0,
+                keep_rows: bool = True, shared: bool = True) -> dict[str, Any]:
+    """Order probe of a DecisionModel (``model(batch) -> logits``) with its Collator (``model_scorer``)."""
+    return probe_order_scores(model_scorer(model, collator, device=device, batch_size=batch_size, shared=shared),
+                              records, max_perms=max_perms, temperatures=temperatures, votes=votes,
+                              resamples=resamples, seed=seed, keep_rows=keep_rows)
 
 
 def load_run_model(run_dir: Path, *, placement: Any = None):
@@ -312,42 +611,81 @@ def load_run_model(run_dir: Path, *, placement: Any = None):
     return model, temps, config
 
 
+def scored_checkpoint(run_dir: Path) -> str | None:
+    """sha256 of the weights the probe scores (``export/model.json``'s, else checkpoints/best's; None if unknown),
+    so that the report can tell a probe of another checkpoint from one of the evaluated model."""
+    run = Run(run_dir)
+    try:
+        if (run.export_dir / "model.json").is_file():
+            from rlcd.export import read_export_meta
+
+            return read_export_meta(run.export_dir).get("checkpoint_sha256")
+        from rlcd import checkpoint
+
+        return checkpoint.weights_sha256(run.checkpoint("best"))
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def first_per_type(records: Sequence[Record], limit: int | None) -> list[Record]:
+    """The first ``limit`` records of each question type (file order kept); all when ``limit`` is None."""
+    if limit is None:
+        return list(records)
+    seen: dict[str, int] = defaultdict(int)
+    kept = []
+    for r in records:
+        if seen[r.question.type] < limit:
+            seen[r.question.type] += 1
+            kept.append(r)
+    return kept
+
+
 def probe_order_run(run_dir: Path, *, split: str = "test", limit: int | None = None, data_dir: Path | None = None,
-                    max_perms: int = 8, calibrated: bool = False, batch_size: int = 32,
-                    placement: Any = None) -> dict[str, Any]:
+                    max_perms: int = 8, calibrated: bool = False, batch_size: int = 32, placement: Any = None,
+                    votes: Sequence[int] | int = DEFAULT_VOTES, resamples: int = RESAMPLES, seed: int = 0,
+                    save: bool = True) -> dict[str, Any]:
     """Load a run, read ``split`` of its data dir (or ``data_dir``) and run the order probe.
 
-    ``limit`` keeps the first N choice records of the split (file order); other types are counted.
+    ``limit`` keeps the first N records of each type (file order). Scoring the run's own test split (``split``
+    test, its own data dir) with ``save`` also writes the result to ``RUN/eval/probe-order.json``, where the
+    report finds it (``saved`` in the result names the file).
     """
     from rlcd.data.io import load_split
 
     run_dir = Path(run_dir)
     model, temps, config = load_run_model(run_dir, placement=placement)
     device = model.device
+    own = config.get("data_dir")
     if data_dir is None:
-        if "data_dir" not in config:
+        if own is None:
             raise ValueError(f"{run_dir}/config.json names no data_dir; pass the processed data dir")
-        data_dir = Path(config["data_dir"])
+        data_dir = Path(own)
     data_dir = Path(data_dir)
     path = data_dir / f"{split}.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
-    records = load_split(data_dir, split)
-    if limit is not None:
-        kept, n_choice = [], 0
-        for r in records:
-            if r.question.type == "choice":
-                if n_choice >= limit:
-                    continue
-                n_choice += 1
-            kept.append(r)
-        records = kept
+    records = first_per_type(load_split(data_dir, split), limit)
     collator = model.collator(image_root=data_dir)
     out = probe_order(model, records, collator, max_perms=max_perms, device=device, batch_size=batch_size,
-                      temperatures=temps if calibrated else None)
+                      temperatures=temps if calibrated else None, votes=votes, resamples=resamples, seed=seed)
     out.update(run=str(run_dir), split=split, data_dir=str(data_dir), limit=limit, calibrated=calibrated,
-               placement=model.placement)
+               placement=model.placement, checkpoint_sha256=scored_checkpoint(run_dir), saved=None)
+    if save and split == "test" and own is not None and data_dir.resolve() == Path(own).resolve():
+        target = Run(run_dir).probe_order_path
+        out["saved"] = str(target)
+        write_json_atomic(target, out)
     return out
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """``rlcd.metrics.dumps(obj)`` to ``path`` through a temporary file and a rename (never half-written)."""
+    from rlcd.metrics import dumps
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(dumps(obj), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------

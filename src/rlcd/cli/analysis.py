@@ -241,21 +241,44 @@ def sweep_worker(
     print_summary(run_one(read_run_config(config), progress=True))
 
 
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{name} must be comma-separated integers, got {text!r}") from None
+
+
+def _flip_cell(b: dict) -> str:
+    ci = b.get("flip_rate95")
+    return _num(b.get("flip_rate")) + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+
+
 @probe_app.command("order")
 def probe_order(
     run: Annotated[Path, typer.Argument(help="run directory (export/ or checkpoints/best)")],
     split: Annotated[str, typer.Option(help="data split to re-score")] = "test",
-    limit: Annotated[Optional[int], typer.Option(help="at most this many choice questions (file order)")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="at most this many questions of each type (file order)")] = None,
     data: Annotated[Optional[Path], typer.Option(help="processed data dir (default: the run's)")] = None,
-    max_perms: Annotated[int, typer.Option(help="permutations per question: the reversal + evenly spaced cyclic shifts")] = 8,
-    calibrated: Annotated[bool, typer.Option(help="apply the run's choice temperature (TV only; flips do not change)")] = False,
+    max_perms: Annotated[int, typer.Option(help="choice orders per question above K = 4 (the reversal + a seeded "
+                                                "sample); K <= 4 is asked in all K!-1 other orders")] = 8,
+    order_votes: Annotated[str, typer.Option(help="comma-separated order-vote counts N to report for choice (1, the "
+                                                  "plain answer, always)")] = "1,2",
+    resamples: Annotated[int, typer.Option(help="bootstrap resamples over cases for the 95% intervals")] = 1000,
+    seed: Annotated[int, typer.Option(help="seed of the sampled orders and of the bootstrap")] = 0,
+    calibrated: Annotated[bool, typer.Option(help="apply the run's temperatures (TV only; flips do not change)")]
+    = False,
     batch_size: Annotated[int, typer.Option()] = 32,
-    out: Annotated[Optional[Path], typer.Option(help="write the JSON result here")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "--json-out", help="also write the JSON result here")] = None,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
 ) -> None:
-    """Re-score choice questions under candidate reversal and cyclic shifts: top-label flip rate and
-    mean total-variation distance of the label-aligned distributions, per type."""
+    """Ask every question with its options listed differently and measure how the answer changes.
+
+    choice: other option orders (all for K <= 4, else the reversal + a seeded sample of --max-perms), with and
+    without order votes; score: levels reversed; noul: false/true descriptions swapped (the consistent answer
+    is the complement). Reports the top-answer flip rate with its 95% case-bootstrap interval and the mean
+    total-variation distance, per type, per K bucket and per question. The run's own test split is also
+    written to RUN/eval/probe-order.json, where `rlcd report RUN` finds it."""
     from rich import box
     from rich.table import Table
 
@@ -264,25 +287,44 @@ def probe_order(
 
     try:
         result = probe_order_run(run, split=split, limit=limit, data_dir=data, max_perms=max_perms,
-                                 calibrated=calibrated, batch_size=batch_size, placement=placement(device, dtype))
+                                 calibrated=calibrated, batch_size=batch_size, placement=placement(device, dtype),
+                                 votes=_ints(order_votes, "--order-votes"), resamples=resamples, seed=seed)
     except (ValueError, FileNotFoundError) as e:
         _fail("rlcd probe order", e)
-    table = Table(title=f"candidate-order probe: {run} ({split})", box=box.SIMPLE, padding=(0, 1))
-    for col in ("type", "rows", "comparisons", "flip rate", "rows w/ flip", "mean TV", "max TV", "top at 1st",
-                "1/K"):
-        table.add_column(col, justify="left" if col == "type" else "right", no_wrap=True)
+    table = Table(title=f"option-order probe: {run} ({split})", box=box.SIMPLE, padding=(0, 1))
+    for col in ("type", "votes", "probe", "questions", "cases", "comparisons", "flip rate [95% CI]", "rows w/ flip",
+                "mean TV", "top at 1st", "1/K"):
+        table.add_column(col, justify="left" if col in ("type", "probe") else "right", no_wrap=True)
+
+    def add(name: str, n: str, probe: str, b: dict) -> None:
+        if not b.get("n_rows"):
+            table.add_row(name, n, probe, "0", "0", "0", "–", "–", "–", "–", "–")
+            return
+        table.add_row(name, n, probe, str(b["n_rows"]), str(b["n_cases"]), str(b["n_comparisons"]), _flip_cell(b),
+                      _num(b.get("rows_with_flip")), _num(b.get("mean_tv"), 4), _num(b.get("top_at_first")),
+                      _num(b.get("top_at_first_uniform")))
+
+    co = result["choice_orders"]
     for t, b in result["per_type"].items():
-        if not b.get("applicable"):
-            table.add_row(t, str(b["n_rows"]), "n/a", "n/a", "n/a", "n/a", "n/a", "n/a", "n/a")
-        elif b["n_rows"] == 0:
-            table.add_row(t, "0", "0", "–", "–", "–", "–", "–", "–")
-        else:
-            table.add_row(t, str(b["n_rows"]), str(b["n_comparisons"]), _num(b["flip_rate"]),
-                          _num(b["rows_with_flip"]), _num(b["mean_tv"], 4), _num(b["max_tv"], 4),
-                          _num(b["top_at_first"]), _num(b["top_at_first_uniform"]))
+        probe = {"choice": f"orders ({co['all']} all, {co['sampled']} sampled)", "score": "levels reversed",
+                 "noul": "wording swapped"}[t]
+        add(t, "1", probe, b)
+        for n, vb in (b["votes"].items() if isinstance(b.get("votes"), dict) else ()):
+            add(t, n, "voted", vb)
+    for bucket, b in result["choice_per_k_bucket"].items():
+        add(f"choice K {bucket}", "1", "", b)
+        for n, vb in b["votes"].items():
+            add(f"choice K {bucket}", n, "voted", vb)
     console = result_console()
     console.print(table)
-    console.print("noul/score: not permuted (their candidate order is fixed and carries meaning).", highlight=False)
+    console.print(f"choice orders: all K!-1 for K <= 4 ({co['all']} questions); above, the reversal + a seeded sample "
+                  f"of at most {result['max_perms']} orders ({co['sampled']} questions). Intervals: percentile "
+                  f"bootstrap over cases, {result['resamples']} resamples, seed {result['seed']}.", highlight=False)
+    for t, c in result["counts"].items():
+        for reason, n in c["reasons"].items():
+            console.print(f"{t}: {n} of {c['read']} not probed: {reason}", highlight=False)
+    if result.get("saved"):
+        typer.echo(f"wrote {result['saved']} (`rlcd report {run}` shows it)", err=True)
     _write_json(out, result)
 
 
