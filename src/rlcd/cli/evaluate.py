@@ -54,30 +54,97 @@ def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = D
              recalibrate: Annotated[bool, typer.Option(
                  "--recalibrate", help="with --data: fit the temperatures on OTHER's calibration split instead of "
                                        "using the run's own")] = False,
-             allow_data_change: AllowDataChangeOpt = False, no_cache: NoCacheOpt = False) -> None:
+             allow_data_change: AllowDataChangeOpt = False, no_cache: NoCacheOpt = False,
+             order_votes: Annotated[int, typer.Option(
+                 "--order-votes", metavar="N", help="evaluate the answers voted over N option orders of each choice "
+                                                    "question (1..8; 1 = off): scored live, no export/ written "
+                                                    "(docs/SERVING.md); with --remote the orders go out as extra "
+                                                    "questions of each request and are averaged here")] = 1,
+             remote: Annotated[Optional[str], typer.Option(
+                 "--remote", metavar="URL", help="score any System One server instead of a run (no RUN): with --data D "
+                                                 "and --out DIR; see `rlcd.remote`")] = None,
+             split: Annotated[str, typer.Option(
+                 "--split", help="with --remote: the split of D to evaluate (its calibration split, when there, fits "
+                                 "the temperatures)")] = "test",
+             api_key_env: Annotated[Optional[str], typer.Option(
+                 "--api-key-env", metavar="VAR", help="with --remote: the environment variable holding the server's "
+                                                      "API key (sent as Authorization: Bearer)")] = None,
+             remote_model: Annotated[Optional[str], typer.Option(
+                 "--remote-model", metavar="NAME", help="with --remote: the model name to ask for (default: the first "
+                                                        "one /v1/models lists)")] = None,
+             concurrency: Annotated[int, typer.Option(
+                 "--concurrency", min=1, max=64, help="with --remote: requests in flight at once")] = 4,
+             ) -> None:
     """Score dev/calibration/test with the merged best (or last) checkpoint, calibrate, write eval/ and export/.
 
     With --data OTHER: score OTHER's splits with the same model (the run's temperatures unless
     --recalibrate; majority baseline from OTHER's train split) into RUN/eval-NAME/, leaving eval/ and
     export/ as they are. Progress (rows done / total per split, rows/s, time left) and model loading go to
     stderr, the summary to stdout.
+
+    With --remote URL --data D --out DIR (no RUN): score any System One server on D's test split (or --split),
+    one request per state; temperatures fitted on its answers to D's calibration split; DIR/eval/ holds what a
+    run's eval/ holds (predictions, evaluation.json, report, thresholds.json) plus unanswered.jsonl, and
+    DIR/remote.json says what was asked of whom. `rlcd compare RUN DIR` pairs it with any run by case.
     """
-    from rlcd.cli._common import run_path
+    from rlcd.cli._common import check_order_votes, run_path
     from rlcd.errors import OptionError
     from rlcd.evaluate import evaluate_on_data, evaluate_run, print_summary
     from rlcd.progress import echo
     from rlcd.run import Run
 
+    check_order_votes(order_votes)
+    if remote is not None:  # votes: each choice question sent in N orders within its request, averaged here
+        _evaluate_remote(run, remote, data=data, out=out, split=split, api_key_env=api_key_env, model=remote_model,
+                         concurrency=concurrency, recalibrate=recalibrate, order_votes=order_votes)
+        return
+    for name, value, default in (("--split", split, "test"), ("--api-key-env", api_key_env, None),
+                                 ("--remote-model", remote_model, None), ("--concurrency", concurrency, 4)):
+        if value != default:
+            raise OptionError(f"{name} goes with --remote URL (evaluation of a System One server)")
     if data is None and (out is not None or recalibrate):
         raise OptionError(f"{'--out' if out is not None else '--recalibrate'} goes with --data OTHER (evaluation on "
                           "another data set)")
     r = Run.open(run_path(run, None))
     if data is not None:
         print_summary(evaluate_on_data(r, data, name=out, recalibrate=recalibrate, placement=placement(device, dtype),
-                                       print_fn=echo, which=checkpoint.value))
+                                       print_fn=echo, which=checkpoint.value, order_votes=order_votes))
         return
     print_summary(evaluate_run(r, placement=placement(device, dtype), print_fn=echo, which=checkpoint.value,
-                               allow_data_change=allow_data_change, feature_cache=not no_cache))
+                               allow_data_change=allow_data_change, feature_cache=not no_cache,
+                               order_votes=order_votes))
+
+
+def _evaluate_remote(run, url: str, *, data, out, split: str, api_key_env, model, concurrency: int,
+                     recalibrate: bool, order_votes: int) -> None:
+    """`rlcd evaluate --remote URL --data D --out DIR`: checks the options, then `rlcd.remote.evaluate_remote`."""
+    import os
+
+    from rlcd.errors import OptionError
+    from rlcd.evaluate import print_summary
+    from rlcd.progress import echo
+    from rlcd.remote.client import base_url
+    from rlcd.remote.evaluate import evaluate_remote
+
+    if run is not None:
+        raise OptionError(f"--remote scores a server, not a run: drop RUN ({run}) or drop --remote")
+    if data is None or out is None:
+        raise OptionError("--remote URL needs --data D (a processed data directory) and --out DIR (where the "
+                          "evaluation goes)")
+    if recalibrate:
+        raise OptionError("--recalibrate goes with RUN --data OTHER; --remote always fits its temperatures on D's "
+                          "calibration split")
+    key = None
+    if api_key_env is not None:
+        key = os.environ.get(api_key_env)
+        if not key:
+            raise OptionError(f"--api-key-env {api_key_env}: that environment variable is not set")
+    try:
+        base_url(url)
+    except ValueError as e:
+        raise OptionError(str(e)) from None
+    print_summary(evaluate_remote(url, data, Path(out), split=split, api_key=key, model=model,
+                                  concurrency=concurrency, votes=order_votes, print_fn=echo))
 
 
 def report(run: RunArg = None, out: Annotated[Optional[str], typer.Option(

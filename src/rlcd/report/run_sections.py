@@ -35,6 +35,9 @@ def data_and_recipe(ctx: Context) -> Section:
                      "rlcd); the tables below are recomputed from the prediction files."))
     if notes:
         s.add(Bullets(notes))
+    remote = _remote(ctx)
+    if remote is not None:
+        s.add(*remote)
     s.add(_recipe(ctx))
     init = _init(ctx)
     if init is not None:
@@ -46,6 +49,22 @@ def data_and_recipe(ctx: Context) -> Section:
     if isinstance(hashes, dict) and hashes:
         s.add(Text("Data hashes:"), Table(["file", "sha256"], [[k, f"`{v}`"] for k, v in sorted(hashes.items())]))
     return s
+
+
+def _remote(ctx: Context) -> tuple[Text, Table] | None:
+    """Who answered (`rlcd evaluate --remote`): the server, the model, when, and where every row went."""
+    r = ctx.meta.get("remote")
+    if not isinstance(r, dict):
+        return None
+    lost = ", ".join(f"{k} {v}" for k, v in (r.get("unanswered_by_kind") or {}).items()) or "none"
+    rebuilt = ", ".join(f"{k}: {v}" for k, v in (r.get("reconstructed") or {}).items()) or "none"
+    return (Text(f"A remote System One server answered these rows: model `{r.get('model')}` at `{r.get('url')}`, "
+                 f"{r.get('started')} to {r.get('finished')} ({r.get('requests')} requests, {r.get('attempts')} "
+                 f"attempts). Rows without a usable answer are listed in `unanswered.jsonl`; answers rebuilt without "
+                 "probabilities are scored and counted."),
+            Table(["rows read", "scored", "unanswered", "unanswered by kind", "reconstructed", "order votes"],
+                  [[r.get("rows_read"), r.get("rows_scored"), r.get("rows_unanswered"), lost, rebuilt,
+                    r.get("order_votes", 1)]]))
 
 
 def _init(ctx: Context) -> Text | None:

@@ -1,0 +1,284 @@
+"""`rlcd evaluate --remote URL --data D --out DIR`: any System One endpoint scored with rlcd's statistics.
+
+D's rows go out one request per state (a case's questions together, at most MAX_QUESTIONS per request),
+`concurrency` requests at a time (`SystemOneClient` retries a 503/429 after its Retry-After). Each answer is
+mapped back to its candidates (`rlcd.remote.answers.map_answer`) and written as a prediction row with
+``logits = log max(p, 1e-12)``, so everything downstream is the code an rlcd run uses: temperatures fitted
+per type on the remote's calibration answers when D has a calibration split (else T = 1), raw and calibrated
+metrics with intervals, the report, the gates. DIR gets the layout of a run's evaluation --
+``DIR/eval/{predictions-<split>.jsonl, temperatures.json, evaluation.json, report.md, report.html,
+thresholds.json}`` -- plus ``DIR/remote.json``, so ``rlcd compare RUN DIR`` pairs it with any run by case.
+
+Nothing is dropped silently: a question the system did not answer, or answered unusably (wrong type, not a
+probability, unknown label, a failed request after retries), is written to ``DIR/eval/unanswered.jsonl`` with
+its reason and counted in evaluation.json's ``meta.remote``; rows read == rows scored + rows unanswered.
+Answers rebuilt from a top answer and a confidence (no ``probabilities`` sent) are scored and counted as
+reconstructed. With ``order_votes`` N > 1 each choice question is also asked in N-1 other orders
+(`rlcd.order_votes`) inside the same request and the answers are averaged in candidate space.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from rlcd.order_votes import check_votes, combine, permute_question, vote_orders
+from rlcd.remote.answers import map_answer
+from rlcd.remote.client import SystemOneClient
+from rlcd.run import Run, write_json
+from rlcd.schema import Record
+
+MAX_QUESTIONS = 64  # System One's limit per request (transformers: 1..64)
+FLOOR = 1e-12  # a probability of 0 becomes log(1e-12): the metrics' own floor
+FORMAT = "rlcd.remote_evaluation/1"
+
+
+@dataclass
+class Asked:
+    """One question of D asked (in one or more orders) within one request."""
+
+    record: Record
+    split: str
+    qids: list[str]
+    orders: list[list[int]]
+
+
+@dataclass
+class Outgoing:
+    body: dict[str, Any]
+    asked: list[Asked] = field(default_factory=list)
+
+
+def case_key(rec: Record) -> str:
+    return rec.case_id if rec.case_id is not None else rec.id.split(":", 1)[0]
+
+
+def build_requests(records: dict[str, list[Record]], model: str, votes: int = 1
+                   ) -> tuple[list[Outgoing], list[dict[str, Any]]]:
+    """The requests for every split's records (one per state, split at MAX_QUESTIONS questions) and the rows
+    that cannot be sent (an image: this client sends text states only), each with its reason."""
+    groups: dict[tuple[str, str, str], list[Record]] = {}
+    skipped = []
+    for split, recs in records.items():
+        for rec in recs:
+            if rec.image:
+                skipped.append({"id": rec.id, "split": split, "kind": "not_sent",
+                                "reason": "the row has an image; remote evaluation sends text states only"})
+                continue
+            state = json.dumps(rec.state, sort_keys=True, ensure_ascii=False)
+            groups.setdefault((split, case_key(rec), state), []).append(rec)
+    out: list[Outgoing] = []
+    for (split, _, _), recs in groups.items():
+        req = None
+        for rec in recs:
+            orders = vote_orders(rec.question.k, votes) if rec.question.type == "choice" else [list(range(rec.question.k))]
+            if req is None or len(req.body["questions"]) + len(orders) > MAX_QUESTIONS:
+                req = Outgoing({"model": model, "state": rec.state, "questions": {}})
+                out.append(req)
+            qids = []
+            for perm in orders:
+                qid = f"q{len(req.body['questions'])}"
+                q = rec.question if perm == sorted(perm) else permute_question(rec.question, perm)
+                req.body["questions"][qid] = q.model_dump(exclude_none=True)
+                qids.append(qid)
+            req.asked.append(Asked(rec, split, qids, orders))
+    return out, skipped
+
+
+def prediction_row(rec: Record, split: str, logits: list[float], reconstructed: str | None) -> dict[str, Any]:
+    """The row `rlcd.evaluate.predict_rows` writes, from the remote's logits."""
+    from rlcd.evaluate import state_excerpt
+
+    row = {"id": rec.id, "group": rec.group, "type": rec.question.type, "labels": rec.question.labels,
+           "target": rec.target, "posterior": rec.posterior, "logits": logits,
+           "instructions": rec.question.instructions, "state_excerpt": state_excerpt(rec), "split": split}
+    if rec.case_id is not None:
+        row["case_id"] = rec.case_id
+    if reconstructed:
+        row["reconstructed"] = reconstructed
+    return row
+
+
+def read_answers(out: Outgoing, reply) -> tuple[list[tuple[Asked, list[float], str | None]], list[dict[str, Any]]]:
+    """(asked, logits, reconstructed) for each usable answer of one request, and the unusable ones with reasons."""
+    scored, bad = [], []
+    answers = reply.body.get("answers") if reply.error is None and isinstance(reply.body, dict) else None
+    for a in out.asked:
+        base = {"id": a.record.id, "split": a.split}
+        if reply.error is not None:
+            bad.append({**base, "kind": "request_failed", "reason": reply.error})
+            continue
+        if not isinstance(answers, dict):
+            bad.append({**base, "kind": "malformed", "reason": "the response has no answers object"})
+            continue
+        per_order, rebuilt, why = [], None, None
+        for qid, perm in zip(a.qids, a.orders):
+            if qid not in answers:
+                why = ("no_answer", f"no answer for question {qid}")
+                break
+            q = a.record.question if perm == sorted(perm) else permute_question(a.record.question, perm)
+            m = map_answer(q, answers[qid])
+            if m.probs is None:
+                why = ("malformed", m.reason)
+                break
+            rebuilt = rebuilt or m.reconstructed
+            per_order.append([math.log(max(p, FLOOR)) for p in m.probs])
+        if why is not None:
+            bad.append({**base, "kind": why[0], "reason": why[1]})
+            continue
+        logits = per_order[0] if len(per_order) == 1 else combine(per_order, a.orders)
+        scored.append((a, [max(x, math.log(FLOOR)) for x in logits], rebuilt))
+    return scored, bad
+
+
+def check_out_dir(out: Path) -> Path:
+    """DIR for a remote evaluation: new, or empty, or an earlier remote evaluation (replaced); never a run."""
+    from rlcd.errors import OptionError
+
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise OptionError(f"--out {out}: exists and is not a directory")
+    if (out / Run.CONFIG).is_file():
+        raise OptionError(f"--out {out} is a run directory; a remote evaluation goes into a new or empty directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "remote.json").is_file():
+        raise OptionError(f"--out {out} is not empty; give a new or empty directory (or an earlier remote evaluation's)")
+    return out
+
+
+def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "test", api_key: str | None = None,
+                    model: str | None = None, concurrency: int = 4, votes: int = 1, progress: bool = True,
+                    timeout_s: float = 120.0, retries: int = 4, print_fn: Callable[[str], None] | None = None,
+                    client: SystemOneClient | None = None) -> dict[str, Any]:
+    """Score `data_dir`'s `split` (and its calibration split, for the temperatures) on the System One server at
+    `url`; write `out_dir` (see the module doc) and return the evaluation dict. Inputs and the server are checked
+    before anything is written."""
+    from rlcd.calibrate import fit_per_type
+    from rlcd.data.io import load_split, write_jsonl
+    from rlcd.errors import OptionError, RunError
+    from rlcd.evaluate import SPLITS, _test_look, check_other_data
+    from rlcd.gate import default_gates
+    from rlcd.metrics import majority_baseline
+    from rlcd.report import evaluation_from_predictions, write_evaluation, write_report
+    from rlcd.train.inputs import data_hashes
+
+    say = print_fn or (lambda _: None)
+    votes = check_votes(votes)
+    if concurrency < 1:
+        raise OptionError(f"--concurrency must be at least 1, got {concurrency}")
+    if split not in SPLITS:
+        raise OptionError(f"--split {split!r}: choose one of {', '.join(SPLITS)}")
+    data = check_other_data(data_dir, recalibrate=False)
+    if not (data / f"{split}.jsonl").is_file():
+        raise RunError(f"--data {data}: no {split}.jsonl to evaluate (--split names another)")
+    out_dir = check_out_dir(out_dir)
+    records = {split: load_split(data, split)}
+    if split != "calibration" and (data / "calibration.jsonl").is_file():
+        records["calibration"] = load_split(data, "calibration")
+    records = {s: r for s, r in records.items() if r}
+    if split not in records:
+        raise RunError(f"--data {data}: {split}.jsonl has no rows")
+    own = client is None
+    client = client or SystemOneClient(url, api_key=api_key, timeout_s=timeout_s, retries=retries)
+    try:
+        try:
+            served = client.models()
+        except ConnectionError as e:
+            raise RunError(f"--remote {url}: {e}") from None
+        name = model or (served[0] if served else "default")
+        say(f"remote: {client.base} serves {', '.join(served) or 'no listed model'}; asking {name!r}")
+        outgoing, skipped = build_requests(records, name, votes)
+        started = _dt.datetime.now(_dt.timezone.utc)
+        results = _send(client, outgoing, concurrency, progress, sum(len(r) for r in records.values()))
+        finished = _dt.datetime.now(_dt.timezone.utc)
+    finally:
+        if own:
+            client.close()
+    preds: dict[str, list[dict[str, Any]]] = {s: [] for s in records}
+    unanswered = list(skipped)
+    reconstructed: Counter[str] = Counter()
+    attempts = 0
+    for out, reply in zip(outgoing, results):
+        attempts += reply.attempts
+        scored, bad = read_answers(out, reply)
+        unanswered += bad
+        for a, logits, rebuilt in scored:
+            preds[a.split].append(prediction_row(a.record, a.split, logits, rebuilt))
+            if rebuilt:
+                reconstructed[rebuilt] += 1
+    order = {s: {r.id: i for i, r in enumerate(recs)} for s, recs in records.items()}
+    for s in preds:
+        preds[s].sort(key=lambda row: order[s][row["id"]])
+    n_read = sum(len(r) for r in records.values())
+    assert n_read == sum(len(p) for p in preds.values()) + len(unanswered), "every row is scored or unanswered"
+    if not preds[split]:
+        raise RunError(f"--remote {url}: no usable answer for any of the {len(records[split])} {split} rows "
+                       f"(first reason: {unanswered[0]['reason'] if unanswered else 'none'})")
+
+    view = Run(out_dir)
+    view.eval_dir.mkdir(parents=True, exist_ok=True)
+    remote = {"format": FORMAT, "url": client.base, "model": name, "served_models": served,
+              "started": started.isoformat(timespec="seconds"), "finished": finished.isoformat(timespec="seconds"),
+              "seconds": round((finished - started).total_seconds(), 3), "requests": len(outgoing),
+              "attempts": attempts, "concurrency": concurrency, "order_votes": votes, "rows_read": n_read,
+              "rows_scored": n_read - len(unanswered), "rows_unanswered": len(unanswered),
+              "unanswered_by_kind": dict(Counter(u["kind"] for u in unanswered)),
+              "reconstructed": dict(reconstructed), "data": str(data), "split": split}
+    write_json(out_dir / "remote.json", remote)
+    for s, rows in preds.items():
+        write_jsonl(view.predictions_path(s), rows)
+    write_jsonl(view.eval_dir / "unanswered.jsonl", unanswered)
+    cal = preds.get("calibration") or []
+    temps, infos = fit_per_type(cal)
+    source = (f"fitted per type on the remote's answers to {data / 'calibration.jsonl'}" if cal
+              else "none: the data has no calibration split (T = 1)")
+    write_json(view.temperatures_path, {"temperatures": temps, "calibration": infos, "n_rows": len(cal),
+                                        "source": source})
+    say(f"temperatures: {source}")
+    train_rows = load_split(data, "train") if (data / "train.jsonl").is_file() else []
+    baseline = majority_baseline(train_rows, records[split]) if train_rows else None
+    meta = {"run": f"{name} at {client.base}", "model": name, "remote": remote, "evaluated_on": str(data),
+            "data_hashes": data_hashes(data), "calibration": infos, "temperatures_source": source,
+            "order_votes": votes, "majority_baseline_from": str(data / "train.jsonl") if baseline else None}
+    if split == "test":
+        meta.update(_test_look(view, data, preds, f"remote:{client.base}:{name}", "evaluate --remote",
+                               print_fn or (lambda _: None)))
+    if unanswered:
+        say(f"unanswered: {len(unanswered)} of {n_read} rows ({', '.join(f'{k} {v}' for k, v in remote['unanswered_by_kind'].items())}); "
+            f"listed in {view.eval_dir / 'unanswered.jsonl'}")
+    if reconstructed:
+        say(f"reconstructed: {sum(reconstructed.values())} answers sent no probabilities "
+            f"({', '.join(f'{k}: {v}' for k, v in reconstructed.items())})")
+    ev = evaluation_from_predictions(preds, temps, meta, majority_baseline=baseline)
+    write_evaluation(view, ev)
+    default_gates(view, say)
+    write_report(view, ev=ev)
+    say(f"report: {view.report_md}, {view.report_html}")
+    return ev
+
+
+def _send(client: SystemOneClient, outgoing: list[Outgoing], concurrency: int, progress: bool, total: int) -> list:
+    import threading
+
+    from rlcd.progress import Progress
+
+    with Progress("remote", total, unit="rows", enabled=progress and bool(outgoing)) as bar:
+        done, lock = [0], threading.Lock()
+
+        def one(out: Outgoing):
+            reply = client.decide(out.body)
+            with lock:
+                done[0] += len(out.asked)
+                bar.update(done[0])
+            return reply
+
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            return list(pool.map(one, outgoing))
+
+
+__all__ = ["build_requests", "check_out_dir", "evaluate_remote", "map_answer", "read_answers"]

@@ -1,0 +1,320 @@
+"""`rlcd evaluate --remote`: answers mapped to candidates, a client that respects Retry-After, every row accounted
+for, and a served run scored remotely equal to its local evaluation."""
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from conftest import synth_processed, user_error
+from rlcd.remote.answers import map_answer
+from rlcd.remote.client import SystemOneClient, base_url, retry_after
+from rlcd.remote.evaluate import MAX_QUESTIONS, build_requests, evaluate_remote
+from rlcd.schema import Question, Record
+from rlcd.serving.answer import make_answer
+
+CHOICE = Question(type="choice", instructions="Which queue?", criteria=["billing", "shipping", "returns"])
+NOUL = Question(type="noul", instructions="Angry?")
+SCORE = Question(type="score", instructions="How urgent?", criteria=["low", "mid", "high", "max"])
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return synth_processed(tmp_path_factory.mktemp("data"), 60, seed=3)
+
+
+# ------------------------------------------------------------------ answers -> candidates
+
+
+@pytest.mark.parametrize("question", [CHOICE, NOUL, SCORE])
+def test_an_rlcd_answer_maps_back_to_the_probabilities_it_was_made_from(question):
+    z = np.array([0.3, -1.2, 2.0, 0.1][: question.k])
+    p = np.exp(z / 1.7) / np.exp(z / 1.7).sum()
+    m = map_answer(question, make_answer(question, z.tolist(), 1.7))
+    assert m.reason is None and m.reconstructed is None
+    np.testing.assert_allclose(m.probs, p, rtol=0, atol=1e-12)
+
+
+def test_a_choice_without_probabilities_is_rebuilt_from_its_confidence_and_marked():
+    z = [0.2, 1.9, -0.4]
+    full = make_answer(CHOICE, z, 1.0)
+    p = np.exp(z) / np.exp(z).sum()
+    m = map_answer(CHOICE, {k: v for k, v in full.items() if k != "probabilities"})
+    assert m.reconstructed and m.probs[1] == pytest.approx(p.max(), abs=1e-12)  # p_max comes back exactly
+    assert m.probs[0] == m.probs[2] == pytest.approx((1 - p.max()) / 2, abs=1e-12)
+
+
+def test_a_score_without_probabilities_is_the_two_levels_around_its_mean():
+    m = map_answer(SCORE, {"type": "score", "score": 1.25, "legend": {}, "confidence": 0.5})
+    assert m.reconstructed and m.probs == pytest.approx([0, 0.75, 0.25, 0])
+    assert sum(i * p for i, p in enumerate(m.probs)) == pytest.approx(1.25)
+
+
+@pytest.mark.parametrize("answer, reason", [
+    ("yes", "not an object"),
+    ({"type": "noul", "noul": 0.4}, "answer type 'noul' for a choice question"),
+    ({"type": "choice", "probabilities": {"billing": 0.5, "shipping": 0.5}}, "missing ['returns']"),
+    ({"type": "choice", "probabilities": {"billing": 0.5, "shipping": 0.3, "returns": 0.3}}, "sums to 1.1"),
+    ({"type": "choice", "probabilities": {"billing": float("nan"), "shipping": 0.5, "returns": 0.5}}, "not a probability"),
+    ({"type": "choice", "choice": "refunds", "confidence": 0.3}, "'refunds' is not one of the question's labels"),
+    ({"type": "choice", "choice": "billing"}, "confidence is not a number"),
+])
+def test_an_unusable_choice_answer_says_why(answer, reason):
+    m = map_answer(CHOICE, answer)
+    assert m.probs is None and reason in m.reason
+
+
+@pytest.mark.parametrize("question, answer", [(NOUL, {"type": "noul", "noul": 1.5}), (NOUL, {"type": "noul", "noul": True}),
+                                              (SCORE, {"type": "score", "score": 4.0})])
+def test_out_of_range_noul_and_score_answers_are_unusable(question, answer):
+    assert map_answer(question, answer).probs is None
+
+
+# ------------------------------------------------------------------ the client
+
+
+def test_the_client_waits_as_long_as_retry_after_says_then_gets_the_answer():
+    calls, slept = [], []
+
+    def handler(request):
+        calls.append(request.headers.get("authorization"))
+        if len(calls) == 1:
+            return httpx.Response(503, headers={"Retry-After": "2"}, json={"detail": "busy"})
+        if len(calls) == 2:
+            return httpx.Response(429, json={"detail": "slow down"})  # no header: back-off 0.5 * 2^1
+        return httpx.Response(200, json={"answers": {}})
+
+    with SystemOneClient("http://x/v1/systemone", api_key="k", sleep=slept.append,
+                         transport=httpx.MockTransport(handler)) as c:
+        reply = c.decide({"state": "s", "questions": {}})
+    assert reply.body == {"answers": {}} and reply.attempts == 3
+    assert slept == [2.0, 1.0] and calls == ["Bearer k"] * 3
+
+
+def test_a_refusal_is_not_retried_and_a_dead_server_gives_up_after_the_retries():
+    def refuse(request):
+        return httpx.Response(422, json={"detail": [{"loc": ["body", "questions"], "msg": "bad"}]})
+
+    slept = []
+    with SystemOneClient("http://x", sleep=slept.append, transport=httpx.MockTransport(refuse)) as c:
+        reply = c.decide({})
+    assert reply.attempts == 1 and reply.error.startswith("HTTP 422") and slept == []
+
+    def dead(request):
+        raise httpx.ConnectError("refused")
+
+    with SystemOneClient("http://x", retries=2, sleep=slept.append, transport=httpx.MockTransport(dead)) as c:
+        reply = c.decide({})
+    assert reply.status is None and reply.attempts == 3 and "ConnectError" in reply.error and len(slept) == 2
+
+
+def test_retry_after_reads_seconds_and_dates_and_is_capped():
+    assert retry_after("3", 0) == 3.0
+    assert retry_after("999", 0) == 30.0
+    assert retry_after(None, 2) == 2.0
+    later = time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() + 5))
+    assert 3.0 <= retry_after(later, 0) <= 5.0
+    assert base_url("http://h:1/v1/systemone/") == "http://h:1" and base_url("https://h/v1") == "https://h"
+    with pytest.raises(ValueError, match="http://"):
+        base_url("localhost:8000")
+
+
+# ------------------------------------------------------------------ requests and accounting
+
+
+def _record(i, q, case="c1", state="a state", image=None):
+    return Record(id=f"{case}:{i}", case_id=case, source="t", task="t", state=state, question=q,
+                  target=[1.0 / q.k] * q.k, image=image)
+
+
+def test_one_request_per_state_at_most_64_questions_with_vote_orders_inside():
+    recs = [_record(i, CHOICE) for i in range(50)] + [_record(0, NOUL, case="c2", state={"x": 1})]
+    recs.append(_record(0, SCORE, case="c3", image="pic.png"))
+    out, skipped = build_requests({"test": recs}, "m", votes=2)
+    assert [len(o.body["questions"]) for o in out] == [64, 36, 1]  # 50 choice x 2 orders, then c2's noul
+    assert all(len(o.body["questions"]) <= MAX_QUESTIONS for o in out)
+    first = out[0].asked[0]
+    assert first.orders == [[0, 1, 2], [2, 1, 0]]
+    asked = out[0].body["questions"]
+    assert asked[first.qids[1]]["criteria"] == ["returns", "shipping", "billing"]
+    assert out[2].body["state"] == {"x": 1} and "criteria" not in out[2].body["questions"]["q0"]
+    assert skipped == [{"id": "c3:0", "split": "test", "kind": "not_sent",
+                        "reason": "the row has an image; remote evaluation sends text states only"}]
+
+
+def _fake_server(answer_for):
+    """A MockTransport System One server answering each question with `answer_for(question dict)`."""
+    def handler(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"models": [{"name": "fake"}]})
+        body = json.loads(request.content)
+        return httpx.Response(200, json={"model": body["model"], "usage": {"input_tokens": 1, "output_tokens": 0},
+                                         "answers": {qid: answer_for(q) for qid, q in body["questions"].items()}})
+    return httpx.MockTransport(handler)
+
+
+def test_bad_answers_are_counted_and_listed_never_dropped(tmp_path, data_dir):
+    def answer(q):
+        if q["type"] == "noul":
+            return {"type": "noul", "noul": 2.0}  # not a probability
+        if q["type"] == "score":
+            return {"type": "score", "score": 1.0, "legend": {}, "confidence": 0.2}  # no probabilities: rebuilt
+        k = len(q["criteria"])
+        return {"type": "choice", "probabilities": {lab: 1 / k for lab in q["criteria"]}}
+
+    client = SystemOneClient("http://fake", transport=_fake_server(answer))
+    ev = evaluate_remote("http://fake", data_dir, tmp_path / "out", client=client, progress=False)
+    remote = json.loads((tmp_path / "out" / "remote.json").read_text())
+    unanswered = [json.loads(x) for x in (tmp_path / "out" / "eval" / "unanswered.jsonl").read_text().splitlines()]
+    splits = [s for s in ("test", "calibration") if (data_dir / f"{s}.jsonl").read_text().strip()]
+    assert splits == ["test", "calibration"], "the fixture has both splits"
+    preds = {s: (tmp_path / "out" / "eval" / f"predictions-{s}.jsonl").read_text().splitlines() for s in splits}
+    read = sum(len((data_dir / f"{s}.jsonl").read_text().splitlines()) for s in splits)
+    assert remote["rows_read"] == read == sum(map(len, preds.values())) + len(unanswered)
+    assert unanswered and all(u["kind"] == "malformed" and "noul is not a probability" in u["reason"] for u in unanswered)
+    assert remote["unanswered_by_kind"] == {"malformed": len(unanswered)}
+    n_score = sum(json.loads(x)["type"] == "score" for rows in preds.values() for x in rows)
+    assert remote["reconstructed"] == {"score: expected level only": n_score} and n_score > 0
+    assert ev["meta"]["remote"]["model"] == "fake"
+    md = (tmp_path / "out" / "eval" / "report.md").read_text()
+    assert "model `fake` at `http://fake`" in md and f"malformed {len(unanswered)}" in md
+
+
+def test_remote_order_votes_average_the_orders_in_candidate_space(tmp_path, data_dir):
+    """A server with a pure position bias (the first option listed gets 0.6): two orders voted give each end
+    option 0.6 / 2 + 0.2 / 2 back in its own place."""
+    def answer(q):
+        if q["type"] != "choice":
+            k = 2 if q["type"] == "noul" else len(q["criteria"])
+            return ({"type": "noul", "noul": 0.5} if q["type"] == "noul" else
+                    {"type": "score", "probabilities": {str(i): 1 / k for i in range(k)}, "score": 0, "legend": {}})
+        labels = list(q["criteria"])
+        k = len(labels)
+        return {"type": "choice", "probabilities": {lab: (0.6 if i == 0 else 0.4 / (k - 1)) for i, lab in enumerate(labels)}}
+
+    client = SystemOneClient("http://fake", transport=_fake_server(answer))
+    evaluate_remote("http://fake", data_dir, tmp_path / "v", client=client, progress=False, votes=2)
+    rows = [json.loads(x) for x in (tmp_path / "v" / "eval" / "predictions-test.jsonl").read_text().splitlines()]
+    for r in (r for r in rows if r["type"] == "choice"):
+        k = len(r["labels"])
+        rest = 0.4 / (k - 1)
+        expect = [rest] * k  # a middle option is never listed first in either order
+        expect[0] = expect[-1] = (0.6 + rest) / 2
+        assert [math.exp(x) for x in r["logits"]] == pytest.approx(expect, abs=1e-12), r["labels"]
+
+
+# ------------------------------------------------------------------ the CLI's mistakes
+
+
+def test_remote_cli_mistakes_are_one_line_and_write_nothing(tmp_path, data_dir):
+    out = tmp_path / "out"
+    user_error(["evaluate", "--remote", "localhost:9", "--data", data_dir, "--out", out], contains="http://")
+    user_error(["evaluate", "--remote", "http://127.0.0.1:9"], contains="needs --data D")
+    user_error(["evaluate", tmp_path, "--remote", "http://127.0.0.1:9", "--data", data_dir, "--out", out],
+               contains="drop RUN")
+    user_error(["evaluate", "--remote", "http://127.0.0.1:9", "--data", data_dir, "--out", out,
+                "--api-key-env", "RLCD_TEST_UNSET_KEY"], contains="not set")
+    user_error(["evaluate", tmp_path, "--split", "dev"], contains="goes with --remote")
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there
+    user_error(["evaluate", "--remote", f"http://127.0.0.1:{port}", "--data", data_dir, "--out", out],
+               contains="/v1/models")
+    assert not out.exists(), "nothing is written before the server answers"
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x.txt").write_text("mine")
+    user_error(["evaluate", "--remote", f"http://127.0.0.1:{port}", "--data", data_dir, "--out", tmp_path / "full"],
+               contains="not empty")
+
+
+# ------------------------------------------------------------------ a real rlcd serve
+
+
+@pytest.fixture(scope="module")
+def served_run(tmp_path_factory):
+    """A tiny run trained, evaluated locally (temperatures fitted) and served by `rlcd serve` in a subprocess."""
+    from rlcd.data.io import write_jsonl
+    from rlcd.data.prepare import prepare
+    from rlcd.data.synth import generate
+    from rlcd.evaluate import evaluate_run
+    from rlcd.recipe import Recipe
+    from rlcd.train import train
+
+    base = tmp_path_factory.mktemp("remote")
+    write_jsonl(base / "synth.jsonl", generate(80, seed=7))
+    prepare([base / "synth.jsonl"], base / "processed", seed=0, fractions=(0.4, 0.1, 0.3, 0.2))
+    train(base / "run", data_dir=base / "processed", model="tiny-toy", progress=False,
+          recipe=Recipe(steps=3, eval_every=3, checkpoint_every=3, log_every=1, lr_head=5e-3))
+    evaluate_run(base / "run", progress=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RLCD_TEST_KEY": "sekret", "RLCD_API_KEY": "sekret"}
+    proc = subprocess.Popen([sys.executable, "-m", "rlcd.cli", "serve", "--run", str(base / "run"), "--port", str(port),
+                             "--quiet"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"rlcd serve did not come up: {proc.stdout.read()[-3000:]}")
+            time.sleep(0.2)
+    yield {"url": url, "base": base, "run": base / "run"}
+    proc.terminate()
+    proc.wait(30)
+
+
+def _probs(row, temperature):
+    z = np.asarray(row["logits"], dtype=np.float64) / temperature
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def test_a_served_run_scored_remotely_equals_its_local_evaluation(served_run, monkeypatch):
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    base, run = served_run["base"], served_run["run"]
+    monkeypatch.setenv("RLCD_TEST_KEY", "sekret")
+    res = CliRunner().invoke(app, ["evaluate", "--remote", served_run["url"] + "/v1/systemone", "--data",
+                                   str(base / "processed"), "--out", str(base / "remote"), "--api-key-env",
+                                   "RLCD_TEST_KEY"])
+    assert res.exit_code == 0, res.output
+    local = json.loads((run / "eval" / "evaluation.json").read_text())
+    remote = json.loads((base / "remote" / "eval" / "evaluation.json").read_text())
+    temps = json.loads((run / "eval" / "temperatures.json").read_text())["temperatures"]
+    assert any(abs(t - 1) > 0.05 for t in temps.values()), f"the fixture should fit real temperatures: {temps}"
+    # what the server sends is the calibrated answer: the remote's raw rows are the local calibrated ones
+    for split in ("test", "calibration"):
+        mine = {r["id"]: r for r in map(json.loads, (run / "eval" / f"predictions-{split}.jsonl").read_text().splitlines())}
+        theirs = [json.loads(x) for x in (base / "remote" / "eval" / f"predictions-{split}.jsonl").read_text().splitlines()]
+        assert [r["id"] for r in theirs] == list(mine), "every row, in the data's order"
+        for r in theirs:
+            np.testing.assert_allclose(_probs(r, 1.0), _probs(mine[r["id"]], temps[r["type"]]), atol=1e-4, rtol=0)
+    assert remote["meta"]["remote"]["rows_unanswered"] == 0 and remote["meta"]["remote"]["model"] == "run"
+    for metric in ("nll", "brier", "accuracy", "ece"):
+        assert remote["raw"]["overall"][metric] == pytest.approx(local["calibrated"]["overall"][metric], abs=1e-4), metric
+    # refitting on answers that are already calibrated moves little (T' near 1)
+    assert remote["calibrated"]["overall"]["nll"] == pytest.approx(local["calibrated"]["overall"]["nll"], abs=2e-2)
+    assert (base / "remote" / "eval" / "thresholds.json").is_file() and (base / "remote" / "eval" / "report.html").is_file()
+
+    from rlcd.analysis.compare import compare_runs
+
+    cmp = compare_runs([run], [base / "remote"], metric="nll", resamples=200)
+    assert cmp["rows"]["compared"] == len(mine_test := (run / "eval" / "predictions-test.jsonl").read_text().splitlines())
+    assert abs(cmp["mean_diff"]) < 1e-2 and len(mine_test) > 0
