@@ -29,7 +29,8 @@ def probe_table(probe: dict) -> list[str]:
         b = probe["per_type"].get(t) or {}
         if not b.get("applicable", True) or "flip_rate" not in b:
             continue
-        rows = [(1, b)] + sorted(((int(n), v) for n, v in (b.get("votes") or {}).items()), key=lambda x: x[0])
+        votes = b.get("votes") if isinstance(b.get("votes"), dict) else {}  # noul/score: a note, votes are choice-only
+        rows = [(1, b)] + sorted(((int(n), v) for n, v in votes.items()), key=lambda x: x[0])
         for n, v in rows:
             lines.append(f"| {t} | {what[t]} | {n} | {v['n_rows']} | {v['n_cases']} | {v['n_comparisons']} | "
                          f"{v['flip_rate']:.3f} {_ci(v.get('flip_rate95'))} | {v['mean_tv']:.4f} |")
@@ -69,6 +70,7 @@ def main(src: Path, dst: Path) -> None:
         slim = {k: v for k, v in probe.items() if k not in ("rows",)}
         (dst / "probe-control.json").write_text(json.dumps(slim, indent=1) + "\n")
         out += ["## Order probe (test split, `rlcd probe order runs/rw6/control --order-votes 1,2,3`)", ""]
+        out += [f"Probed checkpoint: sha256 {str(probe.get('checkpoint_sha256'))[:12]}.", ""]
         out += probe_table(probe)
         out += ["", f"Not probed: {len(probe.get('not_probed') or [])} noul questions without both descriptions.", ""]
     evs = {}
