@@ -32,7 +32,7 @@ from rlcd.order_votes import check_votes, combine, permute_question, vote_orders
 from rlcd.remote.answers import map_answer
 from rlcd.remote.client import SystemOneClient
 from rlcd.run import Run, write_json
-from rlcd.schema import Record
+from rlcd.schema import Question, Record
 
 MAX_QUESTIONS = 64  # System One's limit per request (transformers: 1..64)
 FLOOR = 1e-12  # a probability of 0 becomes log(1e-12): the metrics' own floor
@@ -57,6 +57,16 @@ class Outgoing:
 
 def case_key(rec: Record) -> str:
     return rec.case_id if rec.case_id is not None else rec.id.split(":", 1)[0]
+
+
+def wire_question(q: Question) -> dict[str, Any]:
+    """A question as the request carries it, in transformers' canonical form (`Question.from_request`): a choice's
+    criteria as a mapping label -> description, None where the data gave a label only. rlcd serve also takes a
+    list of labels, other servers do not (any2jev 0.1.0 answers 422); both forms render the same prompt."""
+    d = q.model_dump(exclude_none=True)
+    if q.type == "choice" and isinstance(q.criteria, list):
+        d["criteria"] = {label: None for label in q.criteria}
+    return d
 
 
 def build_requests(records: dict[str, list[Record]], model: str, votes: int = 1
@@ -85,7 +95,7 @@ def build_requests(records: dict[str, list[Record]], model: str, votes: int = 1
             for perm in orders:
                 qid = f"q{len(req.body['questions'])}"
                 q = rec.question if perm == sorted(perm) else permute_question(rec.question, perm)
-                req.body["questions"][qid] = q.model_dump(exclude_none=True)
+                req.body["questions"][qid] = wire_question(q)
                 qids.append(qid)
             req.asked.append(Asked(rec, split, qids, orders))
     return out, skipped
