@@ -1,0 +1,77 @@
+"""The physical floor of a warm question (issue 45): its suffix's matmul FLOPs over this CPU's measured fp32 matmul peak.
+
+A warm question runs only its suffix (`suffixes.q0.suffix` tokens of benchmarks/results/state-cache.json) through the
+decoder, attending to the cached state (`prefix_tokens`). Its FLOPs, from the SmolLM2 GGUF's own shape: per token and
+layer the q/k/v/o projections and the gated MLP (2 x weights each), plus attention scores and values over every
+attended position as a masked dense kernel computes them (2 x 2 x heads x head_dim x (prefix + suffix)); no LM head
+(the scorer reads hidden states). The peak: the best of 20 fp32 [512 x 2048] @ [2048 x 2048] products per thread count.
+Printed beside the bench's warm p50, so the ratio says how far the warm path is from what no engine can skip.
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/suffix_floor.py [benchmarks/results/state-cache.json]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def smollm2_shape() -> dict[str, int]:
+    import gguf
+
+    from rlcd.model.tokenizer import smollm2_gguf
+
+    fields = gguf.GGUFReader(str(smollm2_gguf())).fields
+
+    def get(key: str) -> int:
+        f = fields[f"llama.{key}"]
+        return int(f.parts[f.data[0]][0])
+
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    return {"hidden": hidden, "intermediate": get("feed_forward_length"), "layers": get("block_count"),
+            "heads": heads, "kv_heads": get("attention.head_count_kv"), "head_dim": hidden // heads}
+
+
+def suffix_flops(shape: dict[str, int], suffix: int, prefix: int) -> int:
+    h, i, hd = shape["hidden"], shape["intermediate"], shape["head_dim"]
+    q, kv = shape["heads"] * hd, shape["kv_heads"] * hd
+    per_token = 2 * h * q + 2 * 2 * h * kv + 2 * q * h + 3 * 2 * h * i
+    attention = 2 * 2 * shape["heads"] * hd * suffix * (prefix + suffix)
+    return shape["layers"] * (suffix * per_token + attention)
+
+
+def matmul_peak(threads: int, repeats: int = 20) -> float:
+    torch.set_num_threads(threads)
+    a, b = torch.randn(512, 2048), torch.randn(2048, 2048)
+    for _ in range(3):
+        a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * 512 * 2048 * 2048 / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main(path: Path) -> None:
+    bench = json.loads(path.read_text())["results"]
+    shape = smollm2_shape()
+    suffix, prefix = bench["suffixes"]["q0"]["suffix"], bench["prefix_tokens"]
+    flops = suffix_flops(shape, suffix, prefix)
+    print(f"SmolLM2 shape {shape}; warm suffix {suffix} tokens after {prefix}: {flops / 1e9:.3f} GFLOP")
+    for t in bench["threads"]:
+        peak = matmul_peak(int(t))
+        floor_ms = 1e3 * flops / peak
+        warm = bench["p50_ms"][str(t)]["warm_1q"]
+        print(f"threads {t}: fp32 matmul peak {peak / 1e9:.1f} GFLOP/s -> floor {floor_ms:.1f} ms; "
+              f"bench warm p50 {warm:.1f} ms = {warm / floor_ms:.2f}x the floor")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/state-cache.json"))
