@@ -4,7 +4,7 @@ A warm question runs only its suffix (`suffixes.q0.suffix` tokens of benchmarks/
 decoder, attending to the cached state (`prefix_tokens`). Its FLOPs, from the SmolLM2 GGUF's own shape: per token and
 layer the q/k/v/o projections and the gated MLP (2 x weights each), plus attention scores and values over every
 attended position as a masked dense kernel computes them (2 x 2 x heads x head_dim x (prefix + suffix)); no LM head
-(the scorer reads hidden states). The peak: the best of 20 fp32 [512 x 2048] @ [2048 x 2048] products per thread count.
+(the scorer reads hidden states). The peak: the best of 20 fp32 [2048 x 2048] @ [2048 x 2048] products per thread count.
 Printed beside the bench's warm p50, so the ratio says how far the warm path is from what no engine can skip.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/suffix_floor.py [benchmarks/results/state-cache.json]
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -44,19 +43,12 @@ def suffix_flops(shape: dict[str, int], suffix: int, prefix: int) -> int:
     return shape["layers"] * (suffix * per_token + attention)
 
 
-def matmul_peak(threads: int, repeats: int = 20) -> float:
+def matmul_peak(threads: int) -> float:
+    """fp32 FLOP/s of [2048 x 2048] @ [2048 x 2048] at `threads` torch threads (`rlcd.bench.gpu.matmul_rate`, best of 20)."""
+    from rlcd.bench.gpu import matmul_rate
+
     torch.set_num_threads(threads)
-    a, b = torch.randn(512, 2048), torch.randn(2048, 2048)
-    for _ in range(3):
-        a @ b
-    best = min(_timed(lambda: a @ b) for _ in range(repeats))
-    return 2 * 512 * 2048 * 2048 / best
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    return matmul_rate(2048, 1, torch.device("cpu"), torch.float32, repeats=20)["flops_per_s"]
 
 
 def main(path: Path) -> None:
