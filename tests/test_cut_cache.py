@@ -230,10 +230,12 @@ def test_cut_features_on_cuda_equal_the_cpu(tmp_path, data_dir, batch_by):
     """The top layers over cut states on a GPU, with the batch moved there as the training loop moves it, give the
     CPU's features (a case batch once mixed host index lists with device label tensors and failed on CUDA only)."""
     data = fresh_data(tmp_path, data_dir)
-    s, _, _ = _first_grads(data, "tiny-llama", batch_by, True)
+    s, _, _ = _first_grads(data, "tiny-llama", batch_by, True)  # on CUDA already: a run's device defaults to it
     b, model = s.microbatch(0), s.model
     with torch.no_grad():
-        d_cpu, c_cpu = model.features(b)
+        model.to("cpu")
+        d_cpu, c_cpu = model.features(b.to("cpu"))
+        assert d_cpu.device.type == "cpu"
         model.to("cuda")
         d, c = model.features(b.to("cuda"))
     assert d.device.type == "cuda"

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Copy what the full-budget section cites from runs/rw6 (run-full-budget.sh) into docs/experiments/real-weights/full-budget/:
 # per run its eval/evaluation.json and metrics.jsonl (gzip -9n) and config.json, the compare JSON and the caches' size
-# lines; then print the tables, write summary.json and draw the plots (table_full_budget.py). Safe mid-run: a run still
+# lines (top4-h200: the H200's unfinished top-4 arm, gpu-full-budget.sh, its dev curve only); then print the tables, write summary.json and draw the plots (table_full_budget.py). Safe mid-run: a run still
 # training contributes its metrics (the dev curve) only.
 set -euo pipefail
 OUT=${OUT:-runs/rw6}
 DOCS=${DOCS:-docs/experiments/real-weights/full-budget}
 mkdir -p "$DOCS"
-for run in head control top4; do
+for run in head control top4 top4-h200; do
   [ -f "$OUT/$run/metrics.jsonl" ] || continue
   gzip -9nc "$OUT/$run/metrics.jsonl" > "$DOCS/$run.metrics.jsonl.gz"
   cp "$OUT/$run/config.json" "$DOCS/$run.config.json"

@@ -11,7 +11,9 @@
 # UNTIL=features stops after the caches, UNTIL=control after the matched control, UNTIL=arms before the compares; a re-run
 # skips what is done and resumes an unfinished run. DEVICE=cuda runs every stage on the GPU (still float32); MODEL, CASES
 # and STEPS shrink it for a dry run (MODEL=tiny CASES=12 STEPS=8); CUT_STATES=0 with UNTIL=control skips the cut-state
-# cache the head-only runs do not need.
+# cache the head-only runs do not need. ARMS names the arms to train after the head (default "control top$K"; the GPU
+# machine, given the head run trained here, runs ARMS=top4 FEATURES=0: no head-only feature cache, which only the
+# head-only runs read).
 set -euo pipefail
 RLCD=${RLCD:-".venv/bin/rlcd"}
 OUT=${OUT:-runs/rw6}
@@ -23,6 +25,9 @@ DEVICE=${DEVICE:-cpu}
 MODEL=${MODEL:-smollm2-135m}
 CASES=${CASES:-1000}
 UNTIL=${UNTIL:-all}
+ARMS=${ARMS:-"control top$K"}
+FEATURES=${FEATURES:-1}
+arm() { [[ " $ARMS " == *" $1 "* ]]; }
 stamp() { echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg) :: $*"; }
 done_run() { [ -f "$1/eval/evaluation.json" ]; }
 mkdir -p "$OUT"
@@ -35,9 +40,11 @@ if [ "${CUT_STATES:-1}" = 1 ]; then
   OMP_NUM_THREADS=$THREADS $RLCD features "$OUT/processed" --model "$MODEL" --cut "$K" --device "$DEVICE" \
     --dtype float32 > "$OUT/cut-states.json"
 fi
-stamp "features (from the cut states when there are some)"
-OMP_NUM_THREADS=$THREADS $RLCD features "$OUT/processed" --model "$MODEL" --device "$DEVICE" --dtype float32 \
-  > "$OUT/features.json"
+if [ "$FEATURES" = 1 ]; then
+  stamp "features (from the cut states when there are some)"
+  OMP_NUM_THREADS=$THREADS $RLCD features "$OUT/processed" --model "$MODEL" --device "$DEVICE" --dtype float32 \
+    > "$OUT/features.json"
+fi
 if [ "$UNTIL" = features ]; then stamp "done (UNTIL=features)"; exit 0; fi
 
 train_eval() {  # run dir, then train arguments
@@ -56,11 +63,15 @@ train_eval() {  # run dir, then train arguments
 stamp "head-only init (RL+CE, head LR 5e-3, $STEPS x 32)"
 train_eval "$OUT/head" --steps "$STEPS" --seed 0 --objective rlcd --recipe head_only=true --recipe lr_head=0.005
 ARM=(--seed 0 --init "$OUT/head" --objective ce --steps "$STEPS" --recipe lr_head=0.0005 --recipe select_by=nll)
-stamp "matched head-only control, $STEPS updates"
-train_eval "$OUT/control" "${ARM[@]}" --recipe head_only=true
+if arm control; then
+  stamp "matched head-only control, $STEPS updates"
+  train_eval "$OUT/control" "${ARM[@]}" --recipe head_only=true
+fi
 if [ "$UNTIL" = control ]; then stamp "done (UNTIL=control)"; exit 0; fi
-stamp "top-$K LoRA, $STEPS updates"
-train_eval "$OUT/top$K" "${ARM[@]}" --recipe "lora_layers=$K" --recipe batch_by=case --recipe lr_lora=0.001
+if arm "top$K"; then
+  stamp "top-$K LoRA, $STEPS updates"
+  train_eval "$OUT/top$K" "${ARM[@]}" --recipe "lora_layers=$K" --recipe batch_by=case --recipe lr_lora=0.001
+fi
 if [ "$UNTIL" = arms ]; then stamp "done (UNTIL=arms)"; exit 0; fi
 stamp compare
 for pair in "head control" "head top$K" "control top$K"; do

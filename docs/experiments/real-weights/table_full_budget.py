@@ -4,7 +4,7 @@
     python docs/experiments/real-weights/table_full_budget.py [DIR]
 
 DIR (default: `full-budget/` beside this script) holds what the collect script copied from runs/rw6: per run
-(`head`, `control`, `top4`) `<run>.evaluation.json.gz`, `<run>.metrics.jsonl.gz` and `<run>.config.json`, and the
+(`head`, `control`, `top4`; `top4-h200`, the GPU's unfinished arm, has no evaluation) `<run>.evaluation.json.gz`, `<run>.metrics.jsonl.gz` and `<run>.config.json`, and the
 `compare-A-vs-B-METRIC[-TYPE].json` files of `rlcd compare`. The earlier rows on the same benchmark seed come from
 `top-layers/confirm/` (the issue-34 confirmation: unbalanced candidate orders, 1,200 updates). Prints the tables
 (markdown), writes `summary.json` (every number the page quotes), `dev_curves.png` and `gaps.png` into DIR.
@@ -24,7 +24,8 @@ from table_head_only import TYPES, get
 HERE = Path(__file__).resolve().parent
 RUNS = {"head": "head only, RL+CE, head LR 5e-3 (the init)",
         "control": "matched control: head only, CE, head LR 5e-4 kept",
-        "top4": "top-4 LoRA, CE, head LR 5e-4 kept, LoRA LR 1e-3"}
+        "top4": "top-4 LoRA, CE, head LR 5e-4 kept, LoRA LR 1e-3",
+        "top4-h200": "the same top-4 arm on the H200, stopped at 1,440 updates (dev curve only)"}
 EARLIER = {"head": "issue 34: head only (4 unbalanced orders)",
            "top4-ce-head5e4-lora1e3": "issue 34: top-4 LoRA, 1,200 updates"}
 GOAL = {"overall": 0.30, "choice": 0.50, "score": 0.50}
@@ -146,7 +147,7 @@ def plots(d: Path, rows: dict[str, dict], curves: dict[str, list[dict]]) -> None
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 4, figsize=(14, 6.2), sharex=True)
-    for run, style in (("control", "--"), ("top4", "-")):
+    for run, style in (("control", "--"), ("top4", "-"), ("top4-h200", ":")):
         evals = curves.get(run) or []
         if not evals:
             continue
@@ -195,7 +196,7 @@ def main() -> None:
         ev = evaluation(d, run)
         if ev is not None:
             rows[run] = row(label, ev, updates_of(d, run))
-    curves = {run: evals_of(d, run) for run in ("control", "top4")}
+    curves = {run: evals_of(d, run) for run in ("control", "top4", "top4-h200")}
     comps = compares(d)
     tables(rows, curves, comps)
     summary = {"rows": rows, "compare": comps,
