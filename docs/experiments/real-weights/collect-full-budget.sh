@@ -12,7 +12,11 @@ for run in head control top4 top4-h200; do
   gzip -9nc "$OUT/$run/metrics.jsonl" > "$DOCS/$run.metrics.jsonl.gz"
   cp "$OUT/$run/config.json" "$DOCS/$run.config.json"
   [ -f "$OUT/$run/eval/evaluation.json" ] && gzip -9nc "$OUT/$run/eval/evaluation.json" > "$DOCS/$run.evaluation.json.gz"
+  # the frozen dev subset's rows with their posteriors: its Bayes floor, so a dev curve reads as a gap
+  [ -f "$OUT/$run/dev-evals/step-0.jsonl.gz" ] && cp "$OUT/$run/dev-evals/step-0.jsonl.gz" "$DOCS/dev-step-0.jsonl.gz"
 done
-cp "$OUT"/compare-*.json "$OUT/cut-states.json" "$OUT/features.json" "$DOCS/" 2>/dev/null || true
+# this experiment's pairs only (runs/rw6 also holds issue 46's compares, which order-and-peers/ keeps)
+cp "$OUT"/compare-{head-vs-control,head-vs-top4,control-vs-top4}-*.json "$OUT/cut-states.json" "$OUT/features.json" \
+  "$DOCS/" 2>/dev/null || true
 grep "^==" "$OUT/run.log" > "$DOCS/stamps.txt" || true
 .venv/bin/python docs/experiments/real-weights/table_full_budget.py "$DOCS" | tee "$DOCS/tables.md"

@@ -71,6 +71,22 @@ def row(label: str, ev: dict, updates) -> dict:
     return out
 
 
+def dev_floor(d: Path) -> dict[str, float] | None:
+    """The frozen dev subset's Bayes floor, overall and per type: the mean entropy of its rows' posteriors (the dev
+    NLL's targets), from the step-0 dev predictions the collect script copies (`dev-step-0.jsonl.gz`)."""
+    p = d / "dev-step-0.jsonl.gz"
+    if not p.exists():
+        return None
+    rows = [json.loads(x) for x in read_gz(p).splitlines() if x.strip()]
+    ent = {t: [] for t in TYPES}
+    for r in rows:
+        q = np.asarray(r["target"], float)
+        ent[r["type"]].append(float(-(q[q > 0] * np.log(q[q > 0])).sum()))
+    out = {t: float(np.mean(v)) for t, v in ent.items() if v}
+    out["overall"] = float(np.mean([e for v in ent.values() for e in v]))
+    return out
+
+
 def slope(evals: list[dict], key: str, window: int = 800) -> float | None:
     """Least-squares slope of `key` against the update over the evaluations of the last `window` updates, per
     1,000 updates (negative: still falling)."""
@@ -99,7 +115,7 @@ def fmt_gap(v: float, goal: float | None) -> str:
     return f"{v:.4f}" + ("" if goal is None else (" ✓" if v <= goal else " ✗"))
 
 
-def tables(rows: dict[str, dict], curves: dict[str, list[dict]], comps: list[dict]) -> None:
+def tables(rows: dict[str, dict], curves: dict[str, list[dict]], comps: list[dict], floor: dict | None) -> None:
     print("| run | updates | selected step (selection) | test acc | NLL cal | gap cal | gap raw | "
           + " | ".join(f"gap cal {t}" for t in TYPES) + " | Brier cal |")
     print("|---|---|---|---|---|---|---|" + "---|" * len(TYPES) + "---|")
@@ -128,6 +144,11 @@ def tables(rows: dict[str, dict], curves: dict[str, list[dict]], comps: list[dic
             print(f"| {e['step']} | {e['dev_nll']:.4f} | " + " | ".join(f"{e[f'dev_nll/{t}']:.4f}" for t in TYPES) + " | "
                   + " | ".join(f"{e[f'dev_accuracy/{t}']:.4f}" if f"dev_accuracy/{t}" in e else "—" for t in TYPES)
                   + f" | {e['dev_macro_accuracy']:.4f} |")
+        if floor:
+            e = evals[-1]
+            print(f"\nDev gap at update {e['step']} (dev NLL minus the dev subset's floor, overall {floor['overall']:.4f}): "
+                  f"{e['dev_nll'] - floor['overall']:.4f}; " + ", ".join(
+                      f"{t} {e[f'dev_nll/{t}'] - floor[t]:.4f}" for t in TYPES if f"dev_nll/{t}" in e))
         sl = {k: slope(evals, k) for k in ["dev_nll"] + [f"dev_nll/{t}" for t in TYPES]}
         print("\nSlope over the last 800 updates (nats per 1,000 updates): "
               + ", ".join(f"{k} {v:+.4f}" for k, v in sl.items() if v is not None) + "\n")
@@ -140,14 +161,14 @@ def tables(rows: dict[str, dict], curves: dict[str, list[dict]], comps: list[dic
         print()
 
 
-def plots(d: Path, rows: dict[str, dict], curves: dict[str, list[dict]]) -> None:
+def plots(d: Path, rows: dict[str, dict], curves: dict[str, list[dict]], floor: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 4, figsize=(14, 6.2), sharex=True)
-    for run, style in (("control", "--"), ("top4", "-"), ("top4-h200", ":")):
+    for run, style in (("control", "--"), ("top4", "-"), ("top4-h200", "-.")):
         evals = curves.get(run) or []
         if not evals:
             continue
@@ -159,12 +180,17 @@ def plots(d: Path, rows: dict[str, dict], curves: dict[str, list[dict]]) -> None
             if all(key in e for e in evals):
                 ax.plot(steps, [e[key] for e in evals], style, marker="o", ms=3, label=RUNS[run])
             ax.set_title(key.replace("dev_", "dev ").replace("_", " ").replace("/", " "), fontsize=9)
+    if floor:  # the goal, drawn on the dev subset: its floor + the issue's gap bar
+        for ax, t in zip(axes[0], ["overall", *TYPES]):
+            if t in GOAL:
+                ax.axhline(floor[t] + GOAL[t], color="k", ls=":", lw=1, label="dev floor + goal gap")
     for ax in axes[1]:
         ax.set_xlabel("update (0 = the head-only init)")
     axes[0][0].set_ylabel("nats")
     axes[1][0].set_ylabel("top-1 accuracy")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(d / "dev_curves.png", dpi=110)
 
     if rows:
@@ -198,13 +224,14 @@ def main() -> None:
             rows[run] = row(label, ev, updates_of(d, run))
     curves = {run: evals_of(d, run) for run in ("control", "top4", "top4-h200")}
     comps = compares(d)
-    tables(rows, curves, comps)
-    summary = {"rows": rows, "compare": comps,
+    floor = dev_floor(d)
+    tables(rows, curves, comps, floor)
+    summary = {"rows": rows, "compare": comps, "dev_floor": floor,
                "dev_nll_slope_last_800_per_1000": {run: {k: slope(ev, k) for k in ["dev_nll"] + [f"dev_nll/{t}" for t in TYPES]}
                                                    for run, ev in curves.items() if ev},
                "goal": GOAL}
     (d / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
-    plots(d, {k: v for k, v in rows.items()}, curves)
+    plots(d, {k: v for k, v in rows.items()}, curves, floor)
 
 
 if __name__ == "__main__":
