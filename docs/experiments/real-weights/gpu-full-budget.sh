@@ -6,7 +6,8 @@
 # <run>-last.tgz: an unfinished run's resume point). The machine has no network, takes at most 64 MiB a call and
 # keeps, between calls while it is warm, what a call wrote outside the checkout (/opt) and the checkout's git-ignored
 # runs/; the checkout itself is sent anew. So the SmolLM2 wheel (93 MB) travels in three pieces, the head run and the
-# data (no feature caches, no optimizer state) in a fourth (.gwh), and the run resumes across calls (each at most 10
+# data (no feature caches, no optimizer state) in a fourth (.gwh), with an unfinished top-4 arm's files and last
+# checkpoint when there is one here (it resumes there), and the run resumes across calls (each at most 10
 # minutes). The first --run also runs the CUDA-only tests (pytest travels in .whl).
 #
 #   here:   bash docs/experiments/real-weights/gpu-full-budget.sh --prepare      # .whl/ (pinned wheels), .gwa .gwb .gwc .gwh
@@ -44,7 +45,8 @@ case "${1:-}" in
     mkdir -p .gwh
     tar czf .gwh/rw6-init.tgz -C runs --exclude=optimizer.pt rw6/head/config.json rw6/head/metrics.jsonl \
       rw6/head/checkpoints/best rw6/head/eval/evaluation.json \
-      $(cd runs && ls -d rw6/processed/* | grep -v '/features$')
+      $(cd runs && ls -d rw6/processed/* | grep -v '/features$') \
+      $(cd runs && [ -d rw6/top4/checkpoints/last ] && ls -d rw6/top4/*.json rw6/top4/*.jsonl rw6/top4/checkpoints/last)
     du -sh .whl .gwa .gwb .gwc .gwh; du -cb .gwb .gwc .gwh | tail -1 ;;
   --install|--run)
     mkdir -p "$SITE"
