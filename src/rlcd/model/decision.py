@@ -632,7 +632,9 @@ class DecisionModel(nn.Module):
             n = len(chunk)
             # the linear-attention states are advanced in place: every call but the last gets its own rows
             if gi == len(groups) - 1:
-                cache = family.select_cache_rows(prefix_cache, owner, dev)
+                # rows already in order (one question per case, e.g. a warm question): nothing to select
+                in_order = [ci for ci, _ in members] == list(range(len(cases)))
+                cache = prefix_cache if in_order else family.select_cache_rows(prefix_cache, owner, dev)
             else:
                 cache = fork_cache_rows(prefix_cache, owner)
             suf = [r.ids[cuts[ci]:] for r, (ci, _) in zip(chunk, members)]
