@@ -566,7 +566,8 @@ class DecisionModel(nn.Module):
         The state cache: `warm[i]`, a stored `PrefixState` of case i's prefix, replaces its part of the prefix
         forward (which then runs for the other cases only, or not at all); `keep(i, state)` receives a copy
         of every prefix state computed here. With a warm case the suffix calls read a cache stacked from
-        copies of every case's state (`state_cache.stack_states`), padded and masked as the forward's own."""
+        every case's state (`state_cache.stack_states`: copies, except a lone unpadded state's keys and values,
+        which the forward only reads), padded and masked as the forward's own."""
         layers = (0, at_layer) if at_layer is not None else None
         dev, family = self.device, self.family
         warm = list(warm) if warm is not None else [None] * len(cases)
