@@ -623,8 +623,13 @@ class DecisionModel(nn.Module):
                 pmask = torch.zeros((len(cases), width), dtype=torch.long, device=dev)
                 for i, cut in enumerate(cuts):
                     pmask[i, width - cut:] = 1
+        # a causal decoder's reads end at a row's last marker: what follows it (its newline) is never run,
+        # except when the states themselves are the output (`at_layer`: cut states keep whole rows)
+        def run_len(r: EncodedRow) -> int:
+            return len(r) if at_layer is not None else r.marker_pos[-1] + 1
+
         flat = [(ci, ri) for ci, c in enumerate(cases) for ri in range(len(c.rows))]
-        groups = plan_suffix_groups([len(cases[ci].rows[ri]) - cuts[ci] for ci, ri in flat], max_rows=max_rows,
+        groups = plan_suffix_groups([run_len(cases[ci].rows[ri]) - cuts[ci] for ci, ri in flat], max_rows=max_rows,
                                     granule=family.suffix_chunk or 1)
         for gi, group in enumerate(groups):
             members = [flat[j] for j in group]
@@ -638,7 +643,7 @@ class DecisionModel(nn.Module):
                 cache = prefix_cache if in_order else family.select_cache_rows(prefix_cache, owner, dev)
             else:
                 cache = fork_cache_rows(prefix_cache, owner)
-            suf = [r.ids[cuts[ci]:] for r, (ci, _) in zip(chunk, members)]
+            suf = [r.ids[cuts[ci]: run_len(r)] for r, (ci, _) in zip(chunk, members)]
             s_max = max(len(x) for x in suf)
             if len(cases) > 1:
                 s_max = -(-s_max // SHAPE_GRANULE) * SHAPE_GRANULE
