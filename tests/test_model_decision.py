@@ -242,9 +242,12 @@ def test_shared_prefix_cache_must_be_copied():
     try:
         D.fork_cache_rows = no_fork
         broken = dm.score_case_with_usage(STATE, QS, max_rows=2)[0]
+        leak = max(float((s - f).abs().max()) for s, f in zip(broken, full))
+    except RuntimeError:  # or loudly: a later call finds the shared cache resized by an earlier one
+        leak = float("inf")
     finally:
         D.fork_cache_rows = orig
-    assert max(float((s - f).abs().max()) for s, f in zip(broken, full)) > 1e-3
+    assert leak > 1e-3
 
 
 @pytest.mark.parametrize("case", ["identical_instructions", "identical_rows", "single_question"])

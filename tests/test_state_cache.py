@@ -183,6 +183,47 @@ def test_stored_states_are_never_changed_by_later_calls(base, pngs):
     assert all(torch.equal(x, y) for x, y in zip(before, after))
 
 
+@pytest.mark.parametrize("layer", ["DynamicLayer", "LinearAttentionAndFullAttentionLayer"])
+def test_transformers_cache_update_never_writes_into_lent_keys(layer):
+    """`stack_states` lends a lone state's keys and values to the forward uncopied, on the word of the cache
+    layers' `update` (it concatenates into a new tensor). If a transformers release starts writing into
+    them, this fails before a stored state is silently changed."""
+    import transformers.cache_utils as cu
+
+    from rlcd.model.state_cache import SUPPORTED_LAYERS
+
+    assert layer in SUPPORTED_LAYERS
+    lay = getattr(cu, layer)()
+    keys, values = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    lay.lazy_initialization(keys, values)
+    lay.keys, lay.values = keys, values
+    before = keys.clone(), values.clone()
+    k, v = lay.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
+    assert k.shape[-2] == 8 and k.data_ptr() != keys.data_ptr() and v.data_ptr() != values.data_ptr()
+    assert torch.equal(keys, before[0]) and torch.equal(values, before[1])
+
+
+def test_stack_states_lends_a_lone_state_and_pads_a_batch_with_one_copy():
+    from rlcd.model.state_cache import stack_states
+
+    model = build_tiny_model(model_spec="tiny-llama")
+    warm = Predictor(model, {"model": "tiny-llama", "temperatures": dict(TEMPERATURES)}, state_cache_mb=64)
+    for state in (LONG, SHORT):
+        warm.predict(_req(state, "angry"))
+    a, b = (warm.state_cache._entries[k] for k in warm.state_cache.keys())
+    lone = stack_states([a], a.tokens)
+    assert all(x.keys is y.keys and x.values is y.values for x, y in zip(lone.layers, a.cache.layers))
+    width = max(a.tokens, b.tokens) + 3
+    both = stack_states([a, b], width)
+    for li, layer in enumerate(both.layers):
+        for i, s in enumerate((a, b)):
+            got, want = layer.keys[i], s.cache.layers[li].keys[0]
+            assert torch.equal(got[:, width - s.tokens:], want) and not got[:, : width - s.tokens].any()
+            assert got.data_ptr() != want.data_ptr()
+    padded = stack_states([a], a.tokens + 2)
+    assert padded.layers[0].keys.data_ptr() != a.cache.layers[0].keys.data_ptr()
+
+
 def test_text_decoder_family_warm_equals_cold():
     """A text decoder (tiny-llama: keys and values only, a chat-template head in the prefix)."""
     model = build_tiny_model(model_spec="tiny-llama")
@@ -190,9 +231,14 @@ def test_text_decoder_family_warm_equals_cold():
     warm = Predictor(model, meta, state_cache_mb=64)
     cold = Predictor(model, meta, state_cache_mb=0)
     warm.predict(_req(LONG, "angry"))
+    (stored,) = (warm.state_cache._entries[k].cache for k in warm.state_cache.keys())
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in stored.layers]
     for qids in (("dept",), ("urgency", "late"), tuple(Q)):
         assert _gap(warm.predict(_req(LONG, *qids)), cold.predict(_req(LONG, *qids))) < TOL
     assert warm.state_cache_stats()["hits"] == 3
+    # a lone warm question reads the stored keys and values uncopied: they are as they were
+    assert all(torch.equal(k, layer.keys) and torch.equal(v, layer.values)
+               for (k, v), layer in zip(before, stored.layers))
     batch = [(_req(LONG, "worth"), None), (_req(SHORT, "dept", "chan"), None), (_req(LONG + " More.", "angry"), None)]
     results = warm.score_many([warm.prepare(r, i) for r, i in batch])
     for (req, img), (logits, usage) in zip(batch, results):

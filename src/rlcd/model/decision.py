@@ -566,7 +566,8 @@ class DecisionModel(nn.Module):
         The state cache: `warm[i]`, a stored `PrefixState` of case i's prefix, replaces its part of the prefix
         forward (which then runs for the other cases only, or not at all); `keep(i, state)` receives a copy
         of every prefix state computed here. With a warm case the suffix calls read a cache stacked from
-        copies of every case's state (`state_cache.stack_states`), padded and masked as the forward's own."""
+        every case's state (`state_cache.stack_states`: copies, except a lone unpadded state's keys and values,
+        which the forward only reads), padded and masked as the forward's own."""
         layers = (0, at_layer) if at_layer is not None else None
         dev, family = self.device, self.family
         warm = list(warm) if warm is not None else [None] * len(cases)
@@ -622,8 +623,13 @@ class DecisionModel(nn.Module):
                 pmask = torch.zeros((len(cases), width), dtype=torch.long, device=dev)
                 for i, cut in enumerate(cuts):
                     pmask[i, width - cut:] = 1
+        # a causal decoder's reads end at a row's last marker: what follows it (its newline) is never run,
+        # except when the states themselves are the output (`at_layer`: cut states keep whole rows)
+        def run_len(r: EncodedRow) -> int:
+            return len(r) if at_layer is not None else r.marker_pos[-1] + 1
+
         flat = [(ci, ri) for ci, c in enumerate(cases) for ri in range(len(c.rows))]
-        groups = plan_suffix_groups([len(cases[ci].rows[ri]) - cuts[ci] for ci, ri in flat], max_rows=max_rows,
+        groups = plan_suffix_groups([run_len(cases[ci].rows[ri]) - cuts[ci] for ci, ri in flat], max_rows=max_rows,
                                     granule=family.suffix_chunk or 1)
         for gi, group in enumerate(groups):
             members = [flat[j] for j in group]
@@ -632,10 +638,12 @@ class DecisionModel(nn.Module):
             n = len(chunk)
             # the linear-attention states are advanced in place: every call but the last gets its own rows
             if gi == len(groups) - 1:
-                cache = family.select_cache_rows(prefix_cache, owner, dev)
+                # rows already in order (one question per case, e.g. a warm question): nothing to select
+                in_order = [ci for ci, _ in members] == list(range(len(cases)))
+                cache = prefix_cache if in_order else family.select_cache_rows(prefix_cache, owner, dev)
             else:
                 cache = fork_cache_rows(prefix_cache, owner)
-            suf = [r.ids[cuts[ci]:] for r, (ci, _) in zip(chunk, members)]
+            suf = [r.ids[cuts[ci]: run_len(r)] for r, (ci, _) in zip(chunk, members)]
             s_max = max(len(x) for x in suf)
             if len(cases) > 1:
                 s_max = -(-s_max // SHAPE_GRANULE) * SHAPE_GRANULE

@@ -11,9 +11,12 @@ states (Qwen3.5's Gated DeltaNet). The scorer reads no position inside the prefi
 a decision position), so no hidden states are kept. Only caches made of the layer classes in
 `SUPPORTED_LAYERS` are stored; another kind (sliding window, static, quantized) is never cached.
 
-Exactness: a stored state is never handed to a forward. `stack_states` builds each batch's prefix cache
-from fresh tensors (the keys and values left-padded with zeros to a common width, which the suffix calls
-mask; the recurrent states concatenated), so the in-place updates of the suffix calls cannot reach it.
+Exactness: nothing a forward does reaches a stored state. `stack_states` builds each batch's prefix cache
+from new tensors -- keys and values left-padded with zeros to a common width (which the suffix calls mask),
+recurrent states concatenated -- so the in-place updates of the suffix calls cannot reach it. One exception
+saves a warm question three copies of its state's keys and values: a lone state that needs no padding lends
+its keys and values as they are, because the supported layers' `update` concatenates onto them into a new
+tensor and never writes into them (`tests/test_state_cache.py` holds transformers to that).
 
 Keys (`prefix_key`): the exact prefix token ids (chat-template head, image tokens, state) and the
 digest of the preprocessed image's pixels and grid (`image_digest`), under a scope the owner chooses
@@ -95,8 +98,9 @@ def snapshot_row(cache: Any, row: int, start: int) -> PrefixState | None:
 
 def stack_states(states: Sequence[PrefixState], width: int) -> Any:
     """One cache whose row i is `states[i]`: keys and values left-padded with zeros to `width` positions (the
-    caller masks them), linear-attention states concatenated. Every tensor is new (`torch.cat` allocates), so
-    forwards that advance this cache in place leave the stored states as they were."""
+    caller masks them), linear-attention states concatenated. Every tensor that a forward advances in place is
+    new, so the stored states stay as they were; a lone state of exactly `width` positions lends its keys and
+    values as they are (a forward only reads them: `update` concatenates)."""
     import torch  # here, not at import: a Predictor with the cache off (the portable server) needs no torch
 
     if not states:
@@ -113,8 +117,13 @@ def stack_states(states: Sequence[PrefixState], width: int) -> Any:
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor) and t.dim() == 4:
                 parts = [getattr(r, name) for r in rows]
-                setattr(twin, name, torch.cat([torch.nn.functional.pad(p, (0, 0, width - p.shape[-2], 0))
-                                               for p in parts]))
+                if len(parts) == 1 and parts[0].shape[-2] == width:
+                    setattr(twin, name, parts[0])  # read, never written: DynamicLayer.update concatenates
+                    continue
+                out = t.new_zeros((len(parts), t.shape[1], width, t.shape[-1]))  # one copy, the left padding zero
+                for i, p in enumerate(parts):
+                    out[i: i + 1, :, width - p.shape[-2]:] = p
+                setattr(twin, name, out)
         for name in _STATES:
             d = getattr(layer, name, None)
             if isinstance(d, dict):
