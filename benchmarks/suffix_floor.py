@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -42,10 +43,8 @@ def smollm2_shape() -> dict[str, int]:
 
 
 def suffix_flops(shape: dict[str, int], suffix: int, prefix: int) -> int:
-    h, i, hd = shape["hidden"], shape["intermediate"], shape["head_dim"]
-    q, kv = shape["heads"] * hd, shape["kv_heads"] * hd
-    per_token = 2 * h * q + 2 * 2 * h * kv + 2 * q * h + 3 * 2 * h * i
-    attention = 2 * 2 * shape["heads"] * hd * suffix * (prefix + suffix)
+    per_token = 2 * sum(o * i for o, i in weight_shapes(shape))
+    attention = 2 * 2 * shape["heads"] * shape["head_dim"] * suffix * (prefix + suffix)
     return shape["layers"] * (suffix * per_token + attention)
 
 
@@ -66,8 +65,6 @@ def weight_shapes(shape: dict[str, int]) -> list[tuple[int, int]]:
 
 def read_rate(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes/s of the best `sum` over a float32 tensor of `nbytes` (larger than any cache)."""
-    import time
-
     torch.set_num_threads(threads)
     x = torch.ones(nbytes // 4)
     best = 0.0
@@ -80,8 +77,6 @@ def read_rate(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 def linears_ms(shape: dict[str, int], rows: int, threads: int, repeats: int = 7) -> float:
     """Best wall ms of every decoder projection at `rows` rows, one distinct float32 weight per layer."""
-    import time
-
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(o, i, generator=g) for _ in range(shape["layers"]) for o, i in weight_shapes(shape)]
