@@ -485,8 +485,8 @@ def _evaluate_on_data(run: Run, view: Run, other: Path, records: dict[str, list[
                          order_votes=order_votes)
             temps, infos = fit_per_type(own)
             source = {"source": "fitted here on the run's own calibration split (no matching eval/temperatures.json)",
-                      "n_rows": len(own), "calibration_sha256": _calibration_key(run, placement, which)["calibration_sha256"],
-                      "guard": GUARD}
+                      "n_rows": len(own), "guard": GUARD,
+                      "calibration_sha256": _calibration_key(run, placement, which)["calibration_sha256"]}
     say(f"temperatures: {source['source']}")
     for split, rows in preds.items():
         write_jsonl(view.predictions_path(split), rows)
