@@ -1,4 +1,6 @@
-"""Temperature fitting: recovers known temperatures, respects [0.1, 10], per-type rules."""
+"""Temperature fitting: recovers known temperatures, respects [0.1, 10], per-type rules, the held-out guard."""
+
+import math
 
 import numpy as np
 import pytest
@@ -190,3 +192,122 @@ def test_fit_reaches_the_grid_minimum(name):
     assert 0.1 <= temperature <= 10.0
     assert info["loss_after"] <= best + 1e-6, (temperature, info["loss_after"], best)
     assert info["converged"], info
+
+
+# ------------------------------------------------------------------ the held-out guard
+
+
+def _np_soft_ce_rows(z, targets, temperature):
+    """Independent float64 per-row soft cross-entropy at one temperature (numpy only)."""
+    out = []
+    for x, t in zip(z, targets):
+        s = np.asarray(x, dtype=np.float64) / temperature
+        m = s.max()
+        out.append(-float(np.dot(np.asarray(t, dtype=np.float64), s - (m + np.log(np.exp(s - m).sum())))))
+    return np.array(out)
+
+
+def _np_grid_fit(z, targets, points=401):
+    """The minimiser over T in [0.1, 10] (numpy only): a log grid brackets it, golden section narrows it (to about
+    sqrt(machine eps) in log T, where loss values tie: hence rel 1e-7 on the held-out losses below)."""
+    def f(u):
+        return _np_soft_ce_rows(z, targets, math.exp(u)).mean()
+
+    grid = np.linspace(math.log(0.1), math.log(10.0), points)
+    j = int(np.argmin([f(u) for u in grid]))
+    a, b = grid[max(j - 1, 0)], grid[min(j + 1, points - 1)]
+    g = (math.sqrt(5) - 1) / 2
+    while b - a > 1e-11:
+        c, d = b - g * (b - a), a + g * (b - a)
+        if f(c) <= f(d):
+            b = d
+        else:
+            a = c
+    return math.exp((a + b) / 2)
+
+
+def _np_cross_fit(rows, folds=5):
+    """The guard recomputed: cases sorted and dealt round-robin, each fold scored at the grid fit of the rest."""
+    case = [r["id"].split(":", 1)[0] for r in rows]
+    keys = sorted(set(case))
+    k = min(folds, len(keys))
+    fold = np.array([keys.index(c) % k for c in case])
+    held, at_one, fold_temps = np.zeros(len(rows)), np.zeros(len(rows)), []
+    for f in range(k):
+        fit = [r for r, g in zip(rows, fold) if g != f]
+        t_f = _np_grid_fit([r["logits"] for r in fit], [r["target"] for r in fit])
+        fold_temps.append(t_f)
+        idx = np.flatnonzero(fold == f)
+        held[idx] = _np_soft_ce_rows([rows[i]["logits"] for i in idx], [rows[i]["target"] for i in idx], t_f)
+        at_one[idx] = _np_soft_ce_rows([rows[i]["logits"] for i in idx], [rows[i]["target"] for i in idx], 1.0)
+    return held.mean(), at_one.mean(), fold_temps
+
+
+def _case_rows(type_, cases, per_case, t0, seed):
+    """Rows of `cases` source cases (ids 'case:i'), targets softmax(z / t0[case]) for a per-case temperature."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for c in range(cases):
+        for i in range(per_case):
+            k = 2 if type_ == "noul" else 4
+            z = rng.normal(0, 2.0, size=k)
+            out.append({"id": f"case{c:02d}:{type_}{i}", "group": "s/en/t", "type": type_,
+                        "labels": [str(j) for j in range(k)], "target": _softmax(z, t0(c)).tolist(),
+                        "posterior": None, "logits": z.tolist()})
+    return out
+
+
+def test_the_guard_keeps_a_fit_that_beats_t1_on_held_out_cases():
+    rows = _case_rows("choice", 12, 3, lambda c: 2.5, seed=21)
+    temps, infos = fit_per_type(rows)
+    direct, _ = fit_temperature([r["logits"] for r in rows], [r["target"] for r in rows])
+    info, held = infos["choice"], infos["choice"]["heldout"]
+    assert temps["choice"] == pytest.approx(direct, rel=1e-12) and "reason" not in info
+    loss, loss_t1, fold_temps = _np_cross_fit(rows)
+    assert held["folds"] == 5 and held["n_cases"] == 12 and held["beats_t1"]
+    assert held["loss_t1"] == pytest.approx(loss_t1, rel=1e-12) == pytest.approx(info["loss_before"], rel=1e-12)
+    assert held["loss"] == pytest.approx(loss, rel=1e-7) and loss < loss_t1
+    assert held["fold_temperatures"] == pytest.approx(fold_temps, rel=1e-6)
+
+
+def test_the_guard_refuses_a_fit_that_loses_to_t1_on_held_out_cases():
+    """Two cases pulling opposite ways (one sharpened, T = 0.25; one flattened, T = 4): the temperature fitted
+    on either one makes the other worse than T = 1, so the fit on both is refused, whatever T it found."""
+    rows = _case_rows("noul", 2, 8, lambda c: 0.25 if c == 0 else 4.0, seed=22)
+    temps, infos = fit_per_type(rows)
+    direct, fit = fit_temperature([r["logits"] for r in rows], [r["target"] for r in rows])
+    info, held = infos["noul"], infos["noul"]["heldout"]
+    loss, loss_t1, fold_temps = _np_cross_fit(rows)
+    assert loss > loss_t1, "the fixture: the cross-fit loses to T = 1"
+    assert held["folds"] == 2 and not held["beats_t1"]
+    assert held["loss"] == pytest.approx(loss, rel=1e-7) and held["loss_t1"] == pytest.approx(loss_t1, rel=1e-12)
+    assert held["fold_temperatures"] == pytest.approx(fold_temps, rel=1e-6)
+    assert temps["noul"] == 1.0 and info["temperature"] == 1.0
+    assert info["fitted_temperature"] == pytest.approx(direct, rel=1e-12) and abs(direct - 1) > 0.05
+    assert info["fitted_loss"] == pytest.approx(fit["loss_after"], rel=1e-12)
+    assert info["loss_after"] == info["loss_before"] == pytest.approx(loss_t1, rel=1e-12)
+    assert "did not beat T = 1 on held-out calibration cases (2-fold cross-fit by case" in info["reason"]
+
+
+def test_one_case_cannot_be_held_out_so_its_fit_is_refused():
+    rows = _case_rows("score", 1, 12, lambda c: 3.0, seed=23)
+    temps, infos = fit_per_type(rows)
+    assert temps["score"] == 1.0 and infos["score"]["heldout"]["folds"] == 0
+    assert "from one case" in infos["score"]["reason"] and infos["score"]["fitted_temperature"] > 2
+
+
+def test_a_refused_fit_is_said_in_the_summary_the_report_table_and_the_warnings():
+    from rlcd.evaluate import small_data_warnings
+    from rlcd.report import evaluation_from_predictions, format_summary
+
+    cal = [dict(r, split="calibration") for r in _case_rows("noul", 2, 8, lambda c: 0.25 if c == 0 else 4.0, 22)]
+    cal += [dict(r, split="calibration") for r in _case_rows("choice", 12, 3, lambda c: 2.5, 21)]
+    temps, infos = fit_per_type(cal)
+    test = [dict(r, split="test") for r in _case_rows("noul", 10, 4, lambda c: 1.0, 24)]
+    ev = evaluation_from_predictions({"calibration": cal, "test": test}, temps, {"calibration": infos}, resamples=50)
+    text = format_summary(ev)
+    assert "note: noul temperature fit refused: the fit (T = " in text
+    assert "note: choice temperature" not in text
+    warnings = small_data_warnings({"calibration": cal, "test": test}, infos)
+    assert any(w.startswith("warning: noul: 16 calibration rows (< 30); its fit (T = ") and "T = 1 is kept" in w
+               for w in warnings), warnings

@@ -138,6 +138,10 @@ def test_calibrate_writes_the_temperatures_evaluate_and_export_use(run, tmp_path
     ev = evaluate_run(copy)
     assert ev["temperatures"] == stored["temperatures"]
     assert json.loads(path.read_text())["checkpoint_sha256"] == stored["checkpoint_sha256"]
+    # temperatures fitted before the held-out guard (no "guard" key) are fitted again, with it
+    path.write_text(json.dumps({k: v for k, v in {**stored, "temperatures": planted}.items() if k != "guard"}))
+    ev = evaluate_run(copy, export=False)
+    assert ev["temperatures"] == stored["temperatures"] and json.loads(path.read_text())["guard"] == stored["guard"]
 
 
 def test_evaluate_piped_shows_progress_lines_on_stderr(run, tmp_path):

@@ -322,10 +322,13 @@ def test_per_type_fit_uses_only_its_own_rows(choice_set, score_set, min_rows):
         if len(zs) < min_rows:
             assert temps[qtype] == 1.0
             assert infos[qtype]["loss_after"] == pytest.approx(soft_ce_reference(zs, ts, 1.0), rel=1e-12)
-        else:  # the fit of this type's rows alone, in the id order fit_per_type documents
+        else:  # the fit of this type's rows alone, in the id order fit_per_type documents, unless the guard refused it
             ordered = sorted(range(len(zs)), key=lambda i: f"{qtype}-{i}")
             alone, _ = fit_temperature([zs[i] for i in ordered], [ts[i] for i in ordered])
-            assert temps[qtype] == alone
+            if infos[qtype]["heldout"]["beats_t1"]:
+                assert temps[qtype] == alone and "reason" not in infos[qtype]
+            else:
+                assert temps[qtype] == 1.0 and infos[qtype]["fitted_temperature"] == alone
 
 
 # =============================================================================================

@@ -174,7 +174,7 @@ def test_bad_answers_are_counted_and_listed_never_dropped(tmp_path, data_dir):
         return {"type": "choice", "probabilities": {lab: 1 / k for lab in q["criteria"]}}
 
     client = SystemOneClient("http://fake", transport=_fake_server(answer))
-    ev = evaluate_remote("http://fake", data_dir, tmp_path / "out", client=client, progress=False)
+    ev = evaluate_remote("http://fake", data_dir, tmp_path / "out", client=client, progress=False, max_lost=1.0)
     remote = json.loads((tmp_path / "out" / "remote.json").read_text())
     unanswered = [json.loads(x) for x in (tmp_path / "out" / "eval" / "unanswered.jsonl").read_text().splitlines()]
     splits = [s for s in ("test", "calibration") if (data_dir / f"{s}.jsonl").read_text().strip()]
@@ -212,6 +212,173 @@ def test_remote_order_votes_average_the_orders_in_candidate_space(tmp_path, data
         expect = [rest] * k  # a middle option is never listed first in either order
         expect[0] = expect[-1] = (0.6 + rest) / 2
         assert [math.exp(x) for x in r["logits"]] == pytest.approx(expect, abs=1e-12), r["labels"]
+
+
+# ------------------------------------------------------------------ what the numbers are compared with, lost rows
+
+
+def _noul_only_server():
+    """A System One stub that answers the noul questions only (p(yes) = 0.7); the others get no answer."""
+    def handler(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"models": [{"name": "fake"}]})
+        body = json.loads(request.content)
+        return httpx.Response(200, json={"model": body["model"], "answers": {
+            qid: {"type": "noul", "noul": 0.7} for qid, q in body["questions"].items() if q["type"] == "noul"}})
+    return httpx.MockTransport(handler)
+
+
+def _majority_accuracy(train, rows):
+    """Independent majority baseline: per (group, instructions) the label most often the argmax of the training
+    targets (ties: the smallest label), else the group's among the row's labels, else its first; accuracy on rows."""
+    from collections import Counter, defaultdict
+
+    by_key, by_group = defaultdict(Counter), defaultdict(Counter)
+    for r in train:
+        lab = r.question.labels[int(np.argmax(r.target))]
+        by_key[(r.group, r.question.instructions)][lab] += 1
+        by_group[r.group][lab] += 1
+
+    def best(counter, labels):
+        seen = [(-counter[lab], lab) for lab in labels if counter[lab]]
+        return min(seen)[1] if seen else None
+
+    hits = []
+    for r in rows:
+        labels = r.question.labels
+        ans = best(by_key[(r.group, r.question.instructions)], labels) or best(by_group[r.group], labels) or labels[0]
+        hits.append(labels.index(ans) == int(np.argmax(r.target)))
+    return float(np.mean(hits))
+
+
+def test_the_baseline_uniform_and_bayes_floor_are_scored_on_the_rows_the_model_answered(tmp_path, data_dir):
+    from rlcd.data.io import load_split
+    from rlcd.report import format_summary
+    from rlcd.report.document import fmt
+
+    client = SystemOneClient("http://fake", transport=_noul_only_server())
+    ev = evaluate_remote("http://fake", data_dir, tmp_path / "out", client=client, progress=False, max_lost=1.0)
+    train, test = load_split(data_dir, "train"), load_split(data_dir, "test")
+    cal = load_split(data_dir, "calibration")
+    answered = [r for r in test if r.question.type == "noul"]
+    assert 0 < len(answered) < len(test) and ev["raw"]["n"] == len(answered)
+    expect = _majority_accuracy(train, answered)
+    assert expect != pytest.approx(_majority_accuracy(train, test), abs=1e-3), "the fixture: the rows matter"
+    mb = ev["majority_baseline"]
+    assert mb["n"] == len(answered) and mb["accuracy"] == pytest.approx(expect, abs=1e-12)
+    post = ev["raw"]["overall"]["posterior"]
+    t = np.array([r.target for r in answered], dtype=np.float64)
+    q = np.array([r.posterior for r in answered], dtype=np.float64)
+    assert post["n"] == len(answered)
+    assert post["uniform_nll"] == pytest.approx(float(np.mean(-(t * np.log(0.5)).sum(axis=1))), abs=1e-12)
+    assert post["bayes_nll"] == pytest.approx(float(np.mean(-(t * np.log(np.maximum(q, 1e-12))).sum(axis=1))), rel=1e-9)
+    acc = ev["raw"]["overall"]["accuracy"]
+    md = (tmp_path / "out" / "eval" / "report.md").read_text()
+    assert f"{fmt(acc)}" in md and f"vs {fmt(expect)} for always answering the training majority" in md
+    text = format_summary(ev)
+    n_cal = sum(r.question.type == "noul" for r in cal)
+    assert f"majority baseline accuracy: {fmt(expect)}   model accuracy: {fmt(acc)}" in text
+    assert (f"note: remote: {len(answered) + n_cal} of {len(test) + len(cal)} rows read were answered "
+            f"(test {len(answered)} of {len(test)}, calibration {n_cal} of {len(cal)})") in text
+
+
+def test_a_stored_baseline_on_other_rows_is_not_called_a_verdict():
+    """An evaluation.json written before the fix (model on 22 rows, baseline on 66) renders, but says the two are
+    not comparable; on the same rows the verdict is judged as usual."""
+    from types import SimpleNamespace
+
+    from rlcd.report.verdict import learned_line
+
+    raw = {"overall": {"n": 22, "accuracy": 0.4545, "ci95": {"accuracy": [0.30, 0.60]}}}
+    old = learned_line(SimpleNamespace(raw=raw, ev={"majority_baseline": {"n": 66, "accuracy": 0.3636}}))
+    assert "on 22 rows vs 0.3636 for the training majority on 66 rows: not comparable" in old
+    assert "noise" not in old
+    same = learned_line(SimpleNamespace(raw=raw, ev={"majority_baseline": {"n": 22, "accuracy": 0.6364}}))
+    assert "vs 0.6364 for always answering the training majority: **below** the majority baseline beyond noise" in same
+
+
+def _dying_server(answered_requests):
+    """A stub that answers its first `answered_requests` requests (every question uniform), then is gone."""
+    import threading
+
+    seen, lock = [0], threading.Lock()
+
+    def handler(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"models": [{"name": "fake"}]})
+        with lock:
+            seen[0] += 1
+            if seen[0] > answered_requests:
+                raise httpx.ConnectError("connection refused")
+        body = json.loads(request.content)
+        out = {}
+        for qid, q in body["questions"].items():
+            if q["type"] == "noul":
+                out[qid] = {"type": "noul", "noul": 0.5}
+            else:
+                k = len(q["criteria"])
+                labels = list(q["criteria"]) if q["type"] == "choice" else [str(i) for i in range(k)]
+                out[qid] = {"type": q["type"], "probabilities": {lab: 1 / k for lab in labels},
+                            **({"score": (k - 1) / 2, "legend": {}} if q["type"] == "score" else {})}
+        return httpx.Response(200, json={"model": body["model"], "answers": out})
+    return httpx.MockTransport(handler)
+
+
+def test_a_server_that_dies_mid_run_is_said_and_fails_above_max_lost(tmp_path, data_dir, monkeypatch):
+    """The test split's requests go first (concurrency 1): the server answers two of them and dies, so every
+    calibration request fails. DIR is written, temperatures.json says why there are no temperatures, the summary
+    says what was answered per split, and the command exits 3 -- unless --max-lost accepts the loss."""
+    import rlcd.remote.evaluate as remote_eval
+    from rlcd.data.io import load_split
+    from rlcd.remote.evaluate import RowsLost, build_requests
+
+    test, cal = load_split(data_dir, "test"), load_split(data_dir, "calibration")
+    outgoing, _ = build_requests({"test": test, "calibration": cal}, "fake")
+    n_test_answered = sum(len(o.asked) for o in outgoing[:2])
+    assert outgoing[1].asked[0].split == "test" and n_test_answered < len(test)
+    lost = len(test) + len(cal) - n_test_answered
+
+    def client(retries=0):
+        return SystemOneClient("http://fake", retries=retries, sleep=lambda _: None, transport=_dying_server(2))
+
+    with pytest.raises(RowsLost) as err:
+        evaluate_remote("http://fake", data_dir, tmp_path / "a", client=client(), progress=False, concurrency=1)
+    msg = str(err.value)
+    assert f"{lost} of {len(test) + len(cal)} rows" in msg and f"request_failed {lost}" in msg
+    assert f"test {n_test_answered} of {len(test)}, calibration 0 of {len(cal)}" in msg and "--max-lost 0.05" in msg
+    temps = json.loads((tmp_path / "a" / "eval" / "temperatures.json").read_text())
+    assert temps["temperatures"] == {"choice": 1.0, "noul": 1.0, "score": 1.0}
+    assert temps["source"] == (f"none: none of the {len(cal)} rows of {data_dir / 'calibration.jsonl'} got a usable "
+                               f"answer (request_failed {len(cal)}): T = 1")
+    remote = json.loads((tmp_path / "a" / "remote.json").read_text())
+    assert remote["rows_by_split"] == {"test": {"read": len(test), "answered": n_test_answered},
+                                       "calibration": {"read": len(cal), "answered": 0}}
+    assert err.value.evaluation["majority_baseline"]["n"] == n_test_answered
+    # the share is a bound: exactly at it passes, just under it fails
+    share = lost / (len(test) + len(cal))
+    evaluate_remote("http://fake", data_dir, tmp_path / "b", client=client(), progress=False, concurrency=1,
+                    max_lost=share)
+    with pytest.raises(RowsLost):
+        evaluate_remote("http://fake", data_dir, tmp_path / "c", client=client(), progress=False, concurrency=1,
+                        max_lost=share - 1e-9)
+    # the CLI: the summary on stdout, one error line, exit 3; --max-lost 1 accepts it
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    monkeypatch.setattr(remote_eval, "SystemOneClient", lambda url, **kw: client())
+    args = ["evaluate", "--remote", "http://fake", "--data", str(data_dir), "--concurrency", "1"]
+    res = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "d")])
+    assert res.exit_code == 3, res.output
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("rlcd: error:")]
+    assert len(errors) == 1 and "more than --max-lost 0.05 allows" in errors[0] and "Traceback" not in res.output
+    assert (f"note: remote: {n_test_answered} of {len(test) + len(cal)} rows read were answered "
+            f"(test {n_test_answered} of {len(test)}, calibration 0 of {len(cal)})") in res.stdout
+    assert "none of the" in res.stderr and "the data has no calibration split" not in res.output
+    res = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "e"), "--max-lost", "1"])
+    assert res.exit_code == 0, res.output
+    user_error([*args, "--out", tmp_path / "f", "--max-lost", "1.5"], contains="--max-lost")
+    user_error(["evaluate", tmp_path, "--max-lost", "0.5"], contains="goes with --remote")
 
 
 # ------------------------------------------------------------------ the CLI's mistakes

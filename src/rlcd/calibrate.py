@@ -22,7 +22,23 @@ box). ``converged`` reports the KKT condition at the returned T: a remaining New
 outward at a bound; and the returned loss no higher than the coarse grid's best.
 
 ``fit_per_type`` fits one temperature per decision type (choice, noul, score) from the rows it is
-given and nothing else; a type with fewer than ``min_rows`` (10) rows keeps T = 1 with a reason.
+given and nothing else, behind a guard: a type keeps T = 1 (with a ``reason`` in its info) when
+
+- it has fewer than ``min_rows`` (10) calibration rows, or
+- the fit does not beat T = 1 on held-out calibration cases: the type's source cases (``case_id``,
+  else the id prefix before ':') are sorted and dealt round-robin into ``CV_FOLDS`` (5) folds (as many
+  as there are cases when fewer; one case alone cannot be held out, so the fit is refused); each fold's
+  rows are scored at the temperature fitted on the other folds, and the fit is kept only when that
+  cross-fitted mean loss is below the loss of the same rows at T = 1 (``heldout`` in the info holds
+  both, the fold count and the fold temperatures). A case never sits on both sides of a fold, as the
+  rows of one case share a state.
+
+Why refuse rather than shrink towards 1: on a small split the fitted T can make a type worse than
+T = 1 on rows it was not fitted on (issue 58 reports a noul T = 0.63 fitted on 24 rows with a held-out KL of 0.409
+where the uniform answer gave 0.276), and a shrinkage weight would be one more quantity fitted on
+those same few rows. The cross-fit measures the fitting *procedure* out of sample; when it loses to
+T = 1 the honest answer is T = 1, and the refused fit stays in the info (``fitted_temperature``,
+``fitted_loss``) for the report. When it wins, the T fitted on all the rows is used.
 """
 
 from __future__ import annotations
@@ -33,11 +49,16 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from rlcd.bootstrap import group_key
 from rlcd.schema import QUESTION_TYPES
 
 T_MIN, T_MAX = 0.1, 10.0
 ITERS, LR = 100, 0.1
 MIN_ROWS = 10
+CV_FOLDS = 5  # the held-out guard: cases dealt round-robin into this many folds
+GUARD = {"min_rows": MIN_ROWS, "folds": CV_FOLDS,
+         "rule": "a type keeps T = 1 below min_rows calibration rows, or when the fit does not beat T = 1 on "
+                 "held-out calibration cases (cross-fit by case, round-robin folds)"}
 STEP_TOL = 1e-3  # converged when the remaining Newton step in log T is below 0.1 % of T
 DECREASE_TOL = 1e-10  # ... or the loss decrease that step predicts is below this (flat losses)
 SEARCH_GRID = 61  # coarse grid in log T that brackets the minimiser for the golden-section finish
@@ -241,13 +262,14 @@ def _newton_polish(z: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, u: floa
 
 
 def fit_per_type(rows: Iterable[Mapping[str, Any]], *, min_rows: int = MIN_ROWS, iters: int = ITERS,
-                 lr: float = LR, t_min: float = T_MIN, t_max: float = T_MAX,
+                 lr: float = LR, t_min: float = T_MIN, t_max: float = T_MAX, folds: int = CV_FOLDS,
                  ) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
     """One temperature per decision type from prediction rows (``type``, ``logits``, ``target``).
 
     Uses exactly the rows it is given (pass the calibration partition only); a row that says it
     belongs to another split (``split`` key other than "calibration") is refused. A type with fewer
-    than ``min_rows`` rows gets T = 1 and an info dict with a ``reason``. Returns
+    than ``min_rows`` rows, or whose fit does not beat T = 1 on held-out cases (``heldout_check``,
+    ``folds`` folds), gets T = 1 and an info dict with a ``reason`` (module docstring). Returns
     ``({type: T}, {type: info})`` for every type in choice, noul, score (and any other type seen).
     """
     by_type: dict[str, list[Mapping[str, Any]]] = {t: [] for t in QUESTION_TYPES}
@@ -274,7 +296,51 @@ def fit_per_type(rows: Iterable[Mapping[str, Any]], *, min_rows: int = MIN_ROWS,
                 info["loss_before"] = info["loss_after"] = None
             temps[qtype], infos[qtype] = 1.0, info
             continue
-        temps[qtype], infos[qtype] = fit_temperature(
+        temperature, info = fit_temperature(
             [r["logits"] for r in group], [r["target"] for r in group],
             iters=iters, lr=lr, t_min=t_min, t_max=t_max)
+        info["heldout"] = check = heldout_check(group, folds=folds, iters=iters, lr=lr, t_min=t_min, t_max=t_max)
+        if not check["beats_t1"]:
+            why = (f"the fit (T = {temperature:.3g}) did not beat T = 1 on held-out calibration cases "
+                   f"({check['folds']}-fold cross-fit by case: loss {check['loss']:.4f} vs {check['loss_t1']:.4f} "
+                   "at T = 1): T = 1" if check["folds"] else
+                   f"all {n} calibration rows are from one case, so no fit can be checked on held-out cases: T = 1")
+            info.update(fitted_temperature=temperature, fitted_loss=info["loss_after"], temperature=1.0,
+                        loss_after=info["loss_before"], reason=why)
+            temperature = 1.0
+        temps[qtype], infos[qtype] = temperature, info
     return temps, infos
+
+
+def heldout_check(rows: Sequence[Mapping[str, Any]], *, folds: int = CV_FOLDS, iters: int = ITERS, lr: float = LR,
+                  t_min: float = T_MIN, t_max: float = T_MAX) -> dict[str, Any]:
+    """Whether fitting a temperature beats T = 1 on held-out cases of ``rows`` (one type's calibration rows).
+
+    The distinct cases (``rlcd.bootstrap.group_key``), sorted, are dealt round-robin into
+    ``k = min(folds, cases)`` folds; fold f's rows are scored at the T fitted (``fit_temperature``) on the
+    other folds' rows. Returns ``{folds: k, n_cases, fold_temperatures, loss, loss_t1, beats_t1}`` with
+    ``loss`` = mean over all rows of their held-out soft CE and ``loss_t1`` = the same rows' mean at T = 1;
+    ``beats_t1`` = loss < loss_t1 by more than rounding (1e-12 relative). One case: k = 0, beats_t1 False.
+    """
+    keys = sorted({group_key(r) for r in rows})
+    k = min(folds, len(keys))
+    if k < 2:
+        return {"folds": 0, "n_cases": len(keys), "fold_temperatures": [], "loss": None, "loss_t1": None,
+                "beats_t1": False}
+    fold_of = {key: i % k for i, key in enumerate(keys)}
+    fold = [fold_of[group_key(r)] for r in rows]
+    total = total_t1 = 0.0
+    fold_temps = []
+    for f in range(k):
+        fit_rows = [r for r, g in zip(rows, fold) if g != f]
+        held = [r for r, g in zip(rows, fold) if g == f]
+        t_f, _ = fit_temperature([r["logits"] for r in fit_rows], [r["target"] for r in fit_rows],
+                                 iters=iters, lr=lr, t_min=t_min, t_max=t_max)
+        fold_temps.append(t_f)
+        z, t, mask = padded([r["logits"] for r in held], [r["target"] for r in held])
+        with torch.no_grad():
+            total += float(soft_ce(z, t, mask, t_f, per_row=True).sum())
+            total_t1 += float(soft_ce(z, t, mask, 1.0, per_row=True).sum())
+    loss, loss_t1 = total / len(rows), total_t1 / len(rows)
+    return {"folds": k, "n_cases": len(keys), "fold_temperatures": fold_temps, "loss": loss, "loss_t1": loss_t1,
+            "beats_t1": bool(loss < loss_t1 - 1e-12 * (1.0 + abs(loss_t1)))}

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from rlcd import checkpoint as ckpt
-from rlcd.calibrate import MIN_ROWS, fit_per_type
+from rlcd.calibrate import GUARD, MIN_ROWS, fit_per_type
 from rlcd.device import Placement, resolve_placement
 from rlcd.export import checkpoint_identity, load_checkpoint_model, write_export
 from rlcd.progress import Progress, echo
@@ -185,14 +185,15 @@ def _features(model, config: dict, use: bool, say: Callable[[str], None] | None 
 
 
 def _calibration_key(run: Run, placement: Placement, which: str = "best", order_votes: int = 1) -> dict[str, Any]:
-    """What the temperatures depend on: the evaluated checkpoint, the calibration data, the placement, and the order
-    votes (recorded only when > 1: a file without the key was fitted on plain answers)."""
+    """What the temperatures depend on: the evaluated checkpoint, the calibration data, the placement, the order
+    votes (recorded only when > 1: a file without the key was fitted on plain answers) and the fit's guard
+    (`rlcd.calibrate.GUARD`: a file fitted before the held-out guard has none, so it is refitted)."""
     from rlcd.data.io import sha256_file
 
     cal = run.data_dir / "calibration.jsonl"
     return {"checkpoint_sha256": ckpt.weights_sha256(run.require_checkpoint(which)),
             "calibration_sha256": sha256_file(cal) if cal.is_file() else None, **placement.to_dict(),
-            **({"order_votes": order_votes} if order_votes > 1 else {})}
+            **({"order_votes": order_votes} if order_votes > 1 else {}), "guard": GUARD}
 
 
 def fit_temperatures(run: Run, calibration_rows: list[dict], placement: Placement,
@@ -472,19 +473,20 @@ def _evaluate_on_data(run: Run, view: Run, other: Path, records: dict[str, list[
     if recalibrate:
         temps, infos = fit_per_type(preds["calibration"])
         source = {"source": f"fitted on {other / 'calibration.jsonl'} (--recalibrate)", "n_rows": len(preds["calibration"]),
-                  "calibration_sha256": sha256_file(other / "calibration.jsonl")}
+                  "calibration_sha256": sha256_file(other / "calibration.jsonl"), "guard": GUARD}
     else:
         stored = stored_temperatures(run, placement, which, order_votes)
         if stored is not None:
             temps, infos = stored["temperatures"], stored["calibration"]
             source = {"source": str(run.temperatures_path.relative_to(run.root)), "n_rows": stored.get("n_rows"),
-                      "calibration_sha256": stored.get("calibration_sha256")}
+                      "calibration_sha256": stored.get("calibration_sha256"), "guard": stored.get("guard")}
         else:
             own = _score(model, config, "calibration", _records(config, "calibration"), placement, progress,
                          order_votes=order_votes)
             temps, infos = fit_per_type(own)
             source = {"source": "fitted here on the run's own calibration split (no matching eval/temperatures.json)",
-                      "n_rows": len(own), "calibration_sha256": _calibration_key(run, placement, which)["calibration_sha256"]}
+                      "n_rows": len(own), "guard": GUARD,
+                      "calibration_sha256": _calibration_key(run, placement, which)["calibration_sha256"]}
     say(f"temperatures: {source['source']}")
     for split, rows in preds.items():
         write_jsonl(view.predictions_path(split), rows)
@@ -565,7 +567,8 @@ MIN_CALIBRATION_ROWS = 30  # per fitted type: below this a temperature is a nois
 
 def small_data_warnings(preds: dict[str, list[dict]], infos: dict[str, dict]) -> list[str]:
     """Warnings for sizes too small to trust: a test split below MIN_TEST_ROWS rows, a type fitted on
-    fewer than MIN_CALIBRATION_ROWS calibration rows (or left at T = 1 for lack of rows)."""
+    fewer than MIN_CALIBRATION_ROWS calibration rows (or left at T = 1 for lack of rows, or because its fit
+    did not beat T = 1 on held-out cases: `rlcd.calibrate`)."""
     out = []
     n_test = len(preds.get("test") or [])
     if n_test < MIN_TEST_ROWS:
@@ -576,10 +579,14 @@ def small_data_warnings(preds: dict[str, list[dict]], infos: dict[str, dict]) ->
         n_cal[r["type"]] = n_cal.get(r["type"], 0) + 1
     for t, n in n_cal.items():
         if 0 < n < MIN_CALIBRATION_ROWS:
-            fitted = (infos.get(t) or {}).get("reason") is None
-            out.append(f"warning: {t}: {n} calibration rows (< {MIN_CALIBRATION_ROWS}); its temperature is noisy"
-                       if fitted else f"warning: {t}: {n} calibration rows (a fit takes {MIN_ROWS}); its temperature "
-                       "stays T = 1")
+            info = infos.get(t) or {}
+            if info.get("reason") is None:
+                out.append(f"warning: {t}: {n} calibration rows (< {MIN_CALIBRATION_ROWS}); its temperature is noisy")
+            elif "fitted_temperature" in info:
+                out.append(f"warning: {t}: {n} calibration rows (< {MIN_CALIBRATION_ROWS}); its fit (T = "
+                           f"{info['fitted_temperature']:.3g}) did not beat T = 1 on held-out cases, so T = 1 is kept")
+            else:
+                out.append(f"warning: {t}: {n} calibration rows (a fit takes {MIN_ROWS}); its temperature stays T = 1")
     if not preds.get("calibration"):
         out.append("warning: no calibration rows: every temperature stays T = 1")
     return out

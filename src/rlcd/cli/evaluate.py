@@ -74,6 +74,10 @@ def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = D
                                                         "one /v1/models lists)")] = None,
              concurrency: Annotated[int, typer.Option(
                  "--concurrency", min=1, max=64, help="with --remote: requests in flight at once")] = 4,
+             max_lost: Annotated[float, typer.Option(
+                 "--max-lost", metavar="SHARE", min=0.0, max=1.0,
+                 help="with --remote: the share of rows read that may go unanswered; above it DIR is still written and "
+                      "the command exits 3 (1 accepts any loss)")] = 0.05,
              ) -> None:
     """Score dev/calibration/test with the merged best (or last) checkpoint, calibrate, write eval/ and export/.
 
@@ -85,7 +89,8 @@ def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = D
     With --remote URL --data D --out DIR (no RUN): score any System One server on D's test split (or --split),
     one request per state; temperatures fitted on its answers to D's calibration split; DIR/eval/ holds what a
     run's eval/ holds (predictions, evaluation.json, report, thresholds.json) plus unanswered.jsonl, and
-    DIR/remote.json says what was asked of whom. `rlcd compare RUN DIR` pairs it with any run by case.
+    DIR/remote.json says what was asked of whom. `rlcd compare RUN DIR` pairs it with any run by case. More than
+    --max-lost (5%) of the rows unanswered (a server that died mid-run): DIR is written and the command exits 3.
     """
     from rlcd.cli._common import check_order_votes, run_path
     from rlcd.errors import OptionError
@@ -96,10 +101,11 @@ def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = D
     check_order_votes(order_votes)
     if remote is not None:  # votes: each choice question sent in N orders within its request, averaged here
         _evaluate_remote(run, remote, data=data, out=out, split=split, api_key_env=api_key_env, model=remote_model,
-                         concurrency=concurrency, recalibrate=recalibrate, order_votes=order_votes)
+                         concurrency=concurrency, recalibrate=recalibrate, order_votes=order_votes, max_lost=max_lost)
         return
     for name, value, default in (("--split", split, "test"), ("--api-key-env", api_key_env, None),
-                                 ("--remote-model", remote_model, None), ("--concurrency", concurrency, 4)):
+                                 ("--remote-model", remote_model, None), ("--concurrency", concurrency, 4),
+                                 ("--max-lost", max_lost, 0.05)):
         if value != default:
             raise OptionError(f"{name} goes with --remote URL (evaluation of a System One server)")
     if data is None and (out is not None or recalibrate):
@@ -116,7 +122,7 @@ def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = D
 
 
 def _evaluate_remote(run, url: str, *, data, out, split: str, api_key_env, model, concurrency: int,
-                     recalibrate: bool, order_votes: int) -> None:
+                     recalibrate: bool, order_votes: int, max_lost: float = 0.05) -> None:
     """`rlcd evaluate --remote URL --data D --out DIR`: checks the options, then `rlcd.remote.evaluate_remote`."""
     import os
 
@@ -124,7 +130,7 @@ def _evaluate_remote(run, url: str, *, data, out, split: str, api_key_env, model
     from rlcd.evaluate import print_summary
     from rlcd.progress import echo
     from rlcd.remote.client import base_url
-    from rlcd.remote.evaluate import evaluate_remote
+    from rlcd.remote.evaluate import RowsLost, evaluate_remote
 
     if run is not None:
         raise OptionError(f"--remote scores a server, not a run: drop RUN ({run}) or drop --remote")
@@ -143,8 +149,13 @@ def _evaluate_remote(run, url: str, *, data, out, split: str, api_key_env, model
         base_url(url)
     except ValueError as e:
         raise OptionError(str(e)) from None
-    print_summary(evaluate_remote(url, data, Path(out), split=split, api_key=key, model=model,
-                                  concurrency=concurrency, votes=order_votes, print_fn=echo))
+    try:
+        ev = evaluate_remote(url, data, Path(out), split=split, api_key=key, model=model, concurrency=concurrency,
+                             votes=order_votes, print_fn=echo, max_lost=max_lost)
+    except RowsLost as e:  # DIR is written: its summary first, then the one-line error and exit 3
+        print_summary(e.evaluation)
+        raise
+    print_summary(ev)
 
 
 def report(run: RunArg = None, out: Annotated[Optional[str], typer.Option(

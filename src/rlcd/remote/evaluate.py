@@ -11,7 +11,12 @@ thresholds.json}`` -- plus ``DIR/remote.json``, so ``rlcd compare RUN DIR`` pair
 
 Nothing is dropped silently: a question the system did not answer, or answered unusably (wrong type, not a
 probability, unknown label, a failed request after retries), is written to ``DIR/eval/unanswered.jsonl`` with
-its reason and counted in evaluation.json's ``meta.remote``; rows read == rows scored + rows unanswered.
+its reason and counted in evaluation.json's ``meta.remote``; rows read == rows scored + rows unanswered, per split
+in ``rows_by_split``. Every comparison is made on the rows the model was scored on: the majority baseline is the
+training majority's score on the answered rows of the split (the uniform answer and the Bayes floor come from the
+scored prediction rows themselves). When more than ``max_lost`` (default 5%) of the rows read got no usable answer
+(a server that died mid-run, a wrong model), DIR is still written -- unanswered.jsonl says why each row was lost --
+and `RowsLost` is raised (exit 3); a calibration split with no answered row says so (T = 1), never "no split".
 Answers rebuilt from a top answer and a confidence (no ``probabilities`` sent) are scored and counted as
 reconstructed. With ``order_votes`` N > 1 each choice question is also asked in N-1 other orders
 (`rlcd.order_votes`) inside the same request and the answers are averaged in candidate space.
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from rlcd.errors import UserError
 from rlcd.order_votes import check_votes, combine, permute_question, vote_orders
 from rlcd.remote.answers import map_answer
 from rlcd.remote.client import SystemOneClient
@@ -37,6 +43,18 @@ from rlcd.schema import Question, Record
 MAX_QUESTIONS = 64  # System One's limit per request (transformers: 1..64)
 FLOOR = 1e-12  # a probability of 0 becomes log(1e-12): the metrics' own floor
 FORMAT = "rlcd.remote_evaluation/1"
+MAX_LOST = 0.05  # the share of rows read that may go unanswered before the evaluation fails (exit 3)
+
+
+class RowsLost(UserError):
+    """More rows than ``--max-lost`` allows got no usable answer; DIR is written (``evaluation`` holds its
+    evaluation dict), the command exits 3."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, evaluation: dict[str, Any]):
+        super().__init__(message)
+        self.evaluation = evaluation
 
 
 @dataclass
@@ -164,11 +182,12 @@ def check_out_dir(out: Path) -> Path:
 def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "test", api_key: str | None = None,
                     model: str | None = None, concurrency: int = 4, votes: int = 1, progress: bool = True,
                     timeout_s: float = 120.0, retries: int = 4, print_fn: Callable[[str], None] | None = None,
-                    client: SystemOneClient | None = None) -> dict[str, Any]:
+                    client: SystemOneClient | None = None, max_lost: float = MAX_LOST) -> dict[str, Any]:
     """Score `data_dir`'s `split` (and its calibration split, for the temperatures) on the System One server at
     `url`; write `out_dir` (see the module doc) and return the evaluation dict. Inputs and the server are checked
-    before anything is written."""
-    from rlcd.calibrate import fit_per_type
+    before anything is written; `RowsLost` (after writing) when more than `max_lost` of the rows read are
+    unanswered."""
+    from rlcd.calibrate import GUARD, fit_per_type
     from rlcd.data.io import load_split, write_jsonl
     from rlcd.errors import OptionError, RunError
     from rlcd.evaluate import SPLITS, _test_look, check_other_data
@@ -181,6 +200,8 @@ def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "te
     votes = check_votes(votes)
     if concurrency < 1:
         raise OptionError(f"--concurrency must be at least 1, got {concurrency}")
+    if not (isinstance(max_lost, (int, float)) and 0 <= max_lost <= 1):
+        raise OptionError(f"--max-lost must be a share of the rows between 0 and 1, got {max_lost}")
     if split not in SPLITS:
         raise OptionError(f"--split {split!r}: choose one of {', '.join(SPLITS)}")
     data = check_other_data(data_dir, recalibrate=False)
@@ -226,6 +247,8 @@ def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "te
         preds[s].sort(key=lambda row: order[s][row["id"]])
     n_read = sum(len(r) for r in records.values())
     assert n_read == sum(len(p) for p in preds.values()) + len(unanswered), "every row is scored or unanswered"
+    by_split = {s: {"read": len(records[s]), "answered": len(preds[s])} for s in records}
+    lost_by_split = {s: Counter(u["kind"] for u in unanswered if u["split"] == s) for s in records}
     if not preds[split]:
         raise RunError(f"--remote {url}: no usable answer for any of the {len(records[split])} {split} rows "
                        f"(first reason: {unanswered[0]['reason'] if unanswered else 'none'})")
@@ -237,7 +260,8 @@ def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "te
               "seconds": round((finished - started).total_seconds(), 3), "requests": len(outgoing),
               "attempts": attempts, "concurrency": concurrency, "order_votes": votes, "rows_read": n_read,
               "rows_scored": n_read - len(unanswered), "rows_unanswered": len(unanswered),
-              "unanswered_by_kind": dict(Counter(u["kind"] for u in unanswered)),
+              "unanswered_by_kind": dict(Counter(u["kind"] for u in unanswered)), "rows_by_split": by_split,
+              "max_lost": max_lost,
               "reconstructed": dict(reconstructed), "data": str(data), "split": split}
     write_json(out_dir / "remote.json", remote)
     for s, rows in preds.items():
@@ -245,16 +269,20 @@ def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "te
     write_jsonl(view.eval_dir / "unanswered.jsonl", unanswered)
     cal = preds.get("calibration") or []
     temps, infos = fit_per_type(cal)
-    source = (f"fitted per type on the remote's answers to {data / 'calibration.jsonl'}" if cal
-              else "none: the data has no calibration split (T = 1)")
+    source = _temperature_source(data, by_split.get("calibration"), lost_by_split.get("calibration"))
     write_json(view.temperatures_path, {"temperatures": temps, "calibration": infos, "n_rows": len(cal),
-                                        "source": source})
+                                        "source": source, "guard": GUARD})
     say(f"temperatures: {source}")
+    for qtype, info in infos.items():
+        if "fitted_temperature" in info:
+            say(f"temperatures: {qtype} kept at T = 1: {info['reason']}")
     train_rows = load_split(data, "train") if (data / "train.jsonl").is_file() else []
-    baseline = majority_baseline(train_rows, records[split]) if train_rows else None
+    # on the rows the model was scored on: a baseline over rows the model never answered compares nothing
+    baseline = majority_baseline(train_rows, preds[split]) if train_rows else None
     meta = {"run": f"{name} at {client.base}", "model": name, "remote": remote, "evaluated_on": str(data),
             "data_hashes": data_hashes(data), "calibration": infos, "temperatures_source": source,
-            "order_votes": votes, "majority_baseline_from": str(data / "train.jsonl") if baseline else None}
+            "order_votes": votes, "majority_baseline_from": str(data / "train.jsonl") if baseline else None,
+            "majority_baseline_on": f"the {len(preds[split])} answered {split} rows" if baseline else None}
     if split == "test":
         meta.update(_test_look(view, data, preds, f"remote:{client.base}:{name}", "evaluate --remote",
                                print_fn or (lambda _: None)))
@@ -269,7 +297,29 @@ def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "te
     default_gates(view, say)
     write_report(view, ev=ev)
     say(f"report: {view.report_md}, {view.report_html}")
+    lost = len(unanswered)
+    if lost > max_lost * n_read:
+        kinds = ", ".join(f"{k} {v}" for k, v in remote["unanswered_by_kind"].items())
+        per = ", ".join(f"{s} {c['answered']} of {c['read']}" for s, c in by_split.items())
+        raise RowsLost(f"--remote {client.base}: {lost} of {n_read} rows ({lost / n_read:.1%}) got no usable answer "
+                       f"({kinds}; answered: {per}), more than --max-lost {max_lost:g} allows; "
+                       f"{out_dir} is written (eval/unanswered.jsonl says why each row was lost), "
+                       "--max-lost 1 accepts it", ev)
     return ev
+
+
+def _temperature_source(data: Path, counts: dict[str, int] | None, lost: Counter | None) -> str:
+    """What temperatures.json and the output say the temperatures were fitted on (or why they were not)."""
+    cal = data / "calibration.jsonl"
+    if counts is None:
+        return "none: the data has no calibration split (T = 1)"
+    why = ", ".join(f"{k} {v}" for k, v in (lost or {}).items())
+    if counts["answered"] == 0:
+        return f"none: none of the {counts['read']} rows of {cal} got a usable answer ({why}): T = 1"
+    if counts["answered"] < counts["read"]:
+        return (f"fitted per type on the remote's answers to {cal} ({counts['answered']} of {counts['read']} rows "
+                f"answered; {why})")
+    return f"fitted per type on the remote's answers to {cal}"
 
 
 def _send(client: SystemOneClient, outgoing: list[Outgoing], concurrency: int, progress: bool, total: int) -> list:
@@ -291,4 +341,4 @@ def _send(client: SystemOneClient, outgoing: list[Outgoing], concurrency: int, p
             return list(pool.map(one, outgoing))
 
 
-__all__ = ["build_requests", "check_out_dir", "evaluate_remote", "map_answer", "read_answers"]
+__all__ = ["MAX_LOST", "RowsLost", "build_requests", "check_out_dir", "evaluate_remote", "map_answer", "read_answers"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from rlcd import metrics as M
+from rlcd.calibrate import CV_FOLDS, MIN_ROWS
 from rlcd.report import plots
 from rlcd.report.context import Context
 from rlcd.report.document import Bullets, Section, Table, Text, fmt, fmt_ci, fmt_interval
@@ -59,7 +60,9 @@ def temperatures(ctx: Context) -> Section:
                  "LBFGS iterations", "converged", "note"], rows))
     s.add(Text("The interval refits each type's temperature on every bootstrap resample of the calibration cases "
                "(grid over log T in [0.1, 10], refined by a parabola). A wide interval says the calibration split "
-               "is too small to pin the temperature down."))
+               f"is too small to pin the temperature down. A type keeps T = 1 (the note says why) below {MIN_ROWS} "
+               f"calibration rows, or when its fit did not beat T = 1 on held-out calibration cases ({CV_FOLDS}-fold "
+               "cross-fit by case); its interval is then the refused fit's."))
     if not cal_info:
         s.add(Text("Fit details (`meta.calibration`) were not recorded."))
     return s

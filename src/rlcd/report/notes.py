@@ -1,6 +1,6 @@
 """What a reader must know before trusting the numbers: an unfinished run, an untrained selected
-checkpoint, data that changed under the run, a test split already scored before (`rlcd.data.looks`). The
-CLI summary and the report both print these lines."""
+checkpoint, data that changed under the run, a test split already scored before (`rlcd.data.looks`), the rows a
+remote evaluation got answers for (per split). The CLI summary and the report both print these lines."""
 
 from __future__ import annotations
 
@@ -22,6 +22,13 @@ def result_notes(meta: Mapping[str, Any] | None) -> list[str]:
     if changed.get("files"):
         out.append(f"data files changed since the run started ({', '.join(changed['files'])}); scored on the new "
                    "data as --allow-data-change asked")
+    remote = meta.get("remote") or {}
+    by_split = remote.get("rows_by_split") if isinstance(remote, Mapping) else None
+    if by_split:  # rlcd evaluate --remote: which rows the numbers are on
+        per = ", ".join(f"{s} {c.get('answered')} of {c.get('read')}" for s, c in by_split.items())
+        out.append(f"remote: {remote.get('rows_scored')} of {remote.get('rows_read')} rows read were answered ({per}); "
+                   "the model, the majority baseline, the uniform answer and the Bayes floor are all scored on the "
+                   "answered rows")
     from rlcd.data.looks import looks_note
 
     looked = looks_note(meta.get("test_looks"))

@@ -42,11 +42,13 @@ def format_summary(ev: Mapping[str, Any]) -> str:
 
 
 def fit_notes(ev: Mapping[str, Any]) -> list[str]:
-    """One line per temperature that was not fitted (too few rows) or whose fit did not converge."""
+    """One line per temperature that was not fitted (too few rows), whose fit was refused (it did not beat T = 1
+    on held-out calibration cases: `rlcd.calibrate`) or whose fit did not converge."""
     out = []
     for qtype, info in ((ev.get("meta") or {}).get("calibration") or {}).items():
         if info.get("reason"):
-            out.append(f"note: {qtype} temperature not fitted: {info['reason']}")
+            what = "fit refused" if "fitted_temperature" in info else "not fitted"
+            out.append(f"note: {qtype} temperature {what}: {info['reason']}")
         elif info.get("converged") is False:
             out.append(f"warning: the {qtype} temperature fit did not converge (T {fmt(info.get('temperature'), 3)}, "
                        f"remaining step {fmt(info.get('newton_step'), 3)} in log T); "

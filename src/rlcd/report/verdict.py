@@ -33,6 +33,11 @@ def learned_line(ctx: Context) -> str:
         return (f"**Learned vs majority**: accuracy {fmt_ci(acc.get('accuracy'), _ci(acc, 'accuracy'))}; the majority "
                 "baseline is not available (it needs `eval/evaluation.json` from `rlcd evaluate`).")
     base = float(mb["accuracy"])
+    n_model, n_base = ctx.raw["overall"].get("n"), mb.get("n")
+    if n_model is not None and n_base is not None and n_model != n_base:  # an evaluation.json from before the fix
+        return (f"**Learned vs majority**: accuracy {fmt_ci(acc.get('accuracy'), _ci(acc, 'accuracy'))} on {n_model} "
+                f"rows vs {fmt(base)} for the training majority on {n_base} rows: not comparable (not the same rows); "
+                "evaluate again to score the baseline on the rows the model answered.")
     return (f"**Learned vs majority**: accuracy {fmt_ci(acc.get('accuracy'), _ci(acc, 'accuracy'))} vs "
             f"{fmt(base)} for always answering the training majority: "
             + _against(float(acc["accuracy"]), _ci(acc, "accuracy"), base, "the majority baseline") + ".")
