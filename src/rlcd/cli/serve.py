@@ -64,7 +64,7 @@ def predict(
     from rlcd.errors import UserError
     from rlcd.run import find_export
     from rlcd.serving.request import parse_request
-    from rlcd.serving.cli_request import build_cli_request
+    from rlcd.serving.cli_request import build_cli_request, pending_stdin
     from rlcd.serving.limits import Limits
 
     check_state_cache_mb(state_cache_mb)
@@ -78,10 +78,15 @@ def predict(
     find_export(path)
     if request is None and state is None and not question and not sys.stdin.isatty():
         request = Path("-")
+    elif request is None and (pending_stdin() or "").strip():  # --state / -q, and a request piped in as well
+        raise UserError("a request on stdin and --state/-q: give the request one way; to add --state/-q to the "
+                        "piped request, name stdin as REQUEST (`rlcd predict RUN - --state ...`)")
     if request is not None and str(request) != "-" and not request.is_file():
         raise typer.BadParameter(f"{request}: no such file", param_hint="REQUEST" if request_arg else "--request")
     try:
         req, img = build_cli_request(request, state, question)
+    except UserError:
+        raise
     except json.JSONDecodeError as e:
         src = "stdin" if str(request) == "-" else str(request)
         raise UserError(f"the request ({src}) is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
