@@ -389,3 +389,27 @@ def test_portable_threads_default_to_torchs(exported):
     pm = PortableModel(exported, threads=3)
     opts = pm.session.get_session_options()
     assert (opts.intra_op_num_threads, opts.inter_op_num_threads, pm.threads) == (3, 3, 3)
+    # idle pool threads sleep (benchmarks/onnx_spinning.py); spin=True keeps onnxruntime's busy-wait
+    assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    spinning = PortableModel(exported, threads=2, spin=True).session.get_session_options()
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # onnxruntime's default left alone
+        spinning.get_session_config_entry("session.intra_op.allow_spinning")
+
+
+def test_bench_onnx_http_times_both_servers_in_turn(run, exported, monkeypatch):
+    """`rlcd bench onnx RUN --export DIR --http`: both servers started as a user starts them, asked the same cold
+    requests in turn; the ratio is the p50s' and the two servers' answers agree within the export's parity."""
+    from rlcd.bench.onnx import http_table, run_onnx_http_bench
+
+    monkeypatch.setenv("PYTHONPATH", str(SRC))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    result = run_onnx_http_bench(run, exported, threads=(1,), repeats=2, sizes=(1, 3))
+    rows = {(r["server"], r["questions"]): r for r in result["rows"]}
+    assert set(rows) == {("torch", 1), ("onnx", 1), ("torch", 3), ("onnx", 3)}
+    for (server, k), r in rows.items():
+        assert r["requests"] == 2 and len(r["ms"]) == 2 and r["threads"] == 1
+        assert r["p50_ms"] == pytest.approx(float(np.median(r["ms"]))) and min(r["ms"]) == r["min_ms"] > 0
+        assert r["onnx_over_torch_p50"] == pytest.approx(rows[("onnx", k)]["p50_ms"] / rows[("torch", k)]["p50_ms"])
+    assert result["max_abs_dp_between_servers"] < 1e-4
+    assert set(result["ready_s"]) == {"torch-1", "onnx-1"} and "onnx/torch p50" in http_table(result)
+    user_error(["bench", "onnx", run, "--http"], contains="--http serves a portable export of RUN: give --export DIR")

@@ -169,14 +169,18 @@ def default_threads() -> int:
 class PortableModel:
     """A portable export loaded for scoring (see the module docstring). `threads`: onnxruntime's intra-op and
     inter-op threads (None: `default_threads()`, torch's default, so both servers start alike; onnxruntime's own
-    default takes every core). `graph`: another .onnx file of DIR (the bench's fp32 twin).
+    default takes every core). `graph`: another .onnx file of DIR (the bench's fp32 twin). `spin`: let idle pool
+    threads busy-wait (onnxruntime's default); off here, because a server shares its cores with its own HTTP threads
+    and often with other processes, where spinning threads take the cores the work needs (at 2 threads on a busy
+    2-core machine: benchmarks/onnx_spinning.py, docs/SERVING.md).
 
     A file that cannot be read (a truncated graph, scorer or tokenizer) or a graph whose hidden size is not the
     scorer's is a one-line RunError naming the file."""
 
     supports_images = False
 
-    def __init__(self, path: Path | str, *, threads: int | None = None, graph: str | None = None):
+    def __init__(self, path: Path | str, *, threads: int | None = None, graph: str | None = None,
+                 spin: bool = False):
         from safetensors.numpy import load_file
         from tokenizers import Tokenizer
 
@@ -191,6 +195,10 @@ class PortableModel:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = self.threads
         opts.inter_op_num_threads = self.threads
+        if not spin:  # idle pool threads sleep instead of busy-waiting for the next parallel section
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        self.spin = bool(spin)
         graph = graph or self.manifest["graph"]["file"]
         self.graph = graph
         with _unreadable(self.path / graph):
