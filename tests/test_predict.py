@@ -453,7 +453,7 @@ def test_predict_takes_the_request_file_after_the_run(tmp_path, run_dir, predict
 
 @pytest.mark.parametrize("stdin, needle", [
     ("{not json", "(stdin) is not valid JSON"),
-    ("", "(stdin) is not valid JSON"),
+    ("", "the request (stdin) is empty; send a JSON object"),  # as the server says (issue 58)
     (json.dumps({"state": "s", "questions": {"q1": {"type": "maybe", "instructions": "x"}}}), "unknown question type"),
 ])
 def test_a_malformed_piped_request_fails_before_the_model_loads(tmp_path, stdin, needle):
@@ -593,3 +593,18 @@ def test_pending_stdin_reads_what_is_there_and_never_waits():
     with open(os.devnull) as null:
         assert pending_stdin(null) == ""
     assert pending_stdin(io.StringIO("abc")) == "abc"
+
+
+def test_flags_beside_a_really_piped_request_are_refused_and_an_empty_pipe_is_not(tmp_path):
+    """`echo REQ | rlcd predict RUN --state x -q ...` in a real process (stdin a pipe): refused in one line; an empty
+    pipe (`</dev/null`-like) is no request, so the flags' request goes on (to the export, whose model.json fails)."""
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "model.json").write_text("{}")
+    q = json.dumps({"type": "noul", "instructions": "Late?"})
+    piped = json.dumps({"state": "s", "questions": {"a": {"type": "noul", "instructions": "x"}}})
+    out = _rlcd("predict", str(export), "--state", "x", "-q", f"late={q}", stdin=piped)
+    assert out.returncode == 2 and out.stderr.startswith("rlcd: error: a request on stdin and --state/-q")
+    assert len(out.stderr.splitlines()) == 1
+    out = _rlcd("predict", str(export), "--state", "x", "-q", f"late={q}", stdin="")
+    assert out.returncode == 2 and "a request on stdin" not in out.stderr and "unsupported export format" in out.stderr
