@@ -413,3 +413,21 @@ def test_bench_onnx_http_times_both_servers_in_turn(run, exported, monkeypatch):
     assert result["max_abs_dp_between_servers"] < 1e-4
     assert set(result["ready_s"]) == {"torch-1", "onnx-1"} and "onnx/torch p50" in http_table(result)
     user_error(["bench", "onnx", run, "--http"], contains="--http serves a portable export of RUN: give --export DIR")
+
+
+def test_serve_threads_reach_torch_too(run):
+    """`rlcd serve RUN --threads N` sets torch's intra-op threads (the torch server's side of an equal-threads
+    comparison); without it torch keeps its own default."""
+    import torch
+
+    from rlcd.server import load_predictor
+
+    was = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        load_predictor(run)
+        assert torch.get_num_threads() == 2
+        load_predictor(run, threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(was)
