@@ -337,3 +337,30 @@ def test_compare_one_question_type(tmp_path):
     for bad, msg in (("score", "share no score rows"), ("yesno", "--type must be one of choice, noul, score")):
         out = CliRunner().invoke(app, ["compare", str(a), str(b), "--type", bad])
         assert out.exit_code == 2 and msg in out.stderr, out.stderr
+
+
+def test_compare_says_what_a_directory_lacks(tmp_path):
+    """Issue 58: a remote evaluation's directory without dev predictions was told to run `rlcd evaluate DIR` (it is
+    not a run), and a missing directory was told it had no predictions. The remote case names what it holds and
+    the `rlcd evaluate --remote` command that scores the split; a missing one says "no such directory"."""
+    from conftest import user_error
+
+    t = [1.0, 0.0]
+    run = _write_run(tmp_path / "run", [_row(f"c{i}", [0.0, 1.0], t) for i in range(3)], split="dev")
+    remote = _write_run(tmp_path / "remote", [_row(f"c{i}", [1.0, 0.0], t) for i in range(3)])
+    _write_run(tmp_path / "remote-cal", [_row("k0", [1.0, 0.0], t)], split="calibration")
+    (tmp_path / "remote-cal" / "eval" / "predictions-calibration.jsonl").rename(
+        remote / "eval" / "predictions-calibration.jsonl")
+    (remote / "remote.json").write_text(json.dumps({"format": "rlcd.remote_evaluation/1", "url": "http://h:9",
+                                                    "data": "/d/processed", "split": "test"}))
+    res = user_error(["compare", run, remote, "--split", "dev"], max_lines=1,
+                     contains=f"{remote} is a remote evaluation (remote.json) of 'test' with predictions for "
+                              "calibration, test; score dev into a new directory with `rlcd evaluate --remote "
+                              "http://h:9 --data /d/processed --split dev --out NEWDIR`")
+    assert f"rlcd evaluate {remote}`" not in res.stderr and res.stderr.startswith("rlcd: error: ")
+    res = user_error(["compare", run, tmp_path / "gone", "--split", "dev"], max_lines=1,
+                     contains=f"{tmp_path / 'gone'}: no such directory")
+    assert "no predictions" not in res.stderr
+    user_error(["compare", remote, run], max_lines=1, contains=f"(run `rlcd evaluate {run}`)")  # a run: evaluate it
+    with pytest.raises(FileNotFoundError, match="no such directory"):  # still a FileNotFoundError for callers
+        load_prediction_rows(tmp_path / "gone")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -218,8 +219,8 @@ SERVE = r"""
 import json, sys, threading, time, urllib.request
 from rlcd.cli import app
 
-port, export, request = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-threading.Thread(target=lambda: app(["serve", "--export", export, "--port", str(port), "--quiet"]),
+port, export, request, extra = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
+threading.Thread(target=lambda: app(["serve", "--export", export, "--port", str(port), "--quiet", *extra]),
                  daemon=True).start()
 for _ in range(600):
     try:
@@ -243,12 +244,16 @@ def test_serve_export_answers_like_torch_without_torch(run, exported):
     from rlcd.predict import Predictor
 
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", SERVE, str(_free_port()), str(exported), json.dumps(REQUEST)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", SERVE, str(_free_port()), str(exported), json.dumps(REQUEST),
+                           "--threads", "2"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["torch"] is False and got["transformers"] is False
-    assert got["models"]["data"][0]["placement"]["runtime"] == "onnxruntime"
+    assert got["models"]["data"][0]["placement"] == {"device": "cpu", "dtype": "float32", "runtime": "onnxruntime",
+                                                     "threads": 2}
+    # the startup line the torch path prints (rlcd.export.load_export), before the seconds of loading and after
+    assert re.search(r"^model: loading portable export .+$", proc.stderr, re.M), proc.stderr[-2000:]
+    assert re.search(r"^model: ready in \d+\.\d s \(float32 graph, 2 threads\)$", proc.stderr, re.M), proc.stderr[-2000:]
     want = Predictor.from_run(run).predict(REQUEST)
     body = got["body"]
     assert body["model"] == want["model"] and body["usage"] == want["usage"]
@@ -272,3 +277,157 @@ def test_bench_onnx_measures_every_graph_with_parity(run, exported):
     assert rows["torch"]["speedup_vs_torch"] == 1.0 and rows["float32"]["flips"] == 0
     assert rows["float32"]["max_abs_dp"] < 1e-4 and rows["int8-dynamic"]["graph_mb"] < rows["float32"]["graph_mb"]
     assert all(r["rows_per_s"] > 0 for r in result["rows"]) and "int8-dynamic" in table(result)
+
+
+def test_the_manifest_declares_the_axes_the_graph_has(run, exported, tmp_path):
+    """Issue 58: the manifest named the output's hidden axis dynamic ("hidden") where the graph fixes it to the
+    backbone's width. Every axis of every input and output now reads as the graph declares it: a name where the
+    graph takes any size, the size where it fixes one. A manifest of the old form still loads."""
+    import shutil
+
+    import onnxruntime as ort
+
+    from rlcd.portable.runtime import PortableModel
+
+    m = json.loads((exported / "manifest.json").read_text())
+    sess = ort.InferenceSession(str(exported / "model.onnx"), providers=["CPUExecutionProvider"])
+    declared = {e["name"]: e["axes"] for e in m["graph"]["inputs"] + m["graph"]["outputs"]}
+    graph = {v.name: v.shape for v in sess.get_inputs() + sess.get_outputs()}
+    assert set(declared) == set(graph)
+    for name, shape in graph.items():
+        assert len(declared[name]) == len(shape), name
+        for i, dim in enumerate(shape):
+            axis = declared[name][str(i)]
+            assert isinstance(axis, str) == isinstance(dim, str), (name, i, axis, dim)
+            if isinstance(dim, int):
+                assert axis == dim, (name, i)
+    assert declared["hidden"]["2"] == m["graph"]["hidden_size"] == m["scorer"]["hidden"]
+    assert [declared["hidden"][k] for k in ("0", "1")] == ["batch", "reads"]
+    old = tmp_path / "old"
+    shutil.copytree(exported, old)
+    m["graph"]["outputs"][0]["axes"] = {"0": "batch", "1": "reads", "2": "hidden"}  # what exports wrote before
+    m["graph"].pop("axes", None)
+    (old / "manifest.json").write_text(json.dumps(m))
+    assert PortableModel(old, threads=1).manifest["graph"]["outputs"][0]["axes"]["2"] == "hidden"
+
+
+def _broken_copy(exported, tmp_path, name, how):
+    import shutil
+
+    d = tmp_path / name
+    shutil.copytree(exported, d)
+    how(d)
+    return d
+
+
+def test_an_incomplete_export_is_one_line_not_a_traceback(exported, tmp_path):
+    """Issue 58: `serve --export` on an export missing a file or with a truncated one printed a 60-96-line
+    traceback and exited 1; each is one line naming the file, exit 2 (nothing bound, nothing written)."""
+    from rlcd.portable.runtime import PortableModel
+
+    def truncate(name, keep):
+        return lambda d: (d / name).write_bytes((d / name).read_bytes()[:keep])
+
+    cases = [
+        ("no-graph", lambda d: (d / "model.onnx").unlink(), "no model.onnx"),
+        ("no-scorer", lambda d: (d / "scorer.safetensors").unlink(), "no scorer.safetensors"),
+        ("no-tokenizer", lambda d: (d / "tokenizer.json").unlink(), "no tokenizer.json"),
+        ("cut-manifest", truncate("manifest.json", 200), "manifest.json: not valid JSON"),
+        ("no-prompt", lambda d: (d / "manifest.json").write_text(json.dumps(
+            {k: v for k, v in json.loads((d / "manifest.json").read_text()).items() if k != "prompt"})),
+         "no prompt.spec"),
+        ("cut-graph", truncate("model.onnx", 4096), "model.onnx: cannot be read"),
+        ("cut-scorer", truncate("scorer.safetensors", 64), "scorer.safetensors: cannot be read"),
+        ("cut-tokenizer", truncate("tokenizer.json", 100), "tokenizer.json: cannot be read"),
+    ]
+    for name, how, needle in cases:
+        d = _broken_copy(exported, tmp_path, name, how)
+        # a file present but unreadable is found while loading, after the "model: loading ..." status line
+        res = user_error(["serve", "--export", d, "--port", _free_port()], contains=needle,
+                         max_lines=2 if "cannot be read" in needle else 1)
+        errors = [ln for ln in res.stderr.splitlines() if ln.startswith("rlcd: error:")]
+        assert len(errors) == 1 and "rlcd export RUN --format onnx" in errors[0], res.stderr
+        with pytest.raises(Exception, match=re.escape(needle)):
+            PortableModel(d, threads=1)
+
+
+def test_serve_export_refuses_what_it_cannot_honour(tmp_path):
+    """Issue 58: --device cuda, --dtype (any but the default) and a state cache were silently ignored by
+    `serve --export`; each is one line, exit 2, checked before the export is read (here: a directory with no
+    export at all, whose own error would otherwise come first)."""
+    nothing = tmp_path / "no-export-here"
+    for args, needle in ((["--device", "cuda"], "--device cuda: a portable export runs on onnxruntime's CPU"),
+                         (["--device", "cuda:1"], "--device cuda:1"),
+                         (["--dtype", "bfloat16"], "--dtype bfloat16: a portable export's precision"),
+                         (["--dtype", "float32"], "--dtype float32"),
+                         (["--state-cache-mb", "512"], "--state-cache-mb 512: a portable export keeps no"),
+                         (["--state-cache-mb", "256"], "--state-cache-mb 256")):
+        user_error(["serve", "--export", nothing, *args], contains=needle, max_lines=1)
+    # what it can honour passes these checks (and then meets the missing export)
+    for args in (["--device", "cpu"], ["--device", "auto"], ["--state-cache-mb", "0"], ["--dtype", "auto"],
+                 ["--threads", "2"]):
+        user_error(["serve", "--export", nothing, *args], contains="not a portable export", max_lines=1)
+    user_error(["serve", "--export", nothing, "--threads", "0"], contains="--threads")
+
+
+def test_portable_threads_default_to_torchs(exported):
+    """Issue 58: onnxruntime's default took every core where torch takes OMP_NUM_THREADS or the physical cores;
+    `default_threads()` (torch-free) is torch's own count, with and without OMP_NUM_THREADS."""
+    from rlcd.portable.runtime import PortableModel
+
+    code = ("import torch, json; from rlcd.portable.runtime import default_threads; "
+            "print(json.dumps([torch.get_num_threads(), default_threads()]))")
+    many = str(2 * (os.cpu_count() or 1))  # more than the cores: torch takes the cores
+    for setting in ({}, {"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": many}, {"MKL_NUM_THREADS": "1",
+                                                                            "OMP_NUM_THREADS": many}):
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+        env.update(setting, PYTHONPATH=str(SRC))
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        torch_n, ours = json.loads(out.stdout)
+        assert ours == torch_n, (setting, torch_n, ours)
+    pm = PortableModel(exported, threads=3)
+    opts = pm.session.get_session_options()
+    assert (opts.intra_op_num_threads, opts.inter_op_num_threads, pm.threads) == (3, 3, 3)
+    # idle pool threads sleep (benchmarks/onnx_spinning.py); spin=True keeps onnxruntime's busy-wait
+    assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    spinning = PortableModel(exported, threads=2, spin=True).session.get_session_options()
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # onnxruntime's default left alone
+        spinning.get_session_config_entry("session.intra_op.allow_spinning")
+
+
+def test_bench_onnx_http_times_both_servers_in_turn(run, exported, monkeypatch):
+    """`rlcd bench onnx RUN --export DIR --http`: both servers started as a user starts them, asked the same cold
+    requests in turn; the ratio is the p50s' and the two servers' answers agree within the export's parity."""
+    from rlcd.bench.onnx import http_table, run_onnx_http_bench
+
+    monkeypatch.setenv("PYTHONPATH", str(SRC))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    result = run_onnx_http_bench(run, exported, threads=(1,), repeats=2, sizes=(1, 3))
+    rows = {(r["server"], r["questions"]): r for r in result["rows"]}
+    assert set(rows) == {("torch", 1), ("onnx", 1), ("torch", 3), ("onnx", 3)}
+    for (server, k), r in rows.items():
+        assert r["requests"] == 2 and len(r["ms"]) == 2 and r["threads"] == 1
+        assert r["p50_ms"] == pytest.approx(float(np.median(r["ms"]))) and min(r["ms"]) == r["min_ms"] > 0
+        assert r["onnx_over_torch_p50"] == pytest.approx(rows[("onnx", k)]["p50_ms"] / rows[("torch", k)]["p50_ms"])
+    assert result["max_abs_dp_between_servers"] < 1e-4
+    assert set(result["ready_s"]) == {"torch-1", "onnx-1"} and "onnx/torch p50" in http_table(result)
+    user_error(["bench", "onnx", run, "--http"], contains="--http serves a portable export of RUN: give --export DIR")
+
+
+def test_serve_threads_reach_torch_too(run):
+    """`rlcd serve RUN --threads N` sets torch's intra-op threads (the torch server's side of an equal-threads
+    comparison); without it torch keeps its own default."""
+    import torch
+
+    from rlcd.server import load_predictor
+
+    was = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        load_predictor(run)
+        assert torch.get_num_threads() == 2
+        load_predictor(run, threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(was)

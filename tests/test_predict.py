@@ -453,7 +453,7 @@ def test_predict_takes_the_request_file_after_the_run(tmp_path, run_dir, predict
 
 @pytest.mark.parametrize("stdin, needle", [
     ("{not json", "(stdin) is not valid JSON"),
-    ("", "(stdin) is not valid JSON"),
+    ("", "the request (stdin) is empty; send a JSON object"),  # as the server says (issue 58)
     (json.dumps({"state": "s", "questions": {"q1": {"type": "maybe", "instructions": "x"}}}), "unknown question type"),
 ])
 def test_a_malformed_piped_request_fails_before_the_model_loads(tmp_path, stdin, needle):
@@ -545,3 +545,66 @@ def test_predict_command_loads_no_model_when_every_question_has_one_option(run_d
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout) == predictor.predict({"state": STATE, "questions": {"angry": QUESTIONS["angry"]}})
     assert len(loads) == 1
+
+
+def test_predict_names_the_bad_q_value_says_empty_and_refuses_two_requests(tmp_path):
+    """Issue 58: `-q 'late=notjson'` said "the request (None) is not valid JSON"; empty stdin said "not valid JSON"
+    where the server says "is empty"; --state with a request piped in silently dropped the piped one. Checked before
+    the model loads (the export's model.json would fail loudly)."""
+    from typer.testing import CliRunner
+
+    from conftest import user_error
+    from rlcd.cli import app
+
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "model.json").write_text("{}")
+    res = user_error(["predict", export, "--state", "x", "-q", "late=notjson"], max_lines=1,
+                     contains="-q 'late=notjson': not valid JSON (Expecting value at column 1)")
+    assert "None" not in res.stderr
+    user_error(["predict", export, "--state", "x", "-q", '{"id": "a", "type": '], max_lines=1,
+               contains="""-q '{"id": "a", "type": ': not valid JSON""")
+    for text in ("", "  \n"):
+        res = CliRunner().invoke(app, ["predict", str(export)], input=text)
+        assert res.exit_code == 2 and res.stderr.strip() == (
+            "rlcd: error: the request (stdin) is empty; send a JSON object"), res.stderr
+    empty = tmp_path / "empty.json"
+    empty.write_text("")
+    user_error(["predict", export, empty], contains=f"the request ({empty}) is empty", max_lines=1)
+    q = json.dumps({"type": "noul", "instructions": "Late?"})
+    piped = json.dumps({"state": "s", "questions": {"a": {"type": "noul", "instructions": "x"}}})
+    res = CliRunner().invoke(app, ["predict", str(export), "--state", "x", "-q", f"late={q}"], input=piped)
+    assert res.exit_code == 2 and res.stderr.startswith("rlcd: error: a request on stdin and --state/-q"), res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_pending_stdin_reads_what_is_there_and_never_waits():
+    """The check behind refusing --state with a piped request: a pipe nobody wrote to is not waited for."""
+    import io
+
+    from rlcd.serving.cli_request import pending_stdin
+
+    r, w = os.pipe()
+    with os.fdopen(r) as reader, os.fdopen(w, "w") as writer:
+        assert pending_stdin(reader) is None  # open, empty: no blocking read
+        writer.write('{"state": "s"}')
+        writer.close()
+        assert pending_stdin(reader) == '{"state": "s"}'
+    with open(os.devnull) as null:
+        assert pending_stdin(null) == ""
+    assert pending_stdin(io.StringIO("abc")) == "abc"
+
+
+def test_flags_beside_a_really_piped_request_are_refused_and_an_empty_pipe_is_not(tmp_path):
+    """`echo REQ | rlcd predict RUN --state x -q ...` in a real process (stdin a pipe): refused in one line; an empty
+    pipe (`</dev/null`-like) is no request, so the flags' request goes on (to the export, whose model.json fails)."""
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "model.json").write_text("{}")
+    q = json.dumps({"type": "noul", "instructions": "Late?"})
+    piped = json.dumps({"state": "s", "questions": {"a": {"type": "noul", "instructions": "x"}}})
+    out = _rlcd("predict", str(export), "--state", "x", "-q", f"late={q}", stdin=piped)
+    assert out.returncode == 2 and out.stderr.startswith("rlcd: error: a request on stdin and --state/-q")
+    assert len(out.stderr.splitlines()) == 1
+    out = _rlcd("predict", str(export), "--state", "x", "-q", f"late={q}", stdin="")
+    assert out.returncode == 2 and "a request on stdin" not in out.stderr and "unsupported export format" in out.stderr

@@ -309,3 +309,57 @@ def test_probe_noise_cli_reads_predictions(tmp_path):
                                                                        "trained_objective")}}
     result = CliRunner().invoke(app, ["probe", "noise", str(tmp_path / "missing"), "--sigma", "1"])
     assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_probe_order_checks_every_option_before_loading_and_keeps_an_earlier_probe(tmp_path, monkeypatch):
+    """Issue 58: `--limit -1` (or 0) loaded the model and overwrote eval/probe-order.json with an empty probe;
+    `--order-votes 9` was refused only after loading, by an internal name, without `error:`. Every option, the
+    split and its rows are now checked before the model loads, each in one `rlcd: error:` line naming the flag."""
+    from conftest import user_error
+
+    from rlcd.analysis import probes
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "test.jsonl", generate(6, seed=1))
+    (data / "dev.jsonl").write_text("")
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"data_dir": str(data)}))
+    (run / "export").mkdir()
+    (run / "export" / "model.json").write_text("{}")
+    earlier = run / "eval" / "probe-order.json"
+    earlier.write_text('{"earlier": true}')
+    monkeypatch.setattr(probes, "load_run_model", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    for args, needle in ((["--limit", "-1"], "--limit -1: give the number of questions"),
+                         (["--limit", "0"], "--limit 0"),
+                         (["--order-votes", "9"], "--order-votes 9: each vote count is a whole number from 1"),
+                         (["--order-votes", "1,0"], "--order-votes 0"),
+                         (["--order-votes", "two"], "--order-votes two: give comma-separated whole numbers"),
+                         (["--max-perms", "0"], "--max-perms 0"),
+                         (["--resamples", "0"], "--resamples 0"),
+                         (["--batch-size", "0"], "--batch-size 0"),
+                         (["--split", "nosuch"], "nosuch.jsonl does not exist"),
+                         (["--split", "dev"], "dev.jsonl has no rows to probe"),
+                         (["--data", tmp_path / "nodata"], "test.jsonl does not exist")):
+        res = user_error(["probe", "order", run, *args], contains=needle, max_lines=1)
+        assert res.stderr.startswith("rlcd: error: "), res.stderr
+    user_error(["probe", "order", tmp_path / "norun"], contains="no such run directory", max_lines=1)
+    assert earlier.read_text() == '{"earlier": true}'
+    with pytest.raises(ValueError, match="--limit 0"):  # the library checks too, before loading
+        probes.probe_order_run(run, limit=0)
+
+
+def test_probe_noise_checks_its_options_in_the_cli_style(tmp_path):
+    from conftest import user_error
+
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"recipe": {"sigma": 0.5, "objective": "rlcd"}}))
+    write_jsonl(run / "eval" / "predictions-test.jsonl", ROWS)
+    for args, needle in ((["--samples", "0"], "--samples 0"), (["--sigma", "0"], "--sigma 0: give a noise scale"),
+                         (["--sigma", "-1"], "--sigma -1")):
+        res = user_error(["probe", "noise", run, *args], contains=needle, max_lines=1)
+        assert res.stderr.startswith("rlcd: error: "), res.stderr
+    res = user_error(["probe", "noise", tmp_path / "missing", "--sigma", "1"], contains="does not exist", max_lines=1)
+    assert res.stderr.startswith("rlcd: error: "), res.stderr

@@ -89,13 +89,13 @@ def load_prediction_rows(run_dir: str | Path, split: str = "test", *, raw: bool 
 
     Each returned row is the JSON object of the file plus ``"temperature"`` (the T applied) and
     ``"probs"`` (``softmax(logits / T)`` as a float64 array). ``raw=True`` ignores the temperatures.
-    Raises ``FileNotFoundError`` when the file is missing and ``ValueError`` naming the line for a
+    Raises a ``RunError`` (a ``FileNotFoundError``) when the file is missing (`missing_predictions`) and ``ValueError`` naming the line for a
     malformed row or a duplicate id.
     """
     run_dir = Path(run_dir)
     path = Run(run_dir).predictions_path(split)
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no predictions for split {split!r} (run `rlcd evaluate {run_dir}`)")
+        raise missing_predictions(run_dir, split)
     temps = None if raw else load_temperatures(run_dir)
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -129,6 +129,31 @@ def load_prediction_rows(run_dir: str | Path, split: str = "test", *, raw: bool 
             row["probs"] = probs
             rows.append(row)
     return rows
+
+
+def missing_predictions(run_dir: Path, split: str) -> Exception:
+    """The one-line error for a side without ``predictions-<split>.jsonl``, saying what to run for that kind of
+    directory: none at all, a remote evaluation (``remote.json``: `rlcd evaluate --remote` scores one split, plus
+    calibration, into its own directory), or a run (`rlcd evaluate RUN` writes dev, calibration and test)."""
+    from rlcd.errors import RunError
+
+    path = Run(run_dir).predictions_path(split)
+    if not run_dir.is_dir():
+        return RunError(f"{run_dir}: no such directory (a run, or a remote evaluation's --out)")
+    remote = run_dir / "remote.json"
+    if remote.is_file():
+        try:
+            info = json.loads(remote.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            info = {}
+        info = info if isinstance(info, dict) else {}
+        held = sorted(p.name[len("predictions-"):-len(".jsonl")] for p in path.parent.glob("predictions-*.jsonl"))
+        return RunError(f"{path}: no predictions for split {split!r}: {run_dir} is a remote evaluation "
+                        f"(remote.json) of {info.get('split', '?')!r} with predictions for "
+                        f"{', '.join(held) or 'no split'}; score {split} into a new directory with `rlcd evaluate "
+                        f"--remote {info.get('url') or 'URL'} --data {info.get('data') or 'DATA'} --split {split} "
+                        "--out NEWDIR` and compare that")
+    return RunError(f"{path}: no predictions for split {split!r} (run `rlcd evaluate {run_dir}`)")
 
 
 def row_metric(row: Mapping[str, Any], metric: str) -> float:

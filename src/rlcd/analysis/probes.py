@@ -71,6 +71,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from rlcd.errors import OptionError
 from rlcd.run import Run
 from rlcd.schema import QUESTION_TYPES, Record, text_of
 
@@ -640,6 +641,26 @@ def first_per_type(records: Sequence[Record], limit: int | None) -> list[Record]
     return kept
 
 
+def check_probe_order_options(*, limit: int | None, max_perms: int, votes: Sequence[int] | int, resamples: int,
+                              batch_size: int) -> list[int]:
+    """The probe's options as the command line names them, checked before anything loads; returns the vote list."""
+    from rlcd.errors import OptionError
+    from rlcd.order_votes import MAX_VOTES
+
+    if limit is not None and limit < 1:
+        raise OptionError(f"--limit {limit}: give the number of questions of each type to probe, 1 or more (leave it "
+                          "out for all)")
+    for flag, value in (("--max-perms", max_perms), ("--resamples", resamples), ("--batch-size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise OptionError(f"{flag} {value}: give a whole number, 1 or more")
+    items = [votes] if isinstance(votes, int) else list(votes)
+    for n in items:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_VOTES:
+            raise OptionError(f"--order-votes {n}: each vote count is a whole number from 1 (the plain answer) to "
+                              f"{MAX_VOTES} (the orders a choice question is asked in)")
+    return check_vote_list(items)
+
+
 def probe_order_run(run_dir: Path, *, split: str = "test", limit: int | None = None, data_dir: Path | None = None,
                     max_perms: int = 8, calibrated: bool = False, batch_size: int = 32, placement: Any = None,
                     votes: Sequence[int] | int = DEFAULT_VOTES, resamples: int = RESAMPLES, seed: int = 0,
@@ -649,22 +670,36 @@ def probe_order_run(run_dir: Path, *, split: str = "test", limit: int | None = N
     ``limit`` keeps the first N records of each type (file order). Scoring the run's own test split (``split``
     test, its own data dir) with ``save`` also writes the result to ``RUN/eval/probe-order.json``, where the
     report finds it (``saved`` in the result names the file).
+
+    Every option, the run and the split's rows are checked before the model loads (`check_probe_order_options`,
+    then the data): a mistake is one `OptionError` / `RunError` naming the flag, and nothing is written -- an
+    earlier probe-order.json is never replaced by a probe of no rows.
     """
     from rlcd.data.io import load_split
+    from rlcd.errors import RunError
 
+    check_probe_order_options(limit=limit, max_perms=max_perms, votes=votes, resamples=resamples,
+                              batch_size=batch_size)
     run_dir = Path(run_dir)
-    model, temps, config = load_run_model(run_dir, placement=placement)
-    device = model.device
-    own = config.get("data_dir")
+    run = Run(run_dir)
+    if not run_dir.is_dir():
+        raise RunError(f"{run_dir}: no such run directory")
+    if not (run.export_dir / "model.json").is_file() and not run.exists():
+        raise RunError(f"{run_dir}: not a run (no config.json, no export/model.json)")
+    own = run.config().get("data_dir") if run.exists() else None
     if data_dir is None:
         if own is None:
-            raise ValueError(f"{run_dir}/config.json names no data_dir; pass the processed data dir")
+            raise OptionError(f"{run_dir}/config.json names no data_dir; pass the processed data dir with --data")
         data_dir = Path(own)
     data_dir = Path(data_dir)
     path = data_dir / f"{split}.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist")
+        raise RunError(f"{path} does not exist (--split {split} of {data_dir})")
     records = first_per_type(load_split(data_dir, split), limit)
+    if not records:
+        raise RunError(f"{path} has no rows to probe")
+    model, temps, config = load_run_model(run_dir, placement=placement)
+    device = model.device
     collator = model.collator(image_root=data_dir)
     out = probe_order(model, records, collator, max_perms=max_perms, device=device, batch_size=batch_size,
                       temperatures=temps if calibrated else None, votes=votes, resamples=resamples, seed=seed)

@@ -1,4 +1,5 @@
-"""`rlcd bench onnx RUN`: the portable export (fp32, int8 blockwise, int8 dynamic) against torch, with parity.
+"""`rlcd bench onnx RUN`: the portable export (fp32, int8 blockwise, int8 dynamic) against torch, with parity;
+`rlcd bench onnx RUN --export DIR --http`: the two servers over HTTP at equal threads (`run_onnx_http_bench`).
 
 One run measures, on the run's test split, the rows/s of the torch path (`case_scoring.score_records` on the
 export rebuilt on the CPU in float32: what `rlcd predict` serves) and of onnxruntime on each graph
@@ -109,4 +110,175 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["run_onnx_bench", "table", "SCHEMES"]
+# ---------------------------------------------------------------------------------------- over HTTP
+def _serve_cmd(args: Sequence[str]) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "rlcd.cli", "serve", *args]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Server:
+    """`rlcd serve ...` in a child process on a loopback port, as a user starts it; one keep-alive connection."""
+
+    def __init__(self, name: str, args: Sequence[str], log: Path):
+        import subprocess
+
+        self.name, self.port = name, _free_port()
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(_serve_cmd([*args, "--port", str(self.port), "--quiet"]), stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        self.conn: Any = None
+
+    def wait_ready(self, timeout: float = 600.0) -> float:
+        """Seconds until GET /ready answers 200 (the model loaded and warmed up)."""
+        import http.client
+
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} server exited ({self.proc.returncode}); see {self.log.name}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                conn.request("GET", "/ready")
+                if conn.getresponse().status == 200:
+                    conn.close()
+                    self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
+                    return time.perf_counter() - t0
+                conn.close()
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"{self.name} server not ready after {timeout:.0f} s; see {self.log.name}")
+
+    def ask(self, body: bytes) -> tuple[float, dict[str, Any]]:
+        """(milliseconds from sending the request to reading the whole answer, the answer)."""
+        import json
+
+        t0 = time.perf_counter()
+        self.conn.request("POST", "/v1/systemone", body=body, headers={"content-type": "application/json"})
+        resp = self.conn.getresponse()
+        data = resp.read()
+        ms = 1000 * (time.perf_counter() - t0)
+        if resp.status != 200:
+            raise RuntimeError(f"{self.name} server answered {resp.status}: {data[:300]!r}")
+        return ms, json.loads(data)
+
+    def stop(self) -> None:
+        import signal
+
+        if self.conn is not None:
+            self.conn.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except Exception:  # noqa: BLE001 - a server that does not stop is killed
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _answer_gap(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """max |p_torch - p_onnx| over the answers of one request (probabilities, and noul's P(true))."""
+    gap = 0.0
+    for qid, x in a["answers"].items():
+        y = b["answers"][qid]
+        for k, v in (x.get("probabilities") or {}).items():
+            gap = max(gap, abs(float(v) - float(y["probabilities"][k])))
+        if isinstance(x.get("noul"), (int, float)):
+            gap = max(gap, abs(float(x["noul"]) - float(y["noul"])))
+    return gap
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(np.asarray(xs, dtype=float), q))
+
+
+def run_onnx_http_bench(run: Path | str, export: Path | str, *, threads: Sequence[int] = (1, 2), repeats: int = 7,
+                        sizes: Sequence[int] = (1, 5), seed: int = 0,
+                        say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """The torch server and the ONNX server over HTTP at equal threads, in one interleaved run.
+
+    For every thread count N, `rlcd serve RUN --threads N` and `rlcd serve --export DIR --threads N` are started
+    (child processes, as a user starts them), all of them up at once. Then `repeats` rounds: in each, for each size
+    in `sizes`, one request of that many questions about a fresh synthetic state (`rlcd.bench.serve`'s generator,
+    seed `seed`) goes to every server in turn, one request at a time over a keep-alive connection, the order
+    rotated by one server each round -- so a change in the machine's load (other processes) falls on every server
+    and thread count alike, and none always goes first. Every state is new, so the torch server's state cache never
+    answers warm: these are cold requests. One untimed round first. Reported per N, server and size: p50 and p90 of
+    the client-side latency (ms: sending the request to reading the answer) and the ONNX/torch ratio of p50s; and
+    the largest |dp| between the servers' answers (the export's parity, over HTTP)."""
+    import json
+    import random
+    import tempfile
+
+    from rlcd.bench.serve import synthetic_questions, synthetic_state
+    from rlcd.portable.runtime import read_manifest
+
+    run, export = Path(run), Path(export)
+    manifest = read_manifest(export)
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+    gap = 0.0
+    with tempfile.TemporaryDirectory(prefix="rlcd-bench-onnx-http-") as tmp:
+        say(f"bench onnx --http: starting the torch and the onnx server at {', '.join(map(str, threads))} thread(s)")
+        servers: list[_Server] = []
+        try:
+            for n in threads:
+                servers += [_Server(f"torch-{n}", [str(run), "--threads", str(n)], Path(tmp) / f"torch-{n}.log"),
+                            _Server(f"onnx-{n}", ["--export", str(export), "--threads", str(n)],
+                                    Path(tmp) / f"onnx-{n}.log")]
+            ready_s = {s.name: round(s.wait_ready(), 1) for s in servers}
+            times: dict[tuple[str, int], list[float]] = {(s.name, k): [] for s in servers for k in sizes}
+            for r in range(repeats + 1):
+                turn = servers[r % len(servers):] + servers[:r % len(servers)]
+                for k in sizes:
+                    body = json.dumps({"state": synthetic_state(rng), "questions": synthetic_questions(k, rng)}).encode()
+                    answers = {}
+                    for s in turn:
+                        ms, answers[s.name] = s.ask(body)
+                        if r > 0:  # round 0 warms every server up
+                            times[(s.name, k)].append(ms)
+                    first = answers[servers[0].name]
+                    gap = max([gap, *(_answer_gap(first, a) for a in answers.values())])
+                if r:
+                    say(f"bench onnx --http: round {r}/{repeats}")
+        finally:
+            for s in servers:
+                s.stop()
+    for n in threads:
+        for k in sizes:
+            p50 = {e: _pct(times[(f"{e}-{n}", k)], 50) for e in ("torch", "onnx")}
+            for e in ("torch", "onnx"):
+                ms = times[(f"{e}-{n}", k)]
+                rows.append({"server": e, "threads": n, "questions": k, "requests": len(ms), "p50_ms": p50[e],
+                             "p90_ms": _pct(ms, 90), "min_ms": min(ms), "onnx_over_torch_p50": p50["onnx"] / p50["torch"],
+                             "ms": ms})
+    return {"run": str(run), "export": str(export), "precision": manifest["graph"]["precision"],
+            "model": (manifest.get("source") or {}).get("model"), "repeats": repeats, "sizes": list(sizes),
+            "seed": seed, "ready_s": ready_s, "max_abs_dp_between_servers": gap, "load_average": os.getloadavg(),
+            "rows": rows}
+
+
+def http_table(result: dict[str, Any]) -> str:
+    """The HTTP result as aligned text lines."""
+    lines = [f"{result['model']} ({result['precision']} export): p50 / p90 ms over {result['repeats']} cold requests "
+             f"per size, servers taking turns; max |dp| between them {result['max_abs_dp_between_servers']:.2g}",
+             f"{'server':<6} {'thr':>3} {'questions':>9} {'p50 ms':>8} {'p90 ms':>8} {'onnx/torch p50':>15}"]
+    for r in result["rows"]:
+        lines.append(f"{r['server']:<6} {r['threads']:>3} {r['questions']:>9} {r['p50_ms']:>8.0f} {r['p90_ms']:>8.0f} "
+                     f"{r['onnx_over_torch_p50']:>15.2f}")
+    return "\n".join(lines)
+
+
+__all__ = ["run_onnx_bench", "run_onnx_http_bench", "table", "http_table", "SCHEMES"]

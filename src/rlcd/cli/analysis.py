@@ -118,8 +118,7 @@ def compare(
         result = compare_runs(_run_dirs(run_a), _run_dirs(run_b), metric=metric, split=split,
                               resamples=resamples, seed=seed, grouped=not rows, raw=raw, qtype=qtype)
     except (ValueError, FileNotFoundError) as e:
-        err.print(f"rlcd compare: {e}", style="red", highlight=False, markup=False, soft_wrap=True)
-        raise typer.Exit(code=2) from None
+        _fail(e)
     for line in summary_lines(result):
         err.print(line, highlight=False, markup=False, soft_wrap=True)
     text = json.dumps(result, indent=2)
@@ -133,11 +132,14 @@ def compare(
 # sweep and probes (registered by rlcd.cli as `rlcd sweep`, `rlcd sweep-worker`, `rlcd probe order|noise`)
 
 
-def _fail(prefix: str, e: Exception) -> None:
-    from rich.console import Console
+def _fail(e: Exception) -> None:
+    """A mistake found by the library (a ValueError or a missing file): the CLI's one error style, `rlcd: error: ...`
+    on one line and exit 2 (`rlcd.cli.RlcdGroup`)."""
+    from rlcd.errors import UserError
 
-    Console(stderr=True).print(f"{prefix}: {e}", style="red", highlight=False, markup=False, soft_wrap=True)
-    raise typer.Exit(code=2)
+    if isinstance(e, UserError):
+        raise e
+    raise UserError(str(e)) from None
 
 
 def _write_json(path: Optional[Path], obj: Any) -> None:
@@ -242,10 +244,12 @@ def sweep_worker(
 
 
 def _ints(text: str, name: str) -> list[int]:
+    from rlcd.errors import OptionError
+
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise typer.BadParameter(f"{name} must be comma-separated integers, got {text!r}") from None
+        raise OptionError(f"{name} {text}: give comma-separated whole numbers, e.g. 1,2") from None
 
 
 def _flip_cell(b: dict) -> str:
@@ -282,15 +286,19 @@ def probe_order(
     from rich import box
     from rich.table import Table
 
-    from rlcd.analysis.probes import probe_order_run
+    from rlcd.analysis.probes import check_probe_order_options, probe_order_run
     from rlcd.consoles import result_console
 
+    votes = _ints(order_votes, "--order-votes")
+    # every option before the placement is resolved and the model loads (probe_order_run checks the run and data)
+    check_probe_order_options(limit=limit, max_perms=max_perms, votes=votes, resamples=resamples,
+                              batch_size=batch_size)
     try:
         result = probe_order_run(run, split=split, limit=limit, data_dir=data, max_perms=max_perms,
                                  calibrated=calibrated, batch_size=batch_size, placement=placement(device, dtype),
-                                 votes=_ints(order_votes, "--order-votes"), resamples=resamples, seed=seed)
+                                 votes=votes, resamples=resamples, seed=seed)
     except (ValueError, FileNotFoundError) as e:
-        _fail("rlcd probe order", e)
+        _fail(e)
     table = Table(title=f"option-order probe: {run} ({split})", box=box.SIMPLE, padding=(0, 1))
     for col in ("type", "votes", "probe", "questions", "cases", "comparisons", "flip rate [95% CI]", "rows w/ flip",
                 "mean TV", "top at 1st", "1/K"):
@@ -344,13 +352,20 @@ def probe_noise(
     from rich import box
     from rich.table import Table
 
+    import math
+
     from rlcd.analysis.probes import probe_noise_run
     from rlcd.consoles import result_console
+    from rlcd.errors import OptionError
 
+    if samples < 1:
+        raise OptionError(f"--samples {samples}: give the noise draws per row, 1 or more")
+    if sigma is not None and not (math.isfinite(sigma) and sigma > 0):
+        raise OptionError(f"--sigma {sigma:g}: give a noise scale > 0 (leave it out for the run's training sigma)")
     try:
         result = probe_noise_run(run, sigma, split=split, samples=samples, seed=seed, symmetrize=symmetrize)
     except (ValueError, FileNotFoundError) as e:
-        _fail("rlcd probe noise", e)
+        _fail(e)
     table = Table(title=f"noise probe: {run} ({split}), sigma {result['sigma']:g}, {samples} samples",
                   box=box.SIMPLE, padding=(0, 1))
     for col in ("type", "n", "max p free", "max p avg", "sharpening", "KL(avg||free)", "argmax changed",

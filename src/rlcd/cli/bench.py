@@ -285,10 +285,16 @@ def onnx(
     export: Annotated[Optional[Path], typer.Option(
         "--export", metavar="DIR", help="measure this fp32 portable export of RUN instead of exporting one")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the result here")] = None,
+    http: Annotated[bool, typer.Option(
+        "--http", help="instead: `rlcd serve RUN` and `rlcd serve --export DIR` over HTTP at each --threads, taking "
+                       "turns, cold requests of --sizes questions; p50/p90 ms (needs --export; --repeats rounds)")]
+    = False,
+    sizes: Annotated[str, typer.Option(help="--http: questions per request, comma-separated")] = "1,5",
 ) -> None:
     """The portable export (ONNX fp32, int8 blockwise, int8 dynamic) against torch on the run's test split: rows/s,
-    the ratio to torch measured in the same run, and each graph's parity (flips, max |dp|, NLL and ECE deltas)."""
-    from rlcd.bench.onnx import run_onnx_bench, table
+    the ratio to torch measured in the same run, and each graph's parity (flips, max |dp|, NLL and ECE deltas).
+    With --http: the torch server and the ONNX server at equal threads, one interleaved run over HTTP."""
+    from rlcd.bench.onnx import http_table, run_onnx_bench, run_onnx_http_bench, table
     from rlcd.progress import echo
     from rlcd.run import find_export
 
@@ -300,6 +306,24 @@ def onnx(
         raise typer.BadParameter("comma-separated integers, e.g. 1,2", param_hint="--threads") from None
     if not counts or min(counts) < 1:
         raise typer.BadParameter("at least one thread count, each >= 1", param_hint="--threads")
+    if http:
+        from rlcd.portable.runtime import read_manifest
+
+        if export is None:
+            raise typer.BadParameter("--http serves a portable export of RUN: give --export DIR (`rlcd export RUN "
+                                     "--format onnx --out DIR`)", param_hint="--export")
+        read_manifest(export)
+        try:
+            size_t = tuple(int(x) for x in sizes.split(",") if x.strip())
+        except ValueError:
+            raise typer.BadParameter("comma-separated integers, e.g. 1,5", param_hint="--sizes") from None
+        if not size_t or min(size_t) < 1:
+            raise typer.BadParameter("at least one request size, each >= 1", param_hint="--sizes")
+        result = run_onnx_http_bench(path, export, threads=counts, repeats=repeats, sizes=size_t, say=echo)
+        typer.echo(http_table(result))
+        _save("onnx-http", json_out, result, ("--threads", threads, "1"), ("--repeats", repeats, 3),
+              ("--export", export, None), ("--sizes", sizes, "1,5"), command="onnx", positional=(path, "--http"))
+        return
     result = run_onnx_bench(path, threads=counts, repeats=repeats, export=export, say=echo)
     typer.echo(table(result))
     _save("onnx", json_out, result, ("--threads", threads, "1"), ("--repeats", repeats, 3), ("--export", export, None),

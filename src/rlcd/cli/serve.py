@@ -64,7 +64,7 @@ def predict(
     from rlcd.errors import UserError
     from rlcd.run import find_export
     from rlcd.serving.request import parse_request
-    from rlcd.serving.cli_request import build_cli_request
+    from rlcd.serving.cli_request import build_cli_request, pending_stdin
     from rlcd.serving.limits import Limits
 
     check_state_cache_mb(state_cache_mb)
@@ -78,10 +78,15 @@ def predict(
     find_export(path)
     if request is None and state is None and not question and not sys.stdin.isatty():
         request = Path("-")
+    elif request is None and (pending_stdin() or "").strip():  # --state / -q, and a request piped in as well
+        raise UserError("a request on stdin and --state/-q: give the request one way; to add --state/-q to the "
+                        "piped request, name stdin as REQUEST (`rlcd predict RUN - --state ...`)")
     if request is not None and str(request) != "-" and not request.is_file():
         raise typer.BadParameter(f"{request}: no such file", param_hint="REQUEST" if request_arg else "--request")
     try:
         req, img = build_cli_request(request, state, question)
+    except UserError:
+        raise
     except json.JSONDecodeError as e:
         src = "stdin" if str(request) == "-" else str(request)
         raise UserError(f"the request ({src}) is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
@@ -142,8 +147,13 @@ def serve(
                                         "instead of a run: onnxruntime + tokenizers + numpy, no torch",
         show_default=False)] = None,
     order_votes: OrderVotesOpt = 1,
+    threads: Annotated[Optional[int], typer.Option(
+        min=1, metavar="N", help="CPU threads of the model: torch's intra-op threads, or with --export onnxruntime's "
+                                 "intra-op and inter-op threads (default: torch's default, OMP_NUM_THREADS or the "
+                                 "physical cores, for both)", show_default=False)] = None,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
+    ctx: typer.Context = None,  # type: ignore[assignment]  # typer passes it: which options were given
 ) -> None:
     """Serve a run over HTTP: POST /v1/systemone (System One: transformers' clients and TypeSafe's SDK family),
     GET /v1/models, GET /health (liveness), GET /ready (readiness), POST /drain, GET /metrics (Prometheus).
@@ -166,6 +176,7 @@ def serve(
     if export is not None:
         if run is not None or run_alias is not None:
             raise typer.BadParameter("give RUN or --export DIR, not both", param_hint="--export")
+        check_portable_options(device, dtype, state_cache_mb, given=lambda name: _given(ctx, name))
         from rlcd.portable.runtime import read_manifest, require_onnx
 
         read_manifest(export)  # one-line errors before binding
@@ -192,9 +203,36 @@ def serve(
                placement=None if export is not None else placement(device, dtype), portable=export is not None,
                served_model_name=served_model_name, strict_model=strict_model, batching=batching, workers=workers,
                api_key=api_key, quiet=quiet, access_log=(access_log or AccessLog.text).value, thresholds=thresholds,
-               state_cache_mb=state_cache_mb, order_votes=order_votes,
+               state_cache_mb=state_cache_mb, order_votes=order_votes, threads=threads,
                max_questions=max_questions, max_candidates=max_candidates, max_tokens=max_tokens,
                max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels)
+
+
+def _given(ctx: Optional[typer.Context], name: str) -> bool:
+    """Whether the option `name` (its parameter name) came from the command line or the environment."""
+    from typer._click.core import ParameterSource  # typer's vendored click, as rlcd.cli's error handling
+
+    if ctx is None:
+        return False
+    source = ctx.get_parameter_source(name)
+    return source is not None and source not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+
+
+def check_portable_options(device: str, dtype: DType | str, state_cache_mb: float, *, given) -> None:
+    """`serve --export` runs onnxruntime on the CPU at the precision the export was written in, without a state
+    cache: an option asking otherwise is refused in one line (exit 2) before anything loads, never ignored."""
+    from rlcd.errors import OptionError
+
+    dtype = dtype.value if isinstance(dtype, DType) else str(dtype)
+    if str(device).strip().lower() not in ("auto", "cpu"):
+        raise OptionError(f"--device {device}: a portable export runs on onnxruntime's CPU provider only; leave "
+                          "--device out (or give cpu), or serve the run itself (`rlcd serve RUN --device ...`)")
+    if dtype != DType.auto.value:
+        raise OptionError(f"--dtype {dtype}: a portable export's precision was fixed when it was written (manifest.json "
+                          "graph.precision: float32 or int8, `rlcd export --quantize`); leave --dtype out")
+    if given("state_cache_mb") and state_cache_mb != 0:
+        raise OptionError(f"--state-cache-mb {state_cache_mb:g}: a portable export keeps no decoder states (its "
+                          "graph takes whole packed rows); leave --state-cache-mb out")
 
 
 def check_port(host: str, port: int) -> None:

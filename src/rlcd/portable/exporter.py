@@ -7,7 +7,8 @@ Writes DIR (all or nothing):
     scorer.safetensors  w_d, w_c, mu_d, mu_c (float32) and temperatures [3] (choice, noul, score)
     tokenizer.json      the backbone's tokenizer for the `tokenizers` library
     manifest.json       format, the run's fingerprint (backbone fingerprint, checkpoint sha256, selected step:
-                        the export's model.json), opset, input/output names and dynamic axes, the prompt frame,
+                        the export's model.json), opset, input/output names and axes as the graph declares them
+                        (a name where it takes any size, the size where it fixes one: hidden), the prompt frame,
                         and the parity report on the run's test split
 
 The graph comes from `torch.onnx.export(dynamo=True)` (torch's default exporter since 2.9; the TorchScript one
@@ -216,7 +217,26 @@ def versions() -> dict[str, str]:
             "onnxruntime": onnxruntime.__version__, "onnxscript": onnxscript.__version__}
 
 
-def manifest(meta: dict, model: Any, *, opset: int, precision: str, quant: dict | None, graph_bytes: int) -> dict:
+def graph_axes(path: Path) -> dict[str, dict[int, str | int]]:
+    """Per input and output of the written graph, its axes as the graph declares them: a dynamic axis by the name
+    `DYNAMIC_AXES` gives it, a fixed one by its size (the output's hidden axis: the backbone's width). Read from
+    the file, so the manifest cannot call an axis dynamic that the graph fixes."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    out: dict[str, dict[int, str | int]] = {}
+    for value in [*graph.input, *graph.output]:
+        names = DYNAMIC_AXES.get(value.name, {})
+        axes: dict[int, str | int] = {}
+        for i, dim in enumerate(value.type.tensor_type.shape.dim):
+            axes[i] = int(dim.dim_value) if dim.HasField("dim_value") else names.get(i, dim.dim_param or f"d{i}")
+        out[value.name] = axes
+    return out
+
+
+def manifest(meta: dict, model: Any, *, opset: int, precision: str, quant: dict | None, graph_bytes: int,
+             axes: dict[str, dict[int, str | int]]) -> dict:
+    """manifest.json; `axes`: `graph_axes` of the written graph (dynamic axes by name, fixed ones by size)."""
     enc = model.encoder
     keep = ("model", "model_seed", "backbone", "backbone_fingerprint", "backbone_fingerprint_rounding", "checkpoint",
             "selected_step", "selection_score", "checkpoint_sha256", "temperatures", "label_conventions", "format")
@@ -228,9 +248,9 @@ def manifest(meta: dict, model: Any, *, opset: int, precision: str, quant: dict 
         "source": source,
         "graph": {"file": GRAPH, "bytes": graph_bytes, "precision": precision, "quantization": quant, "opset": opset,
                   "exporter": "torch.onnx.export(dynamo=True)",
-                  "inputs": [{"name": n, "dtype": IO_TYPES[n], "axes": DYNAMIC_AXES[n]} for n in INPUTS],
-                  "outputs": [{"name": n, "dtype": IO_TYPES[n], "axes": {**DYNAMIC_AXES[n], 2: "hidden"}}
-                              for n in OUTPUTS],
+                  "inputs": [{"name": n, "dtype": IO_TYPES[n], "axes": axes[n]} for n in INPUTS],
+                  "outputs": [{"name": n, "dtype": IO_TYPES[n], "axes": axes[n]} for n in OUTPUTS],
+                  "axes": "per axis: a name when the graph takes any size there, the size when the graph fixes it",
                   "hidden_size": int(model.head.hidden),
                   "layout": "packed shared prefix: see rlcd.portable.layout (attention_mask[b, i, j]: token i reads j)"},
         "scorer": {"file": SCORER, "centring": model.head.centring, "proj_dim": int(model.head.proj_dim),
@@ -302,7 +322,7 @@ def export_onnx(run: Run | Path, out: Path, *, quantize: str | None = None, max_
         save_file(scorer_tensors(model, meta["temperatures"]), str(tmp / SCORER))
         model.tokenizer._tokenizer.save(str(tmp / TOKENIZER))
         doc = manifest(meta, model, opset=opset, precision="float32", quant=None,
-                       graph_bytes=(tmp / GRAPH).stat().st_size)
+                       graph_bytes=(tmp / GRAPH).stat().st_size, axes=graph_axes(tmp / GRAPH))
         write_json(tmp / MANIFEST, doc)
 
         say(f"onnx: parity gate on {len(records)} test rows (torch vs onnxruntime)")

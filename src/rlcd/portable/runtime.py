@@ -16,8 +16,11 @@ answers, usage and wire format (`rlcd serve --export DIR`) -- on another engine:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -34,6 +37,7 @@ FORMAT = "rlcd.onnx/1"
 MANIFEST, SCORER, TOKENIZER = "manifest.json", "scorer.safetensors", "tokenizer.json"
 INPUTS = ("input_ids", "position_ids", "attention_mask", "read_positions")
 OUTPUTS = ("hidden",)
+log = logging.getLogger(__name__)  # what is loaded, and how long it took (the CLI shows INFO)
 LN_EPS = 1e-5  # torch.nn.functional.layer_norm's default, as the torch scorer uses it
 
 
@@ -46,18 +50,59 @@ def require_onnx(*modules: str) -> None:
         raise UserError(f"the portable export needs {', '.join(missing)}: pip install 'rlcd[onnx]'")
 
 
+REWRITE = "write it again with `rlcd export RUN --format onnx --out NEWDIR`"
+
+
 def read_manifest(path: Path | str) -> dict[str, Any]:
-    """DIR/manifest.json of a finished portable export (a refused one holds only PARITY-FAILED.json)."""
+    """DIR/manifest.json of a finished portable export (a refused one holds only PARITY-FAILED.json), checked
+    before anything loads: valid JSON in this format, the sections the runtime reads, and the files it names
+    (the graph, scorer.safetensors, tokenizer.json) present. Anything else is a one-line RunError."""
     path = Path(path)
     mf = path / MANIFEST
+    if not path.is_dir():
+        raise RunError(f"{path}: not a portable export (no such directory); write one with `rlcd export RUN "
+                       "--format onnx --out DIR`")
     if not mf.is_file():
         failed = " (its export was refused: see PARITY-FAILED.json there)" if (path / "PARITY-FAILED.json").is_file() else ""
         raise RunError(f"{path}: not a portable export, no {MANIFEST}{failed}; write one with `rlcd export RUN "
                        "--format onnx --out DIR`")
-    meta = json.loads(mf.read_text(encoding="utf-8"))
-    if meta.get("format") != FORMAT:
-        raise RunError(f"{mf}: unsupported format {meta.get('format')!r} (expected {FORMAT})")
+    try:
+        meta = json.loads(mf.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RunError(f"{mf}: not valid JSON ({e}); the export is damaged or incomplete: {REWRITE}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise RunError(f"{mf}: unsupported format {found!r} (expected {FORMAT})")
+    for section, keys in (("graph", ("file", "precision")), ("scorer", ("centring", "proj_dim")),
+                          ("prompt", ("spec", "pad_id", "max_tokens"))):
+        block = meta.get(section)
+        missing = [k for k in keys if not isinstance(block, dict) or k not in block]
+        if missing:
+            raise RunError(f"{mf}: no {section}.{missing[0]}; the manifest is incomplete: {REWRITE}")
+    for name in (meta["graph"]["file"], SCORER, TOKENIZER):
+        if not (path / name).is_file():
+            raise RunError(f"{path}: incomplete portable export, no {name}; {REWRITE}")
     return meta
+
+
+@contextmanager
+def _unreadable(path: Path):
+    """A file of the export that its library cannot read becomes one line naming it. onnxruntime's and
+    safetensors' errors derive from Exception alone, and tokenizers raises a bare Exception, so the test is where
+    the error comes from (those libraries or Python's own), not its class; anything else stays a bug."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - re-raised below unless one of the readers raised it
+        if isinstance(e, UserError) or type(e).__module__.split(".")[0] not in (
+                "onnxruntime", "safetensors", "tokenizers", "builtins"):
+            raise
+        raise RunError(f"{path}: cannot be read ({_first_line(e)}); the export is damaged or incomplete: "
+                       f"{REWRITE}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:200]
 
 
 class _Tokenizer:
@@ -93,13 +138,49 @@ def centre(h: np.ndarray, mu: np.ndarray, centring: str) -> np.ndarray:
     return h
 
 
+def default_threads() -> int:
+    """The thread count torch's CPU backend starts with, computed without importing torch, so that `rlcd serve
+    --export` and `rlcd serve RUN` run on as many threads by default: MKL_NUM_THREADS, else OMP_NUM_THREADS, when
+    set to a positive integer, at most the physical cores this process may run on; else those cores (torch counts
+    physical cores, not hyper-threads; `os.cpu_count()` where the topology cannot be read). onnxruntime's own
+    default would take every core whatever OMP_NUM_THREADS says."""
+    import os
+
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add((topo.joinpath("physical_package_id").read_text().strip(),
+                       topo.joinpath("core_id").read_text().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    n_cores = max(1, len(cores))
+    for var in ("MKL_NUM_THREADS", "OMP_NUM_THREADS"):  # torch reads both; MKL's wins
+        value = os.environ.get(var, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return min(int(value), n_cores)
+    return n_cores
+
+
 class PortableModel:
-    """A portable export loaded for scoring (see the module docstring). `threads`: onnxruntime's intra-op
-    threads (None: its default, every core). `graph`: another .onnx file of DIR (the bench's fp32 twin)."""
+    """A portable export loaded for scoring (see the module docstring). `threads`: onnxruntime's intra-op and
+    inter-op threads (None: `default_threads()`, torch's default, so both servers start alike; onnxruntime's own
+    default takes every core). `graph`: another .onnx file of DIR (the bench's fp32 twin). `spin`: let idle pool
+    threads busy-wait (onnxruntime's default); off here, because a server shares its cores with its own HTTP threads
+    and often with other processes, where spinning threads take the cores the work needs (at 2 threads on a busy
+    2-core machine: benchmarks/onnx_spinning.py, docs/SERVING.md).
+
+    A file that cannot be read (a truncated graph, scorer or tokenizer) or a graph whose hidden size is not the
+    scorer's is a one-line RunError naming the file."""
 
     supports_images = False
 
-    def __init__(self, path: Path | str, *, threads: int | None = None, graph: str | None = None):
+    def __init__(self, path: Path | str, *, threads: int | None = None, graph: str | None = None,
+                 spin: bool = False):
         from safetensors.numpy import load_file
         from tokenizers import Tokenizer
 
@@ -108,24 +189,38 @@ class PortableModel:
         require_onnx()
         import onnxruntime as ort
 
+        self.threads = int(threads) if threads is not None else default_threads()
+        if self.threads < 1:
+            raise UserError(f"threads {self.threads}: give 1 or more")
         opts = ort.SessionOptions()
-        if threads is not None:
-            opts.intra_op_num_threads = int(threads)
-            opts.inter_op_num_threads = 1
+        opts.intra_op_num_threads = self.threads
+        opts.inter_op_num_threads = self.threads
+        if not spin:  # idle pool threads sleep instead of busy-waiting for the next parallel section
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        self.spin = bool(spin)
         graph = graph or self.manifest["graph"]["file"]
-        self.session = ort.InferenceSession(str(self.path / graph), opts, providers=["CPUExecutionProvider"])
         self.graph = graph
-        t = load_file(str(self.path / SCORER))
-        self.tensors = {k: t[k].astype(np.float32) for k in ("w_d", "w_c", "mu_d", "mu_c")}
-        self.temperatures = {q: float(v) for q, v in zip(QUESTION_TYPES, t["temperatures"].tolist())}
+        with _unreadable(self.path / graph):
+            self.session = ort.InferenceSession(str(self.path / graph), opts, providers=["CPUExecutionProvider"])
+        with _unreadable(self.path / SCORER):
+            t = load_file(str(self.path / SCORER))
+            self.tensors = {k: t[k].astype(np.float32) for k in ("w_d", "w_c", "mu_d", "mu_c")}
+            self.temperatures = {q: float(v) for q, v in zip(QUESTION_TYPES, t["temperatures"].tolist())}
         scorer = self.manifest["scorer"]
         self.centring, self.proj_dim = scorer["centring"], int(scorer["proj_dim"])
+        out_hidden = self.session.get_outputs()[0].shape[-1]
+        want = self.tensors["w_d"].shape[1]
+        if isinstance(out_hidden, int) and out_hidden != want:
+            raise RunError(f"{self.path / graph}: the graph's hidden size {out_hidden} is not the scorer's {want} "
+                           f"({SCORER}); the files come from different exports: {REWRITE}")
         prompt = self.manifest["prompt"]
         spec = dict(prompt["spec"])
         spec["reserved"] = tuple(spec["reserved"])
         if spec.get("image_tokens") is not None:
             spec["image_tokens"] = tuple(spec["image_tokens"])
-        tok = _Tokenizer(Tokenizer.from_file(str(self.path / TOKENIZER)), prompt["pad_id"])
+        with _unreadable(self.path / TOKENIZER):
+            tok = _Tokenizer(Tokenizer.from_file(str(self.path / TOKENIZER)), prompt["pad_id"])
         self.encoder = PromptEncoder(tok, max_tokens=int(prompt["max_tokens"]), spec=PromptSpec(**spec))
         self.max_rows = 64
         self._lock = threading.Lock()
@@ -135,7 +230,8 @@ class PortableModel:
 
     @property
     def placement(self) -> dict[str, str]:
-        return {"device": "cpu", "dtype": self.manifest["graph"]["precision"], "runtime": "onnxruntime"}
+        return {"device": "cpu", "dtype": self.manifest["graph"]["precision"], "runtime": "onnxruntime",
+                "threads": self.threads}
 
     def meta(self) -> dict[str, Any]:
         """What `Predictor` reads from an export's model.json: the source run's, with these temperatures."""
@@ -202,7 +298,11 @@ def load_portable(path: Path | str, *, name: str | None = None, limits: Any = No
     """A `Predictor` on the portable export at `path` (torch-free); `order_votes` as `Predictor`'s."""
     from rlcd.predict import Predictor
 
+    t0 = time.perf_counter()
+    log.info("model: loading portable export %s (onnxruntime on the CPU)", path)
     model = PortableModel(path, threads=threads)
+    log.info("model: ready in %.1f s (%s graph, %d threads)", time.perf_counter() - t0,
+             model.manifest["graph"]["precision"], model.threads)
     p = Path(path).resolve()
     predictor = Predictor(model, model.meta(), name=name or p.name or "rlcd", limits=limits, strict_model=strict_model,
                           state_cache_mb=0,  # the graph takes whole packed rows: no decoder state to keep
@@ -212,4 +312,4 @@ def load_portable(path: Path | str, *, name: str | None = None, limits: Any = No
 
 
 __all__ = ["require_onnx", "score", "FORMAT", "MANIFEST", "SCORER", "TOKENIZER", "INPUTS", "OUTPUTS", "PortableModel",
-           "PortableCase", "load_portable", "read_manifest", "centre"]
+           "PortableCase", "load_portable", "read_manifest", "centre", "default_threads"]
