@@ -197,6 +197,7 @@ def test_rounds_put_each_state_once_per_call_and_keep_every_row():
         assert len({keys[i] for i in r}) == len(r)
 
 
+@pytest.mark.slow
 def test_a_killed_job_resumes_to_the_uninterrupted_output(run_dir, tmp_path):
     """SIGKILL a real `rlcd predict` once two parts are committed; --resume finishes it: every id once, and the
     same output as a job never killed."""
@@ -287,6 +288,7 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.mark.slow
 def test_ray_predict_dataset_equals_the_predictor(ray_cluster, run_dir, predictor):
     from rlcd.batch.local import PredictorSpec
     from rlcd.batch.ray import predict_dataset
@@ -304,7 +306,8 @@ def test_ray_predict_dataset_equals_the_predictor(ray_cluster, run_dir, predicto
     check_against_predictor(predictor, requests, answers)
 
 
-def test_ray_cli_job_with_rejects_and_resume_layout(ray_cluster, run_dir, predictor, tmp_path):
+@pytest.mark.slow
+def test_ray_cli_job_has_the_same_answers_rejects_and_layout(ray_cluster, run_dir, predictor, tmp_path):
     requests = good_requests(3, 3)
     bad = write_input(tmp_path / "in.jsonl", requests, BAD[:3])
     out = tmp_path / "ray.jsonl"
@@ -329,3 +332,29 @@ def test_without_ray_the_ray_option_is_one_line(run_dir, tmp_path):
     write_input(src, good_requests(1, 1))
     user_error(["predict", run_dir, "--input", src, "--output", tmp_path / "o.jsonl", "--ray"],
                contains="rlcd[ray]")
+
+
+# ------------------------------------------------------------------------------------------------- --export
+@pytest.mark.slow
+def test_export_runs_the_same_job_on_onnx(tmp_path_factory):
+    pytest.importorskip("onnxruntime")
+    from _tiny_export import make_tiny_export
+
+    from rlcd.portable.exporter import export_onnx
+    from rlcd.portable.runtime import load_portable
+
+    base = tmp_path_factory.mktemp("batch-onnx")
+    from conftest import synth_processed
+
+    run = make_tiny_export(base / "run", model_spec="tiny-llama")
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["data_dir"] = str(synth_processed(base / "data", 40, 3))  # the export's parity check scores its test split
+    (run / "config.json").write_text(json.dumps(cfg))
+    export_onnx(run, base / "onnx")
+    requests = good_requests(3, 2)
+    write_input(base / "in.jsonl", requests, BAD[4:5])
+    out = base / "out.jsonl"
+    res = invoke(["predict", "--export", base / "onnx", "--input", base / "in.jsonl", "--output", out, "--threads", 1])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["rejected"] == 1
+    check_against_predictor(load_portable(base / "onnx", threads=1), requests, read_output(out))
