@@ -149,20 +149,26 @@ def run_local(predictor: Any, rows: Iterable[Row], writer: PartWriter, *, batch_
             progress.update(progress.start + session[0])
 
     writer.start()
+    predictor.model  # noqa: B018 - loaded now (a lazy Predictor's), so scoring_seconds is the scoring alone
+    t1 = time.perf_counter()
     for window in windows(rows, chunk_rows):
         writer.commit(score_rows(predictor, window, batch_size=batch_size, image_root=image_root, on_done=done))
+    t2 = time.perf_counter()
     writer.finish()
-    return summary(writer, session[0], time.perf_counter() - t0)
+    return summary(writer, session[0], time.perf_counter() - t0, t2 - t1)
 
 
-def summary(writer: PartWriter, session_rows: int, seconds: float) -> dict[str, Any]:
-    """The end line: rows read == answered + rejected (the whole job, resumed sessions included)."""
+def summary(writer: PartWriter, session_rows: int, seconds: float, scoring: float | None = None) -> dict[str, Any]:
+    """The end line: rows read == answered + rejected (the whole job, resumed sessions included); this session's
+    rows, `seconds` (all of it) and `scoring_seconds` (from the model(s) loaded to the last row scored)."""
     from rlcd.batch.io import rejects_path
 
     n = writer.answered + writer.rejected
     return {"output": str(writer.output), "rejects": str(rejects_path(writer.output)), "rows": n,
             "answered": writer.answered, "rejected": writer.rejected, "session_rows": session_rows,
-            "seconds": round(seconds, 3), "rows_per_s": round(session_rows / seconds, 3) if seconds > 0 else None}
+            "seconds": round(seconds, 3), "rows_per_s": round(session_rows / seconds, 3) if seconds > 0 else None,
+            "scoring_seconds": None if scoring is None else round(scoring, 3),
+            "scoring_rows_per_s": round(session_rows / scoring, 3) if scoring else None}
 
 
 __all__ = ["PredictorSpec", "score_rows", "run_local", "rounds", "state_key", "windows", "summary", "DEFAULT_BATCH_SIZE",
