@@ -282,10 +282,17 @@ def test_a_resume_with_other_options_is_refused(run_dir, tmp_path):
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])  # the actors import rlcd
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(SRC), *([old] if old else [])])  # the actors import rlcd
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 @pytest.mark.slow
@@ -358,3 +365,47 @@ def test_export_runs_the_same_job_on_onnx(tmp_path_factory):
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["rejected"] == 1
     check_against_predictor(load_portable(base / "onnx", threads=1), requests, read_output(out))
+
+
+# ------------------------------------------------------------------------------------------------- the bench
+def test_bench_inputs_are_the_same_rows_per_row_and_per_state(tmp_path):
+    from conftest import synth_processed
+
+    from rlcd.batch.io import scan
+    from rlcd.bench.batch import bench_inputs
+    from rlcd.data.io import load_split
+
+    data = synth_processed(tmp_path / "data", 6, 2)
+    path, per_state, n = bench_inputs(data, ("test", "dev"), None, tmp_path)
+    records = load_split(data, "test") + load_split(data, "dev")
+    rows = list(scan(path))
+    assert n == len(records) == len(rows) and [r.id for r in rows] == [r.id for r in records]
+    assert sum(len(req["questions"]) for req in per_state) == n  # every row asked once, in its state's request
+    assert len(per_state) == len({json.dumps(r.state, sort_keys=True) for r in records})
+    for req in per_state:
+        mine = [r for r in rows if r.request["state"] == req["state"]]
+        assert list(req["questions"].values()) == [r.request["questions"]["q1"] for r in mine]
+
+
+def test_tree_rss_counts_a_child(tmp_path):
+    from rlcd.bench.batch import tree_rss
+
+    alone, n = tree_rss(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import time; b = b'x' * (64 << 20); time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            rss, m = tree_rss(os.getpid())
+            if rss - alone > 60 << 20 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert m == n + 1 and rss - alone > 60 << 20  # the child's 64 MiB buffer is in the tree's sum
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_bench_batch_mistakes_are_one_line(run_dir, tmp_path):
+    user_error(["bench", "batch", run_dir, "--actors", "x"], contains="--actors")
+    user_error(["bench", "batch", run_dir, "--actors", "0"], contains="--actors")
+    user_error(["bench", "batch", tmp_path], contains="export")
