@@ -150,17 +150,20 @@ def run_local(predictor: Any, rows: Iterable[Row], writer: PartWriter, *, batch_
 
     writer.start()
     predictor.model  # noqa: B018 - loaded now (a lazy Predictor's), so scoring_seconds is the scoring alone
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     for window in windows(rows, chunk_rows):
         writer.commit(score_rows(predictor, window, batch_size=batch_size, image_root=image_root, on_done=done))
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     writer.finish()
-    return summary(writer, session[0], time.perf_counter() - t0, t2 - t1)
+    return summary(writer, session[0], time.perf_counter() - t0, t2 - t1, c2 - c1)
 
 
-def summary(writer: PartWriter, session_rows: int, seconds: float, scoring: float | None = None) -> dict[str, Any]:
+def summary(writer: PartWriter, session_rows: int, seconds: float, scoring: float | None = None,
+            scoring_cpu: float | None = None) -> dict[str, Any]:
     """The end line: rows read == answered + rejected (the whole job, resumed sessions included); this session's
-    rows, `seconds` (all of it) and `scoring_seconds` (from the model(s) loaded to the last row scored)."""
+    rows, `seconds` (all of it), `scoring_seconds` (from the model(s) loaded to the last row scored) and
+    `scoring_cpu_seconds` (the CPU time of the scoring processes over that span: what a row costs whatever else
+    runs on the machine)."""
     from rlcd.batch.io import rejects_path
 
     n = writer.answered + writer.rejected
@@ -168,7 +171,9 @@ def summary(writer: PartWriter, session_rows: int, seconds: float, scoring: floa
             "answered": writer.answered, "rejected": writer.rejected, "session_rows": session_rows,
             "seconds": round(seconds, 3), "rows_per_s": round(session_rows / seconds, 3) if seconds > 0 else None,
             "scoring_seconds": None if scoring is None else round(scoring, 3),
-            "scoring_rows_per_s": round(session_rows / scoring, 3) if scoring else None}
+            "scoring_rows_per_s": round(session_rows / scoring, 3) if scoring else None,
+            "scoring_cpu_seconds": None if scoring_cpu is None else round(scoring_cpu, 3),
+            "rows_per_cpu_s": round(session_rows / scoring_cpu, 3) if scoring_cpu else None}
 
 
 __all__ = ["PredictorSpec", "score_rows", "run_local", "rounds", "state_key", "windows", "summary", "DEFAULT_BATCH_SIZE",

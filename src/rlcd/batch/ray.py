@@ -4,7 +4,8 @@
 `id` column and a `request` column (the /v1/systemone request as a JSON string or a struct), optionally
 `line` (a row number, kept in the output) and `reason`/`field` (a row already known to be a reject). It
 returns a lazy Dataset with one row per input row: `line`, `id`, `outcome` (JSON: `{"response": ...}` or
-`{"reject": {"field", "reason"}}`) and `t0`/`t1` (the wall-clock span of the actor call that scored it). `map_batches` runs `_Scorer`, a callable class: Ray starts
+`{"reject": {"field", "reason"}}`), `t0`/`t1` (the wall-clock span of the actor call that scored it) and `cpu` (that call's
+CPU seconds per row). `map_batches` runs `_Scorer`, a callable class: Ray starts
 `num_actors` actors (`concurrency`), each with `cpus_per_actor` CPUs and `gpus_per_actor` GPUs, each building
 its own Predictor once (`PredictorSpec.load`) and scoring its batches with `rlcd.batch.local.score_rows`
 (the same grouping by state as the one-process job). Scheduling, retries, back-pressure and spilling are
@@ -70,10 +71,11 @@ class _Scorer:
                     rows.append(Row(int(lines[i]), rid, reason=f"the request is not valid JSON: {e.msg}"))
                     continue
             rows.append(Row(int(lines[i]), rid, _plain(req)))
-        t0 = time.time()  # wall clock: comparable between the actors of one machine (scoring_seconds)
+        t0, c0 = time.time(), time.process_time()  # wall clock: comparable between the actors of one machine
         outcomes = score_rows(self.predictor, rows, batch_size=self.batch_size, image_root=self.image_root)
-        t1 = time.time()
+        t1, cpu = time.time(), (time.process_time() - c0) / max(1, len(outcomes))
         return {"t0": np.full(len(outcomes), t0), "t1": np.full(len(outcomes), t1),
+                "cpu": np.full(len(outcomes), cpu),
                 "line": np.array([o.line for o in outcomes], dtype=np.int64),
                 "id": np.array([o.id for o in outcomes], dtype=object),
                 "outcome": np.array([json.dumps({"response": o.response} if o.reject is None else
@@ -153,7 +155,7 @@ def run_ray(spec: PredictorSpec, rows: Iterable[Row], writer: PartWriter, *, add
     writer.start()
     todo = writer.parts / TODO
     n = write_todo(rows, todo)
-    started, first, last = False, 0.0, 0.0
+    started, first, last, cpu = False, 0.0, 0.0, 0.0
     if n:
         if not ray.is_initialized():
             ray.init(address=address, num_cpus=num_cpus if address is None else None, include_dashboard=False,
@@ -169,6 +171,7 @@ def run_ray(spec: PredictorSpec, rows: Iterable[Row], writer: PartWriter, *, add
             done, first, last = 0, float("inf"), float("-inf")
             for batch in ds.iter_batches(batch_size=chunk_rows, batch_format="numpy"):
                 first, last = min(first, float(batch["t0"].min())), max(last, float(batch["t1"].max()))
+                cpu += float(batch["cpu"].sum())
                 outcomes = []
                 for line, rid, raw in zip(batch["line"], batch["id"], batch["outcome"]):
                     d = json.loads(raw)
@@ -183,7 +186,7 @@ def run_ray(spec: PredictorSpec, rows: Iterable[Row], writer: PartWriter, *, add
                 ray.shutdown()
     todo.unlink(missing_ok=True)
     writer.finish()
-    return summary(writer, n, time.perf_counter() - t0, (last - first) if n else None)
+    return summary(writer, n, time.perf_counter() - t0, (last - first) if n else None, cpu if n else None)
 
 
 __all__ = ["predict_dataset", "run_ray", "write_todo", "require_ray", "TODO"]

@@ -14,12 +14,15 @@ process from spawn to exit, with imports, model loading and for Ray the cluster'
 requests), `rows_per_s` = rows / wall_s, `scoring_rows_per_s` (the job's own `scoring_rows_per_s`: rows over
 the time from its model(s) loaded to the last row scored -- for Ray, the first actor call's start to the last
 one's end --, so start-up excluded; for `http`, the same as `rows_per_s`: the server was loaded and warm) and
-`peak_rss_mib`: the largest sum of resident memory over the process and all its descendants (Ray's GCS,
+`rows_per_cpu_s`: rows over the CPU seconds the scoring took (the job's `rows_per_cpu_s`: the scoring
+process's, or the actors' summed, over the scoring span; for `http`, the server process's over the requests),
+which the machine's other load does not change much, and `peak_rss_mib`: the largest sum of resident memory over the process and all its descendants (Ray's GCS,
 raylet and workers included), sampled every 0.2 s (for `http`: the server's, over its life). The result
 gives the median over rounds, and the machine's load average before and after (the CPUs may be shared).
 
-The projection is arithmetic, not a measurement: `ray_1`'s scoring rows/s per actor times N actors, i.e.
-what N machines (or cores) like this one would do if nothing else limited them.
+The projection is arithmetic, not a measurement: the smallest Ray arm's rows per CPU-second per actor times N
+actors, i.e. what N single-thread actors would do, each on a core of this machine to itself, if nothing else
+limited them.
 """
 
 from __future__ import annotations
@@ -148,6 +151,7 @@ def job_arm(python: str, run: Path, src: Path, out: Path, extra: list[str], thre
     summary = json.loads(stdout)
     return {"wall_s": wall, "rows": summary["rows"], "answered": summary["answered"],
             "rows_per_s": summary["rows"] / wall, "scoring_rows_per_s": summary["scoring_rows_per_s"],
+            "rows_per_cpu_s": summary["rows_per_cpu_s"],
             "job_seconds": summary["seconds"], "peak_rss_mib": rss.peak / 2 ** 20, "processes": rss.processes}
 
 
@@ -191,11 +195,20 @@ class Server:
                 self.proc.kill()
 
 
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used, all its threads."""
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        stat = fh.read()
+    fields = stat[stat.rindex(b")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def http_arm(server: Server, requests: list[dict], rows: int, timeout: float) -> dict:
     """One request per state, sequential, one keep-alive connection."""
     import httpx
 
     times = []
+    cpu0 = process_cpu(server.proc.pid)
     with httpx.Client(base_url=server.url, timeout=timeout, trust_env=False) as client:
         t0 = time.perf_counter()
         for req in requests:
@@ -203,8 +216,8 @@ def http_arm(server: Server, requests: list[dict], rows: int, timeout: float) ->
             if r.status_code != 200 or len(r.json()["answers"]) != len(req["questions"]):
                 raise RuntimeError(f"rlcd serve answered {r.status_code}: {r.text[:300]}")
             times.append(time.perf_counter())
-    wall = times[-1] - t0
-    return {"wall_s": wall, "rows": rows, "answered": rows, "requests": len(requests), "rows_per_s": rows / wall,
+    wall, cpu = times[-1] - t0, process_cpu(server.proc.pid) - cpu0
+    return {"rows_per_cpu_s": rows / cpu if cpu > 0 else None, "wall_s": wall, "rows": rows, "answered": rows, "requests": len(requests), "rows_per_s": rows / wall,
             "scoring_rows_per_s": rows / wall, "peak_rss_mib": server.rss.peak / 2 ** 20, "processes": server.rss.processes}
 
 
@@ -244,30 +257,34 @@ def run_batch_bench(run: Path, *, data: Path | None = None, splits: tuple[str, .
                     got["round"] = r
                     runs[arm].append(got)
                     steady = got["scoring_rows_per_s"]
+                    cpu = got["rows_per_cpu_s"]
                     say(f"  round {r} {arm}: {got['rows_per_s']:.2f} rows/s end to end ({got['wall_s']:.1f} s), "
+                        f"{'-' if cpu is None else f'{cpu:.2f}'} rows per CPU-second, "
                         f"scoring {'-' if steady is None else f'{steady:.2f}'} rows/s, peak RSS "
                         f"{got['peak_rss_mib']:.0f} MiB ({got['processes']} processes)")
         finally:
             server.stop()
     median = {a: {k: statistics.median(x[k] for x in runs[a]) if all(x[k] is not None for x in runs[a]) else None
-                  for k in ("rows_per_s", "scoring_rows_per_s", "wall_s", "peak_rss_mib")} for a in arms}
+                  for k in ("rows_per_s", "scoring_rows_per_s", "rows_per_cpu_s", "wall_s", "peak_rss_mib")} for a in arms}
     out: dict[str, Any] = {"run": str(run), "rows": n_rows, "states": len(per_state), "splits": list(splits),
                            "rounds": rounds, "threads": threads, "chunk_rows": chunk_rows, "batch_size": batch_size,
                            "cpus": os.cpu_count(), "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg()), "arms": arms, "median": median, "runs": runs}
     base = median.get(f"ray_{min(actors)}", {}).get("scoring_rows_per_s") if actors else None
-    if base:
-        per_actor = base / min(actors)
+    per_cpu = median.get(f"ray_{min(actors)}", {}).get("rows_per_cpu_s") if actors else None
+    if base and per_cpu:
         out["projection"] = {
-            "label": "PROJECTION, not a measurement: ray_1's scoring rows/s per actor x actors, as if each actor "
-                     "had a machine like this one to itself and nothing else (input, output, the driver) limited it",
-            "rows_per_s_per_actor": per_actor,
-            "rows_per_s": {str(n): per_actor * n for n in PROJECTED_ACTORS}}
+            "label": f"PROJECTION, not a measurement: rows per CPU-second of a ray_{min(actors)} actor ({threads} "
+                     "thread) x actors, i.e. N actors each with a core of this machine to itself and nothing "
+                     "else (input, output, the driver) limiting",
+            "rows_per_cpu_s_per_actor": per_cpu,
+            "rows_per_s": {str(n): per_cpu * n for n in PROJECTED_ACTORS}}
         if len(actors) > 1:
             top = median[f"ray_{max(actors)}"]["scoring_rows_per_s"]
             out["measured_scaling"] = {f"ray_{max(actors)}_over_ray_{min(actors)}": (top / base) if top else None}
     for a in arms:
         m = median[a]
-        say(f"{a}: median {m['rows_per_s']:.2f} rows/s end to end, scoring "
+        say(f"{a}: median {m['rows_per_s']:.2f} rows/s end to end, "
+            f"{'-' if m['rows_per_cpu_s'] is None else format(m['rows_per_cpu_s'], '.2f')} rows per CPU-second, scoring "
             f"{'-' if m['scoring_rows_per_s'] is None else format(m['scoring_rows_per_s'], '.2f')} rows/s, "
             f"peak RSS {m['peak_rss_mib']:.0f} MiB")
     if "projection" in out:
