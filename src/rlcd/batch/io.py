@@ -2,7 +2,7 @@
 
 Input (`scan`): JSONL, one `/v1/systemone` request per non-blank line, each with an `"id"` (a non-empty
 string, unique in the file); or Parquet, one request per row: either an `id` column and a `request` column
-(the request as a JSON string or a struct), or the request's own fields as columns beside `id`; or a processed
+(the request as a JSON string), or the request's own fields as columns beside `id`; or a processed
 split (`scan_split`: one request per record, id = the record's id, its image path under the data dir).
 Every row is numbered (`line`: the 1-based line of a JSONL file, the 1-based row of a Parquet file or split)
 and yields one `Row`; a row that cannot become a request (not JSON, not an object, no id, a duplicate id)

@@ -1,7 +1,7 @@
 """The batch job on a Ray cluster: Ray Data reads the rows, `map_batches` scores them with one Predictor per actor.
 
 `predict_dataset(ds, spec)` is the library entry for users with their own Ray Data pipeline: `ds` has an
-`id` column and a `request` column (the /v1/systemone request as a JSON string or a struct), optionally
+`id` column and a `request` column (the /v1/systemone request as a JSON string, or a dict), optionally
 `line` (a row number, kept in the output) and `reason`/`field` (a row already known to be a reject). It
 returns a lazy Dataset with one row per input row: `line`, `id`, `outcome` (JSON: `{"response": ...}` or
 `{"reject": {"field", "reason"}}`), `t0`/`t1` (the wall-clock span of the actor call that scored it) and `cpu` (that call's
