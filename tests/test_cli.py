@@ -27,7 +27,7 @@ TABLE = {
     "serve": None, "compare": None, "sweep": None, "sweep-worker": None, "demo": None,
     "analyze": {"toy-bias"},
     "probe": {"order", "noise"},
-    "bench": {"prefix", "pipeline", "train", "features", "cut", "serve", "onnx", "votes", "report", "data"},
+    "bench": {"prefix", "pipeline", "train", "features", "cut", "serve", "onnx", "votes", "batch", "report", "data"},
 }
 RUNS_A_MODEL = ["train", "features", "calibrate", "evaluate", "predict", "serve", "demo", "probe order", "bench prefix",
                 "bench pipeline", "bench train", "bench features", "bench cut", "bench serve", "bench votes"]

@@ -72,6 +72,11 @@ HEADLINE = {
               *(f"model_batching.{z}.gain" for z in (1, 5, 50)),
               *(f"modes.{m}.{c}.{k}" for m in ("batched", "unbatched") for c in (1, 4, 16, 64)
                 for k in ("decisions_per_s", "p50_ms_1", "p99_ms_1", "p50_ms_50", "mean_batch", "model_busy"))),
+    "batch": ("rows", "states", "rounds", "threads", "cpus",
+              *(f"median.{a}.{k}" for a in ("http", "local", "ray_1", "ray_2")
+                for k in ("rows_per_s", "scoring_rows_per_s", "rows_per_cpu_s", "peak_rss_mib")),
+              "measured_scaling.ray_2_over_ray_1", "projection.label", "projection.rows_per_cpu_s_per_actor",
+              *(f"projection.rows_per_s.{n}" for n in (1, 2, 4, 8, 16))),
     "fuzz-server": ("requests", "operations", "c5xx", "distinct_failures", "status_counts", "server_problems.key",
                     "server_problems.open", "rounds", "seconds", "schemathesis"),
     "gpu": ("mode", "model.params_total", "matmul.tflops", "train.tokens_per_s", "train.examples_per_s", "train.mfu",

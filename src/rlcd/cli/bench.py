@@ -1,4 +1,4 @@
-"""`rlcd bench data|prefix|pipeline|train|features|cut|serve|onnx|votes|report`: ratios measured in one run, saved as
+"""`rlcd bench data|prefix|pipeline|train|features|cut|serve|onnx|votes|batch|report`: ratios measured in one run, saved as
 result JSON."""
 
 from __future__ import annotations
@@ -373,6 +373,54 @@ def votes(
           ("--repeats", repeats, 5), ("--state-tokens", state_tokens, 250), ("--seed", seed, 0),
           ("--threads", threads, None), ("--device", device, "auto"), ("--dtype", dtype, DType.auto),
           positional=(path,))
+
+
+@app.command("batch")
+def batch(
+    run: RunArg = None,
+    run_alias: RunAlias = None,
+    data: Annotated[Optional[Path], typer.Option(help="processed data dir (default: the run's)")] = None,
+    split: Annotated[str, typer.Option(help="the splits whose records are the rows, comma-separated")] = "test",
+    rows: Annotated[Optional[int], typer.Option(min=1, help="at most this many rows (default: all)")] = None,
+    rounds: Annotated[int, typer.Option(min=1, help="interleaved rounds of every arm (median)")] = 2,
+    actors: Annotated[str, typer.Option(help="Ray actor counts, comma-separated (empty: no Ray arms)")] = "1,2",
+    threads: Annotated[int, typer.Option(min=1, help="torch threads of every process")] = 1,
+    chunk_rows: Annotated[int, typer.Option(min=1, help="rows per committed part of the batch jobs")] = 8,
+    python: Annotated[Optional[Path], typer.Option(
+        help="interpreter of the measured processes (it needs ray for the Ray arms; default: this one)")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the result here (bench format)")] = None,
+) -> None:
+    """Offline scoring rows/s on one machine, interleaved: one HTTP request per state against `rlcd serve`,
+    `rlcd predict --input` in one process, and through Ray with each actor count; peak RSS of each; and a
+    projection (labelled as such) of rows/s per actor x actors."""
+    from rlcd.bench.batch import run_batch_bench
+    from rlcd.progress import echo
+    from rlcd.run import find_export
+
+    path = run_path(run, run_alias)
+    find_export(path)
+    try:
+        actor_t = tuple(int(x) for x in actors.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter("comma-separated integers, e.g. 1,2", param_hint="--actors") from None
+    if actor_t and min(actor_t) < 1:
+        raise typer.BadParameter("actor counts are >= 1", param_hint="--actors")
+    splits = tuple(x.strip() for x in split.split(",") if x.strip())
+    if data is not None and not all((data / f"{s}.jsonl").is_file() for s in splits):
+        raise typer.BadParameter(f"{data}: not a processed data directory with {', '.join(splits)}",
+                                 param_hint="--data")
+    if actor_t:
+        import subprocess
+        import sys
+
+        if subprocess.run([str(python or sys.executable), "-c", "import ray"], capture_output=True).returncode:
+            raise typer.BadParameter("the Ray arms need ray in the interpreter: pip install 'rlcd[ray]', give "
+                                     "--python PATH, or --actors ''", param_hint="--actors")
+    res = run_batch_bench(path, data=data, splits=splits, rows=rows, rounds=rounds, actors=actor_t, threads=threads,
+                          chunk_rows=chunk_rows, python=str(python) if python else None, say=echo)
+    _save("batch", json_out, res, ("--data", data, None), ("--split", split, "test"), ("--rows", rows, None),
+          ("--rounds", rounds, 2), ("--actors", actors, "1,2"), ("--threads", threads, 1),
+          ("--chunk-rows", chunk_rows, 8), ("--python", python, None), positional=(path,))
 
 
 @app.command("report")

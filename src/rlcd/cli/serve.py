@@ -53,13 +53,104 @@ def predict(
     order_votes: OrderVotesOpt = 1,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
+    input: Annotated[Optional[Path], typer.Option(
+        "--input", metavar="FILE", help="batch: score every request of FILE (.jsonl: one /v1/systemone request with "
+                                        "an \"id\" per line; .parquet: one per row) into --output",
+        rich_help_panel="Batch", show_default=False)] = None,
+    data: Annotated[Optional[Path], typer.Option(
+        "--data", metavar="DIR", help="batch: score a processed split instead (--split S), one request per record",
+        rich_help_panel="Batch", show_default=False)] = None,
+    split: Annotated[Optional[str], typer.Option(
+        "--split", metavar="S", help="batch: the split of --data (train, dev, calibration, test)",
+        rich_help_panel="Batch", show_default=False)] = None,
+    output: Annotated[Optional[Path], typer.Option(
+        "--output", metavar="FILE", help="batch: the answers (.jsonl or .parquet), committed in parts; rejected rows "
+                                         "go to FILE.rejects.jsonl with their line and reason",
+        rich_help_panel="Batch", show_default=False)] = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="batch: continue a killed job, skipping the rows already committed",
+        rich_help_panel="Batch")] = False,
+    batch_size: Annotated[int, typer.Option(
+        min=1, help="batch: states per batched model call", rich_help_panel="Batch")] = 16,
+    chunk_rows: Annotated[int, typer.Option(
+        min=1, help="batch: rows per committed part (what a killed job can lose and redo)",
+        rich_help_panel="Batch")] = 256,
+    threads: Annotated[Optional[int], typer.Option(
+        min=1, help="batch: torch (or onnxruntime) threads per process (default: the library's)",
+        rich_help_panel="Batch", show_default=False)] = None,
+    image_root: Annotated[Optional[Path], typer.Option(
+        help="batch: the directory image paths in requests are resolved under (--data: the data dir)",
+        rich_help_panel="Batch", show_default=False)] = None,
+    export: Annotated[Optional[Path], typer.Option(
+        "--export", metavar="DIR", help="answer with a portable ONNX export instead of a run (onnxruntime, no torch)",
+        show_default=False)] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="batch: no progress on stderr",
+                                        rich_help_panel="Batch")] = False,
+    ray: Annotated[bool, typer.Option(
+        "--ray", help="batch: run on Ray Data, one Predictor per actor (pip install 'rlcd\\[ray]')",
+        rich_help_panel="Ray")] = False,
+    ray_address: Annotated[Optional[str], typer.Option(
+        "--ray-address", metavar="ADDRESS", help="the cluster to join (default: RAY_ADDRESS, else a local one "
+                                                 "started for the job)", rich_help_panel="Ray",
+        show_default=False)] = None,
+    num_actors: Annotated[Optional[int], typer.Option(
+        min=1, help="actors, each with its own Predictor [default: 1]", rich_help_panel="Ray",
+        show_default=False)] = None,
+    cpus_per_actor: Annotated[Optional[float], typer.Option(
+        min=0.01, help="CPUs reserved per actor [default: 1]", rich_help_panel="Ray", show_default=False)] = None,
+    gpus_per_actor: Annotated[Optional[float], typer.Option(
+        min=0, help="GPUs per actor [default: 0]", rich_help_panel="Ray", show_default=False)] = None,
 ) -> None:
-    """Answer one /v1/systemone request with a run's export and print the JSON response.
+    """Answer one /v1/systemone request with a run's export and print the JSON response; or, with --input FILE
+    --output FILE, score a whole file of requests (batch), with --ray on a Ray cluster.
 
     `rlcd predict RUN request.json`, `... RUN - < request.json`, or the request built from --state and -q.
     The request is read and validated before the model loads, so a malformed one fails at once.
+
+    Batch: `rlcd predict RUN --input requests.jsonl --output answers.jsonl [--resume] [--ray]`, or
+    `--data DIR --split test`; a summary (rows == answered + rejected) is printed at the end (docs/SERVING.md).
     """
     import json
+
+    from rlcd.cli.batch import check_batch_options, predict_batch
+
+    check_state_cache_mb(state_cache_mb)
+    check_order_votes(order_votes)
+    single = [name for name, v in (("REQUEST", request_arg), ("--request", request), ("--state", state),
+                                   ("--question", question), ("--image", image)) if v]
+    ray_opts = [name for name, v in (("--ray-address", ray_address), ("--num-actors", num_actors),
+                                     ("--cpus-per-actor", cpus_per_actor), ("--gpus-per-actor", gpus_per_actor))
+                if v is not None]
+    batch_opts = [name for name, v, d in (("--batch-size", batch_size, 16), ("--chunk-rows", chunk_rows, 256),
+                                          ("--threads", threads, None), ("--image-root", image_root, None),
+                                          ("--quiet", quiet, False)) if v != d]
+    if export is not None and (run is not None or run_alias is not None):
+        raise typer.BadParameter("give RUN or --export DIR, not both", param_hint="--export")
+    if check_batch_options(input=input, data=data, split=split, output=output, single=single, resume=resume, ray=ray,
+                           ray_opts=ray_opts, batch_opts=batch_opts):
+        if export is not None:
+            from rlcd.portable.runtime import read_manifest, require_onnx
+
+            read_manifest(export)
+            require_onnx()
+            path = None
+        else:
+            from rlcd.run import find_export
+
+            path = run_path(run, run_alias)
+            find_export(path)
+        res = predict_batch(run=path, export=export, input=input, data=data, split=split, output=output,
+                            resume=resume, batch_size=batch_size, chunk_rows=chunk_rows, threads=threads,
+                            image_root=image_root, order_votes=order_votes, state_cache_mb=state_cache_mb,
+                            device=device, dtype=dtype.value, ray=ray, ray_address=ray_address,
+                            num_actors=num_actors or 1, cpus_per_actor=cpus_per_actor or 1.0,
+                            gpus_per_actor=gpus_per_actor or 0.0, quiet=quiet)
+        from rlcd.progress import echo
+
+        echo(f"rlcd predict: {res['rows']} rows read = {res['answered']} answered + {res['rejected']} rejected "
+             f"(rejects: {res['rejects']})")
+        echo_json(res)
+        return
 
     from rlcd.errors import UserError
     from rlcd.run import find_export
@@ -67,15 +158,20 @@ def predict(
     from rlcd.serving.cli_request import build_cli_request, pending_stdin
     from rlcd.serving.limits import Limits
 
-    check_state_cache_mb(state_cache_mb)
-    check_order_votes(order_votes)
-    path = run_path(run, run_alias)
+    if export is None:
+        path = run_path(run, run_alias)
     if request_arg is not None:
         if request is not None and request != request_arg:
             raise typer.BadParameter(f"given twice ({request_arg} and --request {request}); give it once",
                                      param_hint="REQUEST")
         request = request_arg
-    find_export(path)
+    if export is None:
+        find_export(path)
+    else:
+        from rlcd.portable.runtime import read_manifest, require_onnx
+
+        read_manifest(export)
+        require_onnx()
     if request is None and state is None and not question and not sys.stdin.isatty():
         request = Path("-")
     elif request is None and (pending_stdin() or "").strip():  # --state / -q, and a request piped in as well
@@ -97,6 +193,11 @@ def predict(
             raise typer.BadParameter(f"{image}: no such file", param_hint="--image")
         img = image
     parse_request(req, Limits())  # before the model loads (and before torch is imported)
+    if export is not None:
+        from rlcd.portable.runtime import load_portable
+
+        echo_json(load_portable(export, order_votes=order_votes).predict(req, img))
+        return
     from rlcd.predict import Predictor
 
     predictor = Predictor.from_run(path, placement=placement(device, dtype), lazy=True,  # loaded only if needed
