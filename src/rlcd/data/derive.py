@@ -271,7 +271,7 @@ def specs_of(record: Record, form: str, per_option: int = PER_OPTION) -> list[tu
             out.append((spec, [[i] for i in rest] + [[o]], False, {"option": o}, wi))
     elif form == "removed" and q.type == "choice" and k >= 3:
         for o in _instances(rng, k, per_option):
-            worst = max(record.target[o], *([record.posterior[o]] if record.posterior is not None else []))
+            worst = max([record.target[o]] + ([record.posterior[o]] if record.posterior is not None else []))
             if 1.0 - worst <= ALL_MASS_TOL:
                 out.append(("removed_all_mass", f"option {q.labels[o]!r} holds all the mass (p = {worst:.17g}): "
                                                 "the rest cannot be renormalised"))
