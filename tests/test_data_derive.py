@@ -10,7 +10,7 @@ from rlcd.data import derive, synth
 from rlcd.data.derive import FORMS, derive_records, parse_forms
 from rlcd.data.io import load_split, write_jsonl
 from rlcd.schema import Record, parse_record
-from tests.conftest import user_error
+from conftest import user_error
 
 
 def expected(form: str, meta: dict, p: list[float]) -> np.ndarray:

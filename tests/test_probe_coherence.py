@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from rlcd.analysis.coherence import deviation, probe_coherence_scores, violation_counts
 from rlcd.data.io import write_jsonl
 from rlcd.data.synth import generate
-from tests.conftest import user_error
+from conftest import user_error
 
 torch.set_num_threads(1)
 
@@ -130,3 +130,30 @@ def test_probe_coherence_cli_on_tiny_run_and_the_report(tmp_path):
     user_error(["probe", "coherence", run, "--forms", "nope"], contains="--forms nope")
     user_error(["probe", "coherence", run, "--tol", "2"], contains="--tol")
     user_error(["probe", "coherence", run, "--data", tmp_path / "none"], contains="test.jsonl does not exist")
+
+
+def test_report_shows_coherence_after_the_order_probe(tmp_path, records):
+    from test_report import make_run
+
+    from rlcd.analysis.probes import write_json_atomic
+    from rlcd.report import write_report
+
+    run, *_ = make_run(tmp_path)
+    text = write_report(run).read_text()
+    assert "## Coherence of derived forms" in text and "`rlcd probe coherence" in text
+    assert text.index("## Order-fragile questions") < text.index("## Coherence of derived forms")
+    uniform = lambda rows: [[0.0] * r.question.k for r in rows]  # noqa: E731
+    res = probe_coherence_scores(uniform, records, resamples=100)
+    write_json_atomic(run / "eval" / "probe-coherence.json", res)
+    text = write_report(run).read_text()
+    section = text[text.index("## Coherence of derived forms"):]
+    section = section[:section.index("\n## ", 5)]
+    b = res["per_family"]["marginal"]
+    lo, hi = b["violation_rate95"]
+    assert f"| marginal and tail | {b['n_rows']} | {b['n_cases']} | {b['violation_rate']:.3f} [{lo:.3f}, {hi:.3f}]" \
+        in section
+    assert "Coherence of derived forms" in (run / "eval" / "report.html").read_text()
+    write_json_atomic(run / "eval" / "probe-coherence.json", {**res, "checkpoint_sha256": "00" * 32})
+    assert "scored other weights than this evaluation" in write_report(run).read_text()
+    write_json_atomic(run / "eval" / "probe-coherence.json", {"format": "other"})
+    assert "is not a `rlcd.probe_coherence/1` result" in write_report(run).read_text()
