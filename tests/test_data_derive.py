@@ -230,4 +230,13 @@ def test_synth_forms_derived_writes_base_and_derived_rows(tmp_path):
     assert [r.id for r in base] == [r.id for r in synth.generate(4, 0)]
     assert {r.derived["family"] for r in rows if r.derived} == {"equivalence", "complement", "merge", "marginal",
                                                                 "submenu"}
+    # prepare keeps each derived row in its base row's split (one case, one isolation group)
+    from rlcd.data.prepare import prepare
+
+    m = prepare([tmp_path / "s.jsonl"], tmp_path / "p", seed=1, fractions=(0.5, 0.0, 0.0, 0.5))
+    assert m["excluded"] == 0 and m["splits"]["test"] and m["splits"]["train"]
+    for split in ("train", "test"):
+        rows = load_split(tmp_path / "p", split)
+        base = {r.id for r in rows if r.derived is None}
+        assert all(r.derived["base"] in base for r in rows if r.derived)
     user_error(["data", "synth", "--out", tmp_path / "t.jsonl", "--forms", "x"], contains="--forms x")
