@@ -112,6 +112,24 @@ def test_probe_coherence_cli_on_tiny_run_and_the_report(tmp_path):
         lo, hi = b["violation_rate95"]
         assert lo - 1e-12 <= b["violation_rate"] <= hi + 1e-12, fam
         assert b["violations"] == sum(r["deviation"] > 0.05 for r in res["rows"] if r["family"] == fam)
+    # a derived data dir: both probes ask the original rows only (its derived rows are set aside, re-derived alike)
+    from rlcd.data.derive import derive_dir, parse_forms
+
+    derive_dir(data, tmp_path / "derived", parse_forms(None))
+    out2 = tmp_path / "coh2.json"
+    result = CliRunner().invoke(app, ["probe", "coherence", str(run), "--data", str(tmp_path / "derived"),
+                                      "--resamples", "100", "--json-out", str(out2)])
+    assert result.exit_code == 0, result.output
+    res2 = json.loads(out2.read_text())
+    assert [r["id"] for r in res2["rows"]] == [r["id"] for r in res["rows"]]
+    assert res2["saved"] == str(saved)  # the same original test rows as the run's own: its result
+    np.testing.assert_allclose([r["deviation"] for r in res2["rows"]], [r["deviation"] for r in res["rows"]],
+                               atol=1e-5)
+    order = tmp_path / "order.json"
+    result = CliRunner().invoke(app, ["probe", "order", str(run), "--data", str(tmp_path / "derived"), "--limit", "1",
+                                      "--max-perms", "2", "--resamples", "50", "--json-out", str(order)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(order.read_text())["n_records"] == 3  # one original question per type, no derived row
     # the report's section reads the file as written
     from rlcd.report import build
     from rlcd.report.coherence_sections import coherence

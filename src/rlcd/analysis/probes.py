@@ -664,7 +664,7 @@ def probe_order_run(run_dir: Path, *, split: str = "test", limit: int | None = N
     path = data_dir / f"{split}.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
-    records = first_per_type(load_split(data_dir, split), limit)
+    records = first_per_type([r for r in load_split(data_dir, split) if r.derived is None], limit)  # originals
     collator = model.collator(image_root=data_dir)
     out = probe_order(model, records, collator, max_perms=max_perms, device=device, batch_size=batch_size,
                       temperatures=temps if calibrated else None, votes=votes, resamples=resamples, seed=seed)
