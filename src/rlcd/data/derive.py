@@ -451,6 +451,7 @@ def derive_dir(src: Path, out: Path, forms: Iterable[str] = DEFAULT_FORMS, *, pe
             counts.setdefault(r.group, {s: 0 for s in SPLITS})[split] += 1
     manifest = {
         **{k: v for k, v in base_manifest.items() if k not in ("outputs", "splits", "counts", "used")},
+        "render_check": None,  # the derived rows were not rendered; `rlcd train` checks its rows at the start
         "splits": {s: len(written.get(s, [])) for s in SPLITS},
         "counts": dict(sorted(counts.items())),
         "used": n_base + n_derived,
@@ -464,6 +465,7 @@ def derive_dir(src: Path, out: Path, forms: Iterable[str] = DEFAULT_FORMS, *, pe
             "per_family": {fam: sum(sum(per_form[f].values()) for f in forms if FORMS[f] == fam)
                            for fam in FAMILIES if any(FORMS[f] == fam for f in forms)},
             "source_outputs": base_manifest.get("outputs", {}),
+            "source_render_check": base_manifest.get("render_check"),
         },
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
