@@ -102,7 +102,7 @@ WORDS: dict[str, dict[str, tuple[str, ...]]] = {
                      "Wahr bedeutet hier das Gegenteil von: {q}")},
     "not_option": {EN: ("{q}\nIs the answer anything other than \"{o}\"?", "{q}\nWould you pick an option other "
                         "than \"{o}\"?", "{q}\nIs \"{o}\" the wrong option here?"),
-                   DE: ("{q}\nLautet die Antwort anders als „{o}“?", "{q}\nWürden Sie eine andere Option als „{o}“ "
+                   DE: ("{q}\nIst die Antwort etwas anderes als „{o}“?", "{q}\nWürden Sie eine andere Option als „{o}“ "
                         "wählen?", "{q}\nIst „{o}“ hier die falsche Option?")},
     "not_level": {EN: ("{q}\nIs the level anything other than \"{o}\"?", "{q}\nIs it not exactly \"{o}\"?"),
                   DE: ("{q}\nIst die Stufe eine andere als „{o}“?", "{q}\nIst es nicht genau „{o}“?")},
