@@ -22,14 +22,15 @@ runner = CliRunner()
 FIX = Path(__file__).parent / "fixtures" / "data"
 
 TABLE = {
-    "data": {"import", "synth", "prepare", "validate"},
+    "data": {"import", "synth", "prepare", "validate", "derive"},
     "train": None, "features": None, "calibrate": None, "evaluate": None, "report": None, "export": None, "gate": None, "predict": None,
     "serve": None, "compare": None, "sweep": None, "sweep-worker": None, "demo": None,
     "analyze": {"toy-bias"},
-    "probe": {"order", "noise"},
+    "probe": {"order", "coherence", "noise"},
     "bench": {"prefix", "pipeline", "train", "features", "cut", "serve", "onnx", "votes", "batch", "report", "data"},
 }
-RUNS_A_MODEL = ["train", "features", "calibrate", "evaluate", "predict", "serve", "demo", "probe order", "bench prefix",
+RUNS_A_MODEL = ["train", "features", "calibrate", "evaluate", "predict", "serve", "demo", "probe order", "probe coherence",
+                "bench prefix",
                 "bench pipeline", "bench train", "bench features", "bench cut", "bench serve", "bench votes"]
 
 

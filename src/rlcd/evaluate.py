@@ -144,10 +144,13 @@ def _collator(model, data_dir: Path):
 
 
 def _records(config: dict, split: str) -> list[Record]:
+    """The split's original rows: derived question forms (`rlcd data derive`) are for training and for
+    `rlcd probe coherence`, never calibrated on or scored as originals."""
     from rlcd.data.io import load_split
 
     data_dir = Path(config["data_dir"])
-    return load_split(data_dir, split) if (data_dir / f"{split}.jsonl").is_file() else []
+    rows = load_split(data_dir, split) if (data_dir / f"{split}.jsonl").is_file() else []
+    return [r for r in rows if r.derived is None]
 
 
 def _score(model, config: dict, split: str, records: list[Record], placement: Placement,
@@ -447,7 +450,8 @@ def evaluate_on_data(run: Run | Path, data_dir: Path, *, name: str | None = None
     view = run.on_data(other_data_name(other, name))
     run.require_checkpoint(which)
     placement = placement or resolve_placement("cpu")
-    records = {split: load_split(other, split) for split in SPLITS if (other / f"{split}.jsonl").is_file()}
+    records = {split: [r for r in load_split(other, split) if r.derived is None]  # original rows (see _records)
+               for split in SPLITS if (other / f"{split}.jsonl").is_file()}
     records = {split: rows for split, rows in records.items() if rows}
     if not records or (recalibrate and not records.get("calibration")):
         raise RunError(f"--data {other}: " + ("calibration.jsonl has no rows to fit on" if records

@@ -47,6 +47,9 @@ class Recipe:
     pool_cap: int = 6000         # eligible training rows per sampling group
     dev_cap: int = 256           # dev rows per sampling group (selection subset)
     batch_by: str = "row"        # "row": rows drawn one by one; "case": whole cases, each state forwarded once
+    forms: str = "base"          # "base": original rows only; "derived": a share of each micro-batch drawn from the
+                                 # derived question forms of `rlcd data derive` (rlcd.data.sampling.derived_slots)
+    forms_share: float = 0.25    # with forms=derived: the share of each micro-batch's rows that are derived forms
     # --- optimisation ------------------------------------------------------------------------
     lr_lora: float = 1e-4
     lr_head: float = 5e-4
@@ -85,6 +88,12 @@ class Recipe:
                 raise OptionError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")
         if self.batch_by not in ("row", "case"):
             raise OptionError(f"batch_by must be 'row' or 'case', got {self.batch_by!r}")
+        if self.forms not in ("base", "derived"):
+            raise OptionError(f"forms must be 'base' (original rows only) or 'derived' (a share of each micro-batch "
+                              f"from `rlcd data derive` rows), got {self.forms!r}")
+        if not (_real(self.forms_share) and 0 < self.forms_share < 1):
+            raise OptionError(f"forms_share must be a number in (0, 1) (the derived share of a micro-batch), got "
+                              f"{self.forms_share!r}")
         if self.advantage_norm not in ("batch", "type"):
             raise OptionError(f"advantage_norm must be 'batch' or 'type', got {self.advantage_norm!r}")
         for name in ("steps", "batch_size", "grad_accum", "pool_cap", "dev_cap", "eval_every", "checkpoint_every",

@@ -11,7 +11,8 @@ import json
 import math
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, SerializationInfo, SerializerFunctionWrapHandler, ValidationError,
+                      ValidationInfo, field_validator, model_serializer, model_validator)
 
 from rlcd.errors import UserError
 
@@ -175,6 +176,9 @@ class Record(BaseModel):
     target: list[float]
     posterior: list[float] | None = None
     case_id: str | None = None  # rows of one case share it (isolation, shared prefix)
+    # a derived question form (`rlcd data derive`): {"form", "family", "base": base row id, ...the map's
+    # parameters}; None for an original row, and then left out of the row's JSON (files stay byte-identical)
+    derived: Optional[dict[str, Any]] = None
 
     @field_validator("id", "source", "task", "language")
     @classmethod
@@ -190,6 +194,20 @@ class Record(BaseModel):
         if tok is not None:
             raise ValueError(f"contains the reserved token {tok!r}")
         return v
+
+    @field_validator("derived")
+    @classmethod
+    def _derived(cls, v: Any) -> Any:
+        if v is not None and not all(isinstance(v.get(key), str) and v[key] for key in ("form", "family", "base")):
+            raise ValueError("a derived row names its form, family and base row id (non-empty strings)")
+        return v
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict:
+        out = handler(self)
+        if out.get("derived", 0) is None:
+            del out["derived"]
+        return out
 
     @model_validator(mode="after")
     def _fill(self) -> "Record":

@@ -695,7 +695,7 @@ def probe_order_run(run_dir: Path, *, split: str = "test", limit: int | None = N
     path = data_dir / f"{split}.jsonl"
     if not path.is_file():
         raise RunError(f"{path} does not exist (--split {split} of {data_dir})")
-    records = first_per_type(load_split(data_dir, split), limit)
+    records = first_per_type([r for r in load_split(data_dir, split) if r.derived is None], limit)  # originals
     if not records:
         raise RunError(f"{path} has no rows to probe")
     model, temps, config = load_run_model(run_dir, placement=placement)

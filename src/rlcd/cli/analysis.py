@@ -1,4 +1,4 @@
-"""`rlcd analyze toy-bias`, `rlcd compare`, `rlcd sweep` (+ its hidden `sweep-worker`), `rlcd probe order|noise`.
+"""`rlcd analyze toy-bias`, `rlcd compare`, `rlcd sweep` (+ its hidden `sweep-worker`), `rlcd probe order|coherence|noise`.
 
 Heavy imports (torch, matplotlib) happen inside the commands so importing this module stays cheap.
 """
@@ -15,7 +15,7 @@ import typer
 from rlcd.cli._common import DeviceOpt, DType, DTypeOpt, placement
 
 analyze_app = typer.Typer(help="Model-free analyses (toy bias of the smoothed score).", no_args_is_help=True)
-probe_app = typer.Typer(help="Probes of a trained run: candidate order, noise over-sharpening.", no_args_is_help=True)
+probe_app = typer.Typer(help="Probes of a trained run: candidate order, coherence of derived forms, noise over-sharpening.", no_args_is_help=True)
 
 
 @analyze_app.callback()
@@ -380,4 +380,77 @@ def probe_noise(
     if result.get("trained_sigma") is not None:
         console.print(f"run trained with objective {result.get('trained_objective')}, sigma "
                       f"{result['trained_sigma']:g}", highlight=False)
+    _write_json(out, result)
+
+
+@probe_app.command("coherence")
+def probe_coherence(
+    run: Annotated[Path, typer.Argument(help="run directory (export/ or checkpoints/best)")],
+    data: Annotated[Optional[Path], typer.Option(help="processed data dir whose test split is probed (default: the "
+                                                      "run's); derived rows in it are set aside and re-derived")] = None,
+    forms: Annotated[Optional[str], typer.Option(
+        help="comma-separated forms or families (default: every form, the order family too)")] = None,
+    per_option: Annotated[int, typer.Option("--per-option", help="instances per row of a per-option form")] = 2,
+    limit: Annotated[Optional[int], typer.Option(help="at most this many base questions of each type (file order; "
+                                                      "the result is then not saved in the run)")] = None,
+    tol: Annotated[float, typer.Option(help="a violation: the derived answer more than this far (max over "
+                                            "candidates) from the one the base answer implies")] = 0.05,
+    calibrated: Annotated[bool, typer.Option(help="apply the run's per-type temperatures")] = False,
+    resamples: Annotated[int, typer.Option(help="bootstrap resamples over cases for the 95% intervals")] = 1000,
+    seed: Annotated[int, typer.Option(help="seed of the bootstrap")] = 0,
+    batch_size: Annotated[int, typer.Option()] = 32,
+    out: Annotated[Optional[Path], typer.Option("--out", "--json-out", help="also write the JSON result here")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DTypeOpt = DType.auto,
+) -> None:
+    """Ask the test split's questions in derived forms with exact targets and measure the probability laws.
+
+    Per relation family (type equivalence, complement, partition and merge, marginal and tail, sub-menu, order
+    and wording) and per form: the violation rate at --tol with its 95% case-bootstrap interval, the mean
+    deviation from the answer the base answer implies, and the gap (TV) of the derived answer to its exact
+    target. The run's own test split is written to RUN/eval/probe-coherence.json, where `rlcd report RUN`
+    finds it."""
+    from rich import box
+    from rich.table import Table
+
+    from rlcd.analysis.coherence import probe_coherence_run
+    from rlcd.consoles import result_console
+    from rlcd.data.derive import parse_forms
+
+    try:
+        chosen = parse_forms(forms, reorder=forms is None)
+        if per_option < 1:
+            raise ValueError(f"--per-option {per_option}: give 1 or more")
+        result = probe_coherence_run(run, data_dir=data, limit=limit, forms=chosen, per_option=per_option,
+                                     calibrated=calibrated, tol=tol, batch_size=batch_size,
+                                     placement=placement(device, dtype), resamples=resamples, seed=seed)
+    except (ValueError, FileNotFoundError) as e:
+        _fail("rlcd probe coherence", e)
+    table = Table(title=f"coherence probe: {run} (test, tol {result['tol']:g})", box=box.SIMPLE, padding=(0, 1))
+    for col in ("family / form", "rows", "cases", "violation rate [95% CI]", "mean deviation", "gap to exact",
+                "implied gap"):
+        table.add_column(col, justify="left" if col == "family / form" else "right", no_wrap=True)
+
+    def cell(b: dict) -> str:
+        ci = b.get("violation_rate95")
+        return _num(b.get("violation_rate")) + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+
+    def add(name: str, b: dict) -> None:
+        table.add_row(name, str(b.get("n_rows", 0)), str(b.get("n_cases", 0)), cell(b), _num(b.get("mean_deviation")),
+                      _num(b.get("mean_gap")), _num(b.get("mean_gap_implied")))
+
+    for fam, b in result["per_family"].items():
+        add(result["families"][fam], b)
+        for form, fb in result["per_form"].items():
+            if fb["family"] == fam and fb.get("n_rows"):
+                add(f"  {form}", fb)
+    add("all forms", result["overall"])
+    console = result_console()
+    console.print(table)
+    console.print(f"{result['n_base']} base questions, {result['n_derived']} derived ({result['n_excluded']} not "
+                  f"derivable: {result['exclusions'] or 'none'}); base answers' mean gap to exact "
+                  f"{_num(result['base_mean_gap'])}. Intervals: percentile bootstrap over cases, {result['resamples']} "
+                  f"resamples, seed {result['seed']}.", highlight=False)
+    if result.get("saved"):
+        typer.echo(f"wrote {result['saved']} (`rlcd report {run}` shows it)", err=True)
     _write_json(out, result)

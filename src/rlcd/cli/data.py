@@ -1,4 +1,4 @@
-"""`rlcd data import|synth|prepare|validate`: records in, isolated splits out."""
+"""`rlcd data import|synth|prepare|validate|derive`: records in, isolated splits out."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ class Kind(str, Enum):
     jsonl = "jsonl"
 
 
+ReorderOpt = Annotated[bool, typer.Option(
+    "--reorder", help="also the order-and-wording forms: score levels listed high-to-low, noul false/true wording "
+    "swapped (the pinned recipe keeps these orders fixed)")]
 TEXT_QUESTION = "Which label fits this text?"  # the default of importers.import_text, spelled here for --help
 StrictOpt = Annotated[bool, typer.Option("--strict", help="exit 1 when any row is excluded (or a split is empty)")]
 MAX_TOKENS = 8192  # rlcd.model.prompt.DEFAULT_MAX_TOKENS, spelled here so --help imports no torch (a test checks)
@@ -107,13 +110,26 @@ def synth_cmd(
     cases: Annotated[int, typer.Option(min=1, help="number of cases (six questions each)")] = 400,
     seed: Annotated[int, typer.Option()] = 0,
     votes: Annotated[Optional[int], typer.Option(min=1, help="target = mean of this many votes (default: the posterior)")] = None,
+    forms: Annotated[Optional[str], typer.Option(
+        "--forms", help="`derived`: also write every derived question form (`rlcd data derive`) after its base row; "
+        "or a comma-separated list of forms or families")] = None,
+    reorder: ReorderOpt = False,
 ) -> None:
-    """Generate known-posterior typed-decision cases."""
+    """Generate known-posterior typed-decision cases (with --forms, also their derived question forms)."""
     from rlcd.data import synth
     from rlcd.data.io import write_jsonl
     from rlcd.data.summary import console, records_table
 
+    chosen = _forms(forms, reorder) if forms is not None or reorder else None
     records = synth.generate(cases, seed, votes=votes)
+    if chosen is not None:
+        from rlcd.data.derive import derive_records
+
+        records, excluded = derive_records(records, chosen)
+        if excluded:
+            from collections import Counter
+
+            console.print(f"derived forms not written: {dict(Counter(e['reason'] for e in excluded))}")
     write_jsonl(out, records)
     console.print(records_table(records, f"{cases} cases, {len(records)} records -> {out}"))
 
@@ -232,3 +248,48 @@ def validate_cmd(
     print_manifest(manifest)
     print_details(result.excluded)
     _verdict(manifest, strict)
+
+
+def _forms(forms: str | None, reorder: bool) -> tuple[str, ...]:
+    from rlcd.data.derive import parse_forms
+
+    return parse_forms(forms, reorder=reorder)
+
+
+@app.command("derive")
+def derive_cmd(
+    src: Annotated[Path, typer.Argument(help="processed data directory (`rlcd data prepare`)")],
+    out: Annotated[Path, typer.Option("--out", help="processed directory to write: the base rows and their forms")],
+    forms: Annotated[Optional[str], typer.Option(
+        "--forms", help="comma-separated forms or families (equivalence, complement, merge, marginal, submenu, "
+        "order); default all but order")] = None,
+    reorder: ReorderOpt = False,
+    per_option: Annotated[int, typer.Option(
+        "--per-option", help="instances per row of a per-option form (options, levels, pairs drawn per row)")] = 2,
+    force: Annotated[bool, typer.Option("--force", help="overwrite a non-empty --out directory")] = False,
+) -> None:
+    """Add derived question forms with exact targets to every split of a processed directory.
+
+    Each row keeps its split and case; each form's target (and posterior) is a fixed map of the base row's
+    (docs/DATA.md, "Derived forms"). The manifest counts rows per form; instances that cannot be written are in
+    derive-excluded.jsonl with the reason."""
+    from rlcd.data.derive import derive_dir
+    from rlcd.data.summary import console
+    from rlcd.errors import UserError
+
+    chosen = _forms(forms, reorder)
+    if per_option < 1:
+        raise UserError(f"--per-option {per_option}: give 1 or more")
+    if not (src / "train.jsonl").is_file() and not (src / "test.jsonl").is_file():
+        raise UserError(f"{src}: not a processed data directory (no train.jsonl or test.jsonl); make one with "
+                        "`rlcd data prepare FILES --out DIR`")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise UserError(f"--out {out} already exists and is not empty; choose a new directory or pass --force")
+    if out.resolve() == src.resolve():
+        raise UserError("--out is the source directory; write the derived data to a new directory")
+    manifest = derive_dir(src, out, chosen, per_option=per_option)
+    d = manifest["derive"]
+    console.print(f"{d['base_rows']} base rows, {d['derived_written']} derived rows written, {d['excluded']} "
+                  f"instances excluded {d['exclusions'] or ''}-> {out}", highlight=False)
+    for form, by_split in d["per_form"].items():
+        console.print(f"  {form:16s} " + "  ".join(f"{s} {n}" for s, n in by_split.items()), highlight=False)

@@ -9,6 +9,10 @@
   from its absolute microbatch index.
 * `Sampler.case_microbatch(seed, index)` (`Recipe.batch_by = "case"`): the same micro-batch filled with
   whole cases instead of single rows (see its docstring for the split rule).
+* Derived forms (`Recipe.forms = "derived"`, rows of `rlcd data derive`): `eligible_pool` and `dev_subset`
+  never take a derived row (the pinned recipe trains and selects on original rows); `derived_pool` holds them
+  per (sampling group, form), and a Sampler given one fills `derived_slots` rows of each micro-batch from it
+  (see `derived_slots` for the share and why).
 * `shuffle_choice`: permutes a choice question's candidates together with target and posterior,
   so the model cannot learn a position prior; noul and score keep their fixed order.
 """
@@ -38,8 +42,32 @@ def hash_order_key(record_id: str) -> str:
 def _capped_by_group(records: Iterable[Record], cap: int) -> dict[str, list[str]]:
     by_group: dict[str, list[str]] = defaultdict(list)
     for r in records:
-        by_group[r.sampling_group].append(r.id)
+        if r.derived is None:
+            by_group[r.sampling_group].append(r.id)
     return {g: sorted(ids, key=hash_order_key)[:cap] for g, ids in sorted(by_group.items())}
+
+
+def derived_pool(records: Iterable[Record], cap: int = TRAIN_CAP) -> dict[str, list[str]]:
+    """Derived rows per `<sampling group>|<form>`, at most `cap` ids each in hash order (pass the train split).
+    Keyed by form so that a form with many instances per row (is_option, ...) is drawn as often as one with one."""
+    by_key: dict[str, list[str]] = defaultdict(list)
+    for r in records:
+        if r.derived is not None:
+            by_key[f"{r.sampling_group}|{r.derived['form']}"].append(r.id)
+    return {k: sorted(ids, key=hash_order_key)[:cap] for k, ids in sorted(by_key.items())}
+
+
+def derived_slots(size: int, share: float) -> int:
+    """Rows of a `size`-row micro-batch drawn from derived forms: ``min(size - 1, max(1, round(share * size)))``.
+
+    A fixed count, not a coin per row, so every micro-batch holds the share exactly (8 rows, share 0.25: 2 derived
+    rows, 8 of the 32 of an update) and the base rows' gradient noise does not vary with it. Why 0.25: the
+    derived rows outnumber the original ones about 7 to 1 (`rlcd data derive` on the demo: 2,474 derived for 360
+    base rows), so drawing in proportion would make original forms a ninth of training; the original-form
+    calibrated gap is the result that must not get worse, so original rows keep three quarters of every batch,
+    while a quarter still shows each form (16 forms over 4 groups) about every other update. At least one row of
+    each kind is kept."""
+    return min(size - 1, max(1, round(share * size)))
 
 
 def eligible_pool(records: Iterable[Record], cap: int = TRAIN_CAP) -> dict[str, list[str]]:
@@ -64,9 +92,24 @@ class Draw:
 class Sampler:
     """Precomputes the pool once so that each microbatch costs one small RNG call.
 
-    `case_of` (id -> case key; ids it lacks are one-row cases) is needed by `case_microbatch` only."""
+    `case_of` (id -> case key; ids it lacks are one-row cases) is needed by `case_microbatch` only.
+    `derived` (`derived_pool`) with `share`: each micro-batch takes `derived_slots(size, share)` rows from it
+    (`_derived_draws`); without it (the pinned recipe) the draws are exactly those of the base pool alone."""
 
-    def __init__(self, pool: dict[str, list[str]], case_of: dict[str, str | None] | None = None):
+    def __init__(self, pool: dict[str, list[str]], case_of: dict[str, str | None] | None = None,
+                 derived: dict[str, list[str]] | None = None, share: float = 0.0):
+        self.derived_keys = sorted(k for k, ids in (derived or {}).items() if ids)
+        self.derived_ids = [list(derived[k]) for k in self.derived_keys] if derived else []
+        self.share = share
+        if derived is not None and not self.derived_keys:
+            raise ValueError("the derived pool has no rows")
+        self.derived_by_case: dict[str, list[str]] = defaultdict(list)
+        if derived is not None and case_of is not None:
+            for ids in self.derived_ids:
+                for i in ids:
+                    if case_of.get(i) is not None:
+                        self.derived_by_case[case_of[i]].append(i)
+        self.case_of = case_of or {}
         self.groups = sorted(g for g, ids in pool.items() if ids)
         if not self.groups:
             raise ValueError("the pool has no rows: every group is empty")
@@ -98,7 +141,8 @@ class Sampler:
             raise ValueError("this Sampler was built without case_of: it cannot draw whole cases")
         rng = np.random.default_rng([seed, index, 1])
         out: list[list[Draw]] = []
-        room = size
+        n_derived = derived_slots(size, self.share) if self.derived_keys else 0
+        room = size - n_derived
         while room > 0:
             gi = int(rng.random() * len(self.groups))
             cases = self.cases[gi]
@@ -107,10 +151,45 @@ class Sampler:
             perm = rng.integers(0, 2**32, size=len(take), dtype=np.uint64).tolist()
             out.append([Draw(self.groups[gi], rows[i], p) for i, p in zip(take, perm)])
             room -= len(take)
+        if n_derived:
+            self._derived_into_cases(out, seed, index, n_derived)
         return out
 
+    def _derived_into_cases(self, cases: list[list[Draw]], seed: int, index: int, n: int) -> None:
+        """Add `n` derived rows to a case micro-batch: drawn uniformly (with replacement) among the derived rows of
+        the cases already in it, each joining its case (its state is forwarded once); when those cases have none,
+        `_derived_draws` rows as one-row cases. From `default_rng([seed, index, 3])`."""
+        rng = np.random.default_rng([seed, index, 3])
+        keys = [self.case_of.get(c[0].id) for c in cases]
+        pool = [(j, i) for j, key in enumerate(keys) if key is not None for i in self.derived_by_case.get(key, ())]
+        if not pool:
+            cases.extend([d] for d in self._derived_draws(seed, index, n))
+            return
+        picks = (rng.random(n) * len(pool)).astype(np.int64).tolist()
+        perm = rng.integers(0, 2**32, size=n, dtype=np.uint64).tolist()
+        for pick, p in zip(picks, perm):
+            j, rid = pool[pick]
+            cases[j].append(Draw(cases[j][0].group, rid, p))
+
+    def _derived_draws(self, seed: int, index: int, n: int) -> list[Draw]:
+        """`n` derived rows from `default_rng([seed, index, 2])` (a stream apart from the base draws): a
+        (group, form) key uniformly, then a row of it uniformly, with replacement; `group` is the sampling group."""
+        rng = np.random.default_rng([seed, index, 2])
+        u = rng.random((2, n))
+        perm = rng.integers(0, 2**32, size=n, dtype=np.uint64).tolist()
+        ki = (u[0] * len(self.derived_keys)).astype(np.int64).tolist()
+        return [Draw(self.derived_keys[k].split("|", 1)[0], self.derived_ids[k][int(v * len(self.derived_ids[k]))], p)
+                for k, v, p in zip(ki, u[1].tolist(), perm)]
+
     def microbatch(self, seed: int, index: int, size: int = 8) -> list[Draw]:
-        """The `size` draws of microbatch `index`: a pure function of (pool, seed, index)."""
+        """The `size` draws of microbatch `index`: a pure function of (pool, seed, index). With a derived pool the
+        last `derived_slots(size, share)` draws are derived rows (`_derived_draws`), the others base rows."""
+        if self.derived_keys:
+            n = derived_slots(size, self.share)
+            return self._base_draws(seed, index, size - n) + self._derived_draws(seed, index, n)
+        return self._base_draws(seed, index, size)
+
+    def _base_draws(self, seed: int, index: int, size: int) -> list[Draw]:
         rng = np.random.default_rng([seed, index])
         u = rng.random((2, size))
         perm = rng.integers(0, 2**32, size=size, dtype=np.uint64).tolist()

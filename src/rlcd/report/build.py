@@ -10,6 +10,7 @@ Inputs (all under the run directory):
 - ``config.json`` (optional): the recipe section.
 - ``eval/thresholds.json`` (optional): the gating section (``rlcd gate``), read as written.
 - ``eval/probe-order.json`` (optional): the order-fragile questions (``rlcd probe order``), read as written.
+- ``eval/probe-coherence.json`` (optional): the coherence of derived forms (``rlcd probe coherence``), read as written.
 
 Every number is recomputed from these files, so ``rlcd report RUN`` regenerates the whole report
 without a model. Both documents come from the same sections (``rlcd.report.document``).
@@ -22,8 +23,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from rlcd.errors import RunError
-from rlcd.report import (advantage_sections, error_sections, gate_sections, metrics_sections, order_sections,
-                         run_sections, verdict)
+from rlcd.report import (advantage_sections, coherence_sections, error_sections, gate_sections, metrics_sections,
+                         order_sections, run_sections, verdict)
 from rlcd.report.notes import result_notes
 from rlcd.report.context import Context, FigureWriter, read_config
 from rlcd.report.document import Section, Text, to_html, to_markdown
@@ -46,6 +47,7 @@ SECTIONS = (
     metrics_sections.reliability,
     gate_sections.gates,
     order_sections.fragile,
+    coherence_sections.coherence,
     error_sections.error_analysis,
     run_sections.training,
     advantage_sections.amplified,

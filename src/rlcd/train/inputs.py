@@ -82,7 +82,7 @@ def check_resume(run: Run, config: dict, samples: dict, steps: int | None) -> di
 def new_run(run_dir: Path, data_dir: Path, model: str, recipe: Recipe, *, model_seed: int = 0,
             world_size: int = 1, dtype: str = "auto", records=None, log: str = "none") -> tuple[dict, dict]:
     """The config.json and samples.json of a fresh run (nothing is written here)."""
-    from rlcd.data.sampling import dev_subset, eligible_pool
+    from rlcd.data.sampling import derived_pool, dev_subset, eligible_pool
 
     data_dir = Path(data_dir).resolve()
     train, dev = records or load_records(data_dir)
@@ -93,6 +93,11 @@ def new_run(run_dir: Path, data_dir: Path, model: str, recipe: Recipe, *, model_
         "dev": dev_subset(dev, cap=recipe.dev_cap),
         "files": data_hashes(data_dir),
     }
+    if recipe.forms == "derived":
+        samples["train_derived"] = derived_pool(train, cap=recipe.pool_cap)
+        if not samples["train_derived"]:
+            raise OptionError(f"--recipe forms=derived: {data_dir}/train.jsonl holds no derived rows; make a data "
+                              f"directory with them: `rlcd data derive {data_dir} --out DIR2`, then --data DIR2")
     config = {
         "recipe": recipe.to_dict(),
         "recipe_deviations": recipe.deviations(),

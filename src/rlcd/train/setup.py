@@ -61,6 +61,9 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
     train, dev_rows = records or load_records(data_dir)
     by_id = {r.id: r for r in train}
     pool = {g: list(ids) for g, ids in samples["train"].items()}
+    derived = samples.get("train_derived") if recipe.forms == "derived" else None
+    if recipe.forms == "derived" and not derived:
+        raise OptionError("recipe forms=derived but the run's samples.json holds no derived pool (train_derived)")
     dev_by_id = {r.id: r for r in dev_rows}
     dev = {g: [dev_by_id[i] for i in ids] for g, ids in samples["dev"].items()}
     placement = placement or resolve_placement(config.get("device", "auto"), config.get("dtype", "auto"),
@@ -68,7 +71,8 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
     device = placement.torch_device
     torch.manual_seed(recipe.seed)
     model = build_model(config, device=device, dtype=placement.torch_dtype, backbone=backbone)
-    check_rows(model, config["model"], data_dir, [by_id[i] for ids in pool.values() for i in ids],
+    check_rows(model, config["model"], data_dir,
+               [by_id[i] for ids in (*pool.values(), *(derived or {}).values()) for i in ids],
                [r for rows in dev.values() for r in rows])
     model.train()
     if recipe.head_only:
@@ -105,12 +109,13 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
         wrapped = DDP(model, device_ids=[device.index or 0] if device.type == "cuda" else None,
                       find_unused_parameters=recipe.head_warmup > 0)  # LoRA gets no gradient in the warm-up
     collator = model.collator(image_root=data_dir)
-    case_of = {i: by_id[i].case_id for ids in pool.values() for i in ids} if recipe.batch_by == "case" else None
+    case_of = ({i: by_id[i].case_id for ids in (*pool.values(), *(derived or {}).values()) for i in ids}
+               if recipe.batch_by == "case" else None)
     sources = plan_sources(recipe, collator=collator, device=device, features=features, cut_states=cut_states,
                            start_step=start_step)
     return Session(recipe=recipe, horizon=int(config["decay_horizon"]), model=model, wrapped=wrapped,
                    optimizer=optimizer, collator=collator, records=by_id, dev=dev,
-                   sampler=Sampler(pool, case_of), dist=d, device=device, sources=sources,
+                   sampler=Sampler(pool, case_of, derived, recipe.forms_share), dist=d, device=device, sources=sources,
                    objective_fn=objective_fn, head_peak=(config.get("init") or {}).get("head_lr_peak"))
 
 

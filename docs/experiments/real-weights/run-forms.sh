@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Issue 54: one probability per meaning. On the full-budget benchmark (data seed 1, 1,000 cases, SmolLM2-135M), the
+# top-4 LoRA arm trained with derived question forms against the same recipe without them, both from the same head,
+# equal updates:
+#   top4        the committed full-budget top-4 arm (run-full-budget.sh: CE, head LR 5e-4 kept, LoRA LR 1e-3 on the top
+#               4 layers, batch_by=case, select_by=nll, 3,600 x 32); reused from $BASE/top4 when it is there, else
+#               rebuilt with the same arguments on $BASE/processed
+#   top4-forms  the same arguments + --recipe forms=derived, on $OUT/derived (`rlcd data derive $BASE/processed`):
+#               2 of every 8 rows are derived forms; the pool of original rows, the dev subset, the calibration and
+#               test rows are the same as top4's (derived rows never enter them)
+# then per arm: evaluate (the original forms only), `rlcd probe order`, `rlcd probe coherence` (both arms asked the
+# same derived questions: the probe re-derives the test split's original rows, a pure function of each row), and
+# rlcd compare top4 vs top4-forms by case (nll, brier, accuracy; overall and per type), and the paired coherence table
+# (table_forms.py: violation rate and gap per family and form, forms arm minus the other, case-bootstrap intervals).
+# From the repo root:  nohup bash docs/experiments/real-weights/run-forms.sh > runs/rw7/run.log 2>&1 &
+# A re-run skips what is done and resumes an unfinished run (`rlcd train --resume`). UNTIL=derive stops after the
+# derived data and its cut-state cache, UNTIL=arms before the probes. DEVICE=cuda runs every stage on the GPU (still
+# float32). A dry run: MODEL=tiny CASES=12 STEPS=8 BASE=/tmp/f54 OUT=/tmp/f54 (builds its own data and head).
+# ARMS names the arms to train (default "top4 top4-forms").
+# Sizes (measured on this benchmark's data, 1,000 cases seed 1): `rlcd data derive` turns 6,000 rows into 46,801
+# (40,801 derived: train 37,418 rows in all, 29 s); the rows' cached candidate orders (sampling.orders_of) grow from
+# 13,433 to 105,700 cut-state entries, each a suffix on its case's shared prefix -- time the cut-state extraction
+# (UNTIL=derive) before planning the rest.
+set -euo pipefail
+RLCD=${RLCD:-".venv/bin/rlcd"}
+PY=${PY:-".venv/bin/python"}
+BASE=${BASE:-runs/rw6}
+OUT=${OUT:-runs/rw7}
+K=${K:-4}
+DATA_SEED=${DATA_SEED:-1}
+STEPS=${STEPS:-3600}
+THREADS=${THREADS:-2}
+DEVICE=${DEVICE:-cpu}
+MODEL=${MODEL:-smollm2-135m}
+CASES=${CASES:-1000}
+UNTIL=${UNTIL:-all}
+ARMS=${ARMS:-"top$K top$K-forms"}
+FORMS_SHARE=${FORMS_SHARE:-0.25}
+arm() { [[ " $ARMS " == *" $1 "* ]]; }
+stamp() { echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg) :: $*"; }
+done_run() { [ -f "$1/eval/evaluation.json" ]; }
+mkdir -p "$OUT" "$BASE"
+if [ ! -f "$BASE/processed/test.jsonl" ]; then
+  stamp "data: $CASES cases, seed $DATA_SEED"
+  $RLCD data synth --out "$BASE/synth.jsonl" --cases "$CASES" --seed "$DATA_SEED"
+  $RLCD data prepare "$BASE/synth.jsonl" --out "$BASE/processed" --seed "$DATA_SEED"
+fi
+if [ ! -f "$OUT/derived/manifest.json" ]; then
+  stamp "derive $BASE/processed -> $OUT/derived"
+  $RLCD data derive "$BASE/processed" --out "$OUT/derived" --force > "$OUT/derive.txt"
+fi
+stamp "cut states K=$K on the derived data"
+OMP_NUM_THREADS=$THREADS $RLCD features "$OUT/derived" --model "$MODEL" --cut "$K" --device "$DEVICE" \
+  --dtype float32 > "$OUT/cut-states.json"
+if [ "$UNTIL" = derive ]; then stamp "done (UNTIL=derive)"; exit 0; fi
+
+train_eval() {  # run dir, data dir, then train arguments
+  local run=$1 data=$2; shift 2
+  if ! done_run "$run"; then
+    if [ -f "$run/config.json" ]; then
+      OMP_NUM_THREADS=$THREADS $RLCD train --resume "$run" --device "$DEVICE" > "$run.train.json" 2> "$run.train.log"
+    else
+      OMP_NUM_THREADS=$THREADS $RLCD train "$run" --data "$data" --model "$MODEL" --device "$DEVICE" \
+        --dtype float32 "$@" > "$run.train.json" 2> "$run.train.log"
+    fi
+    stamp "evaluate $run"
+    OMP_NUM_THREADS=$THREADS $RLCD evaluate "$run" --device "$DEVICE" --dtype float32 > "$run.eval.txt" 2> "$run.eval.log"
+  fi
+}
+if ! done_run "$BASE/head"; then
+  stamp "head-only init (RL+CE, head LR 5e-3, $STEPS x 32) on $BASE/processed"
+  if [ ! -f "$BASE/head/config.json" ]; then
+    OMP_NUM_THREADS=$THREADS $RLCD features "$BASE/processed" --model "$MODEL" --device "$DEVICE" --dtype float32 \
+      > "$BASE/features.json"
+  fi
+  train_eval "$BASE/head" "$BASE/processed" --steps "$STEPS" --seed 0 --objective rlcd --recipe head_only=true \
+    --recipe lr_head=0.005
+fi
+ARM=(--seed 0 --init "$BASE/head" --objective ce --steps "$STEPS" --recipe lr_head=0.0005 --recipe select_by=nll
+     --recipe "lora_layers=$K" --recipe batch_by=case --recipe lr_lora=0.001)
+if arm "top$K"; then
+  if [ ! -f "$BASE/top$K/config.json" ]; then
+    stamp "cut states K=$K on $BASE/processed (the arm without forms)"
+    OMP_NUM_THREADS=$THREADS $RLCD features "$BASE/processed" --model "$MODEL" --cut "$K" --device "$DEVICE" \
+      --dtype float32 > "$BASE/cut-states.json"
+  fi
+  stamp "top-$K LoRA without forms, $STEPS updates (reused when $BASE/top$K is done)"
+  train_eval "$BASE/top$K" "$BASE/processed" "${ARM[@]}"
+fi
+if arm "top$K-forms"; then
+  stamp "top-$K LoRA with derived forms (share $FORMS_SHARE), $STEPS updates"
+  train_eval "$OUT/top$K-forms" "$OUT/derived" "${ARM[@]}" --recipe forms=derived --recipe "forms_share=$FORMS_SHARE"
+fi
+if [ "$UNTIL" = arms ]; then stamp "done (UNTIL=arms)"; exit 0; fi
+for run in "$BASE/top$K" "$OUT/top$K-forms"; do
+  name=$(basename "$run")
+  if [ ! -f "$run/eval/probe-coherence.json" ]; then
+    stamp "probe coherence $run"
+    OMP_NUM_THREADS=$THREADS $RLCD probe coherence "$run" --device "$DEVICE" --dtype float32 \
+      --json-out "$OUT/probe-coherence-$name.json" > "$OUT/probe-coherence-$name.txt" 2> "$OUT/probe-coherence-$name.log"
+  fi
+  if [ ! -f "$run/eval/probe-order.json" ]; then
+    stamp "probe order $run"
+    OMP_NUM_THREADS=$THREADS $RLCD probe order "$run" --device "$DEVICE" --dtype float32 \
+      --json-out "$OUT/probe-order-$name.json" > "$OUT/probe-order-$name.txt" 2> "$OUT/probe-order-$name.log"
+  fi
+  $RLCD report "$run" > /dev/null
+done
+stamp compare
+for metric in nll brier accuracy; do
+  $RLCD compare "$BASE/top$K" "$OUT/top$K-forms" --metric "$metric" \
+    --json-out "$OUT/compare-top$K-vs-forms-$metric.json" > /dev/null
+  for t in choice noul score; do
+    $RLCD compare "$BASE/top$K" "$OUT/top$K-forms" --metric "$metric" --type "$t" \
+      --json-out "$OUT/compare-top$K-vs-forms-$metric-$t.json" > /dev/null 2>&1
+  done
+done
+stamp "paired coherence table"
+PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" $PY docs/experiments/real-weights/table_forms.py \
+  "$BASE/top$K/eval/probe-coherence.json" "$OUT/top$K-forms/eval/probe-coherence.json" \
+  --out "$OUT/paired-coherence.json" > "$OUT/paired-coherence.md"
+stamp done
