@@ -148,6 +148,9 @@ def test_probe_coherence_cli_on_tiny_run_and_the_report(tmp_path):
     user_error(["probe", "coherence", run, "--forms", "nope"], contains="--forms nope")
     user_error(["probe", "coherence", run, "--tol", "2"], contains="--tol")
     user_error(["probe", "coherence", run, "--data", tmp_path / "none"], contains="test.jsonl does not exist")
+    user_error(["probe", "coherence", tmp_path / "no-run"], contains="no such run directory")
+    user_error(["probe", "coherence", run, "--limit", "0"], contains="--limit 0")
+    user_error(["probe", "coherence", run, "--resamples", "0"], contains="--resamples 0")
 
 
 def test_report_shows_coherence_after_the_order_probe(tmp_path, records):

@@ -174,10 +174,17 @@ def probe_coherence_run(run_dir: Path, *, data_dir: Path | None = None, limit: i
     from rlcd.analysis.probes import first_per_type
     from rlcd.data.io import load_split
 
+    from rlcd.analysis.probes import check_probe_order_options
+
     run_dir = Path(run_dir)
     if not 0 < tol < 1:
         raise ValueError(f"--tol {tol}: give a probability difference in (0, 1)")
+    check_probe_order_options(limit=limit, max_perms=1, votes=1, resamples=resamples, batch_size=batch_size)
     run = Run(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir}: no such run directory")
+    if not (run.export_dir / "model.json").is_file() and not run.exists():
+        raise FileNotFoundError(f"{run_dir}: not a run (no config.json, no export/model.json)")
     own = (run.config() if run.exists() else {}).get("data_dir")
     if data_dir is None:
         if own is None:
@@ -186,8 +193,10 @@ def probe_coherence_run(run_dir: Path, *, data_dir: Path | None = None, limit: i
     data_dir = Path(data_dir)
     path = data_dir / "test.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist")
+        raise FileNotFoundError(f"{path} does not exist (the test split of {data_dir})")
     records = first_per_type([r for r in load_split(data_dir, "test") if r.derived is None], limit)
+    if not records:
+        raise ValueError(f"{path} has no original rows to probe")
     own_ids = None
     if own is not None and (Path(own) / "test.jsonl").is_file():
         own_ids = [r.id for r in load_split(Path(own), "test") if r.derived is None]

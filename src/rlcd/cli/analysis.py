@@ -425,7 +425,7 @@ def probe_coherence(
                                      calibrated=calibrated, tol=tol, batch_size=batch_size,
                                      placement=placement(device, dtype), resamples=resamples, seed=seed)
     except (ValueError, FileNotFoundError) as e:
-        _fail("rlcd probe coherence", e)
+        _fail(e)
     table = Table(title=f"coherence probe: {run} (test, tol {result['tol']:g})", box=box.SIMPLE, padding=(0, 1))
     for col in ("family / form", "rows", "cases", "violation rate [95% CI]", "mean deviation", "gap to exact",
                 "implied gap"):
