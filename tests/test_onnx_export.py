@@ -272,3 +272,14 @@ def test_bench_onnx_measures_every_graph_with_parity(run, exported):
     assert rows["torch"]["speedup_vs_torch"] == 1.0 and rows["float32"]["flips"] == 0
     assert rows["float32"]["max_abs_dp"] < 1e-4 and rows["int8-dynamic"]["graph_mb"] < rows["float32"]["graph_mb"]
     assert all(r["rows_per_s"] > 0 for r in result["rows"]) and "int8-dynamic" in table(result)
+
+
+def test_every_file_of_the_portable_export_is_readable_like_the_rest(exported):
+    """The scorer was written 600 by safetensors while the rest was 644: every file now has the mode a plain open()
+    gives it under the process's umask (issue 58)."""
+    import stat
+
+    old = os.umask(0o022)
+    os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in exported.iterdir()}
+    assert modes and modes == {name: 0o666 & ~old for name in modes}, oct(old)

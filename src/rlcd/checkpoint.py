@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from rlcd.files import plain_mode
+
 WEIGHTS = "trainable.safetensors"
 OPTIMIZER = "optimizer.pt"
 RNG = "rng.pt"
@@ -70,6 +72,7 @@ def save(path: Path, *, weights: dict[str, torch.Tensor], optimizer: dict | None
     tmp.mkdir()
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
+        plain_mode(tmp / WEIGHTS)  # safetensors writes 600; every other file of the run is what open() makes
         if optimizer is not None:
             _torch_save(optimizer, tmp / OPTIMIZER)
         _torch_save(rng_state(), tmp / RNG)

@@ -49,6 +49,7 @@ import torch
 
 from rlcd.data.sampling import ORDERS_SCHEME, orders_of, with_fixed_order
 from rlcd.errors import OptionError
+from rlcd.files import plain_mode
 from rlcd.model.collate import RowLabels
 from rlcd.schema import TYPE_ID, Record
 
@@ -368,6 +369,7 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
                 tensors, index = extract_split(model, recs, collator, split, progress=bar.update,
                                                cut_states=cut_states)
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / f"{split}.safetensors"))
+            plain_mode(tmp / f"{split}.safetensors")  # safetensors writes 600 (rlcd.files)
             (tmp / f"{split}.index.json").write_text(json.dumps(index))
             counts[split] = len(index)
             tokens += int(tensors["n_tokens"].sum())

@@ -1,0 +1,42 @@
+"""File modes of what rlcd writes: every file as readable as a plain `open(path, "w")` would make it.
+
+safetensors' `save_file` (and `save_pretrained`, which calls it) writes through a private temporary file and
+leaves the weights mode 600 while every other file of the same directory is 644 under the usual umask 022: a
+portable export or an `export/hf` copied into a container that runs as another user then cannot read its
+weights. `plain_mode(path)` gives such a file the mode `0o666 & ~umask` -- what `open()` creates -- so the
+umask the user chose still decides (a umask of 077 keeps it private).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+_LOCK = threading.Lock()
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where Linux says it (/proc/self/status, "Umask:"); else
+    set and restored at once under a lock (`os.umask` has no read-only form)."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _LOCK:
+        old = os.umask(0o022)
+        os.umask(old)
+    return old
+
+
+def plain_mode(*paths: Path | str) -> None:
+    """chmod each file in `paths` to `0o666 & ~umask()`: the mode `open(path, "w")` would have given it."""
+    mode = 0o666 & ~umask()
+    for p in paths:
+        os.chmod(p, mode)
+
+
+__all__ = ["plain_mode", "umask"]
