@@ -275,6 +275,34 @@ def test_a_cold_question_costs_what_it_cost_without_the_cache():
         assert warm.state_cache_stats()["hits"] == hits + 1
 
 
+def test_a_cold_case_of_several_rows_run_as_full_rows_stores_its_state_once():
+    """Two questions about a short state: the cache-off plan runs them as full rows (sharing saves less than a
+    call), the cache-on plan would take the prefix path to store the state. They run as full rows, in one call,
+    the state is stored once, and the next request about it is warm and gets the cold answers."""
+    from rlcd.model.paths import CALL_OVERHEAD
+
+    model = build_tiny_model(model_spec="tiny-llama")
+    meta = {"model": "tiny-llama", "temperatures": dict(TEMPERATURES)}
+    warm = Predictor(model, meta, state_cache_mb=64)
+    cold = Predictor(model, meta, state_cache_mb=0)
+    words = LONG.split()
+    for n in range(1, len(words)):
+        state = " ".join(words[:n])
+        case = warm.prepare(_req(state, "angry", "late")).case
+        on, off = model.plan_paths([case], state_cut=True)[0], model.plan_paths([case])[0]
+        if on is not None and off is None:
+            break
+    else:
+        pytest.fail("no state length where only the cache-on plan shares the prefix")
+    assert on * 2 > CALL_OVERHEAD
+    (_, usage), = model.score_cases([case], state_cache=StateCache(64 << 20).scoped("probe"))
+    assert usage["path"] == "full" and usage["calls"] == 1 and usage["cached_tokens"] == 0
+    assert warm.predict(_req(state, "angry", "late")) == cold.predict(_req(state, "angry", "late"))
+    assert warm.state_cache_stats()["stores"] == 1
+    assert _gap(warm.predict(_req(state, "dept", "worth")), cold.predict(_req(state, "dept", "worth"))) < TOL
+    assert warm.state_cache_stats()["hits"] == 1
+
+
 # --------------------------------------------------------------------------------------- keys
 def test_changed_lora_weights_or_a_merge_never_hit():
     """The scope follows the model as it is: weights changed in place or LoRA merged is a new scope."""

@@ -584,17 +584,16 @@ class DecisionModel(nn.Module):
                 for i, (r, (ci, ri)) in enumerate(zip(chunk, members)):
                     out[ci][ri] = _cut_row(h, pos, i, 0, len(r))
                 continue
-            stored = [(i, keep[ci]) for i, (ci, _) in enumerate(members) if keep and ci in keep]
+            stored = {ci: (i, keep.pop(ci)) for i, (ci, _) in enumerate(members) if keep and ci in keep}
             if stored:
                 h, cache = self.hidden_states(b, with_cache=True)
                 rows = torch.arange(h.shape[0], device=h.device)
                 h_dec = h[rows, b.decision_pos.to(h.device)]
                 h_cand = h[rows[:, None], b.marker_pos.to(h.device)]
-                for i, (cut, put) in stored:
+                for i, (cut, put) in stored.values():  # once per case (its first row here): the others only read
                     state = snapshot_row(cache, i, 0, cut)
                     if state is not None:
                         put(state)
-                    keep.pop(members[i][0])  # once per case: its other rows run without keeping
             else:
                 h_dec, h_cand = self.features(b)
             for i, (r, (ci, ri)) in enumerate(zip(chunk, members)):
@@ -611,8 +610,8 @@ class DecisionModel(nn.Module):
 
         The state cache: `warm[i]`, a stored `PrefixState` of case i's prefix, replaces its part of the prefix
         forward (which then runs for the other cases only, or not at all); `keep(i, state)` receives the
-        state of every prefix computed here (`snapshot_row`: a lone prefix's keys and values as they are). With a warm case the suffix calls read a cache stacked from
-        every case's state (`state_cache.stack_states`: copies, except a lone unpadded state's keys and values,
+        state of every prefix computed here (`snapshot_row`: a lone prefix's keys and values as they are). With a
+        warm case the suffix calls read a cache stacked from every case's state (`state_cache.stack_states`: copies, except a lone unpadded state's keys and values,
         which the forward only reads), padded and masked as the forward's own."""
         layers = (0, at_layer) if at_layer is not None else None
         dev, family = self.device, self.family
