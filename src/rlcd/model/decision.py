@@ -102,6 +102,30 @@ class CaseInputs:
         return sum(len(r) for r in self.rows)
 
 
+def _kept_cache(config: Any) -> Any:
+    """A DynamicCache for one forward whose layers keep their first keys and values as the attention computed them
+    (new tensors, only read afterwards) instead of concatenating them onto an empty tensor: the cache a full forward
+    returns then costs no copy and no extra allocation (a cold request with the state cache on, issue 58). The
+    layers stay transformers' `DynamicLayer`s (`state_cache.SUPPORTED_LAYERS`); the override is per instance and
+    removed after the forward."""
+    import types
+
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    def keep_first(layer: Any, keys: torch.Tensor, values: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if layer.is_initialized:
+            return DynamicLayer.update(layer, keys, values, *args, **kwargs)
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+        return keys, values
+
+    cache = DynamicCache(config=config)
+    for layer in cache.layers:
+        if type(layer) is DynamicLayer:
+            layer.update = types.MethodType(keep_first, layer)
+    return cache
+
+
 def _cut_row(h: torch.Tensor, pos: torch.Tensor, i: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Row i's hidden states [end - start, H] (float32, CPU) and per-token positions [end - start, P] from a
     call's states [B, T, H] and its positions ([B, T], or [P, B, T] for M-RoPE)."""
@@ -299,8 +323,15 @@ class DecisionModel(nn.Module):
             feats = self.image_features(batch.pixel_values, batch.image_grid_thw)
         image_mask = batch.mm_token_type_ids.to(dev) if batch.mm_token_type_ids is not None else None
         pos = self.family.full_positions(ids, image_mask, batch.image_grid_thw, self.merge_size)
-        o = self._lm(ids, feats, attn, pos, layers=layers, use_cache=with_cache)
-        return (o.last_hidden_state, out_cache(o)) if with_cache else o.last_hidden_state
+        if not with_cache:
+            return self._lm(ids, feats, attn, pos, layers=layers).last_hidden_state
+        cache = _kept_cache(self.family.text_decoder(self._causal_lm()).config)
+        try:
+            o = self._lm(ids, feats, attn, pos, cache=cache, use_cache=True, layers=layers)
+        finally:
+            for layer in cache.layers:
+                vars(layer).pop("update", None)
+        return o.last_hidden_state, cache
 
     def features(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(h_decision [B,H], h_markers [B,Kmax,H]) from a full forward (or as given by a cached
