@@ -1,7 +1,8 @@
 """Interleaved A/B of one cold question (issue 58), 1 torch thread, wall and process CPU time per call, medians:
 off = state cache off (one full forward); on = cache on (a full forward that keeps its cache, the state stored from
 it uncopied); on_prefix = cache on, forced onto the prefix path (two calls: what a cold question ran before issue 58,
-less the state copy it then made). The arms run in turn, their order rotating each round. CPU time is what to read on a shared machine (wall time counts other jobs).
+less the state copy it then made). The arms run in turn, their order rotating each round. CPU time is what
+to read on a shared machine (wall time counts other jobs).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/state_cache_cold_ab.py REPEATS OUT.json [RUN]
 """

@@ -37,8 +37,8 @@ def main(tree: str, run: str, out: str) -> None:
     from rlcd.bench.report import save_result
 
     rev = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    save_result("serve-state-cache", f"OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python benchmarks/state_cache_on_tree.py "
-                f"{tree} {run} {out}  (the tree measured; the bench loop of {rev.stdout.strip()})", res, path=out)
+    save_result("serve-state-cache", "OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python "
+                f"benchmarks/state_cache_on_tree.py {tree} {run} {out}  (the tree measured; the bench loop of {rev.stdout.strip()})", res, path=out)
 
 
 if __name__ == "__main__":

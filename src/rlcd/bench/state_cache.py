@@ -12,8 +12,9 @@ each on a fresh state of about `state_tokens` tokens per repeat, so "cold" is al
 
 Every repeat runs every scenario at every torch thread count in turn, so drift in the machine's load
 hits all alike. `scenarios` runs a subset (`--scenarios cold_1q_off,cold_1q,warm_1q`: the cold question's cost
-with the cache on and off, in a fraction of the time). Printed: p50 per scenario and thread count, `warm_1q / cold_1q_off` and
-`five_requests_on / five_requests_off`. `suffix_breakdown` counts which tokens a question adds after
+with the cache on and off, in a fraction of the time). Printed: p50 per scenario and thread count and the ratios
+of those that ran (`RATIOS`: `warm_1q / cold_1q_off`, `cold_1q / cold_1q_off`, `five_requests_on /
+five_requests_off`, ...). `suffix_breakdown` counts which tokens a question adds after
 the state, split into the template's own text and the question's content.
 """
 
