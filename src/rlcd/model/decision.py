@@ -577,16 +577,16 @@ class DecisionModel(nn.Module):
 
     @property
     def kv_only_cache(self) -> bool:
-        """Whether the decoder's cache holds keys and values alone (every layer full attention, no sliding window):
-        then the first positions of a full forward's cache are exactly a prefix's state (a causal decoder's keys
-        and values at a position depend on the tokens up to it only). Qwen3.5's linear-attention layers carry a
-        recurrent state of the whole row instead."""
+        """Whether the decoder's cache holds keys and values alone (every layer full attention: the config's
+        `layer_types`, or no `sliding_window` where it has none): then the first positions of a full forward's cache
+        are exactly a prefix's state (a causal decoder's keys and values at a position depend on the tokens up to it
+        only). Qwen3.5's linear-attention layers carry a recurrent state of the whole row instead."""
         got = getattr(self, "_kv_only", None)
         if got is None:
             cfg = getattr(self.family.text_decoder(self._causal_lm()), "config", None)
             types = getattr(cfg, "layer_types", None)
-            got = (cfg is not None and (not types or all(t == "full_attention" for t in types))
-                   and not getattr(cfg, "sliding_window", None))
+            got = cfg is not None and (all(t == "full_attention" for t in types) if types  # what transformers builds
+                                       else not getattr(cfg, "sliding_window", None))
             self._kv_only = got
         return got
 
