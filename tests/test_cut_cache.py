@@ -202,6 +202,39 @@ def test_head_only_features_from_cut_states_equal_a_full_extraction(tmp_path, da
                 assert torch.equal(fast.tensors[split][name], t), (split, name)
 
 
+def test_the_feature_key_says_whether_cut_states_or_the_full_backbone_ran(tmp_path, data_dir):
+    """Issue 58: features from cut states differ from a full forward's by ~1e-4, so the key records the source; a
+    full-backbone cache is preferred, a cut-derived one is found without looking up cut states, and a cache built
+    from cut states before the key said so is never read as the full backbone's."""
+    import json
+
+    from rlcd.features import FeatureCache, cache_root, ensure_features, feature_key, find_features, key_id
+    from rlcd.model.build import build_model
+
+    data = fresh_data(tmp_path, data_dir)
+    ensure_cut_states(_model(k=2), data, progress=False)
+    head = build_model({"model": "tiny-toy", "model_seed": 0, "recipe": {}})
+    below = find_cut_states(head, data, any_cut=True)
+    full_key, cut_key_ = feature_key(head, data), feature_key(head, data, cut_states=below)
+    assert "from_cut_states" not in full_key and cut_key_["from_cut_states"] == {"cut": 2, "storage": "float32"}
+    assert {k: v for k, v in cut_key_.items() if k != "from_cut_states"} == full_key
+    assert key_id(full_key) != key_id(cut_key_)
+
+    fast = ensure_features(head, data, progress=False, cut_states=lambda: below)
+    assert fast.key == cut_key_ and fast.root.name == key_id(cut_key_)
+    assert find_features(head, data).root == fast.root, "found without a cut-state lookup, its key says cut states"
+    # the same cache as an older rlcd wrote it: the key without the field, under the full key's name
+    old = cache_root(data) / key_id(full_key)
+    fast.root.rename(old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    (old / "manifest.json").write_text(json.dumps({**manifest, "key": full_key, "key_id": key_id(full_key)}))
+    assert FeatureCache.load(old, full_key) is None and find_features(head, data) is None
+    full = ensure_features(head, data, progress=False)
+    assert full.root == old and full.key == full_key and full.manifest["from_cut_states"] is None, "rebuilt"
+    again = ensure_features(head, data, progress=False, cut_states=lambda: pytest.fail("a full cache is there"))
+    assert again.root == full.root
+
+
 def test_a_top_layer_run_starts_from_a_head_only_runs_head(tmp_path, data_dir):
     """`--init` from a head-only run (LoRA zero on every layer) into `lora_layers=2`: the head and its centring
     come along, this run's LoRA (top 2 layers only) starts at zero; its step-0 dev scores are the source's."""

@@ -431,3 +431,14 @@ def test_serve_threads_reach_torch_too(run):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(was)
+
+
+def test_every_file_of_the_portable_export_is_readable_like_the_rest(exported):
+    """The scorer was written 600 by safetensors while the rest was 644: every file now has the mode a plain open()
+    gives it under the process's umask (issue 58)."""
+    import stat
+
+    old = os.umask(0o022)
+    os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in exported.iterdir()}
+    assert modes and modes == {name: 0o666 & ~old for name in modes}, oct(old)

@@ -381,6 +381,105 @@ def test_a_server_that_dies_mid_run_is_said_and_fails_above_max_lost(tmp_path, d
     user_error(["evaluate", tmp_path, "--max-lost", "0.5"], contains="goes with --remote")
 
 
+# ------------------------------------------------------------------ /v1/models and refusals (issue 58)
+
+PAGE_404 = ("<!DOCTYPE html>\n<html><head><title>404 Not Found</title><style>body{font:x}</style></head>\n<body>"
+            "<h1>Not Found</h1><p>The requested URL was not found on this server.</p>" + "<p>padding</p>" * 50
+            + "</body></html>")
+
+
+def _server(models=None, status_of_models=404, refuse=None):
+    """A MockTransport System One server answering every question uniformly; `/v1/models` lists `models`, or
+    answers `status_of_models` with an HTML page when `models` is None; `refuse` (a Response) answers everything."""
+    def handler(request):
+        if refuse is not None:
+            return refuse
+        if request.url.path == "/v1/models":
+            if models is None:
+                return httpx.Response(status_of_models, text=PAGE_404, headers={"content-type": "text/html"})
+            return httpx.Response(200, json={"models": [{"name": m} for m in models]})
+        body = json.loads(request.content)
+        answers = {}
+        for qid, q in body["questions"].items():
+            k = 2 if q["type"] == "noul" else len(q["criteria"])
+            answers[qid] = ({"type": "noul", "noul": 0.5} if q["type"] == "noul" else
+                            {"type": q["type"], "probabilities": {str(lab): 1 / k for lab in
+                             (q["criteria"] if q["type"] == "choice" else range(k))}, "score": 0, "legend": {}})
+        return httpx.Response(200, json={"model": body["model"], "answers": answers})
+    return httpx.MockTransport(handler)
+
+
+def test_a_named_model_is_asked_without_v1_models_and_an_unlisted_name_warns_once(tmp_path, data_dir):
+    said = []
+    client = SystemOneClient("http://fake", transport=_server(models=None))
+    ev = evaluate_remote("http://fake", data_dir, tmp_path / "a", client=client, progress=False, model="mine",
+                         print_fn=said.append)
+    remote = json.loads((tmp_path / "a" / "remote.json").read_text())
+    assert remote["model"] == "mine" and remote["served_models"] is None and remote["rows_unanswered"] == 0
+    assert ev["meta"]["model"] == "mine"
+    (line,) = [x for x in said if "/v1/models" in x or "list" in x]
+    assert line == "remote: http://fake does not list its models (HTTP 404 Not Found); asking 'mine'", line
+    said.clear()
+    client = SystemOneClient("http://fake", transport=_server(models=["fake"]))
+    evaluate_remote("http://fake", data_dir, tmp_path / "b", client=client, progress=False, model="other",
+                    print_fn=said.append)
+    warnings = [x for x in said if "warning" in x]
+    assert warnings == ["remote: warning: http://fake serves fake, not 'other'; asking 'other' anyway (--remote-model)"]
+    said.clear()
+    client = SystemOneClient("http://fake", transport=_server(models=["fake"]))
+    evaluate_remote("http://fake", data_dir, tmp_path / "c", client=client, progress=False, model="fake",
+                    print_fn=said.append)
+    assert not [x for x in said if "warning" in x] and "remote: http://fake serves fake; asking 'fake'" in said
+
+
+def test_without_a_model_name_v1_models_is_required_and_its_refusal_is_one_line(tmp_path, data_dir):
+    from rlcd.errors import RunError
+
+    client = SystemOneClient("http://fake", transport=_server(models=None))
+    with pytest.raises(RunError) as e:
+        evaluate_remote("http://fake", data_dir, tmp_path / "a", client=client, progress=False)
+    msg = str(e.value)
+    assert msg == ("--remote http://fake: GET http://fake/v1/models: HTTP 404 Not Found; give the model's name with "
+                   "--remote-model NAME"), msg
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+def test_a_refused_key_names_the_option_in_one_line(tmp_path, data_dir, keyed):
+    """rlcd serve's 401 body is a dict under `detail`: its message is quoted, never the dict's repr."""
+    from rlcd.errors import RunError
+
+    refuse = httpx.Response(401, json={"detail": {"error_type": "authentication_error", "message": "Invalid API key"}})
+    client = SystemOneClient("http://fake", api_key="k" if keyed else None, transport=_server(refuse=refuse))
+    with pytest.raises(RunError) as e:
+        evaluate_remote("http://fake", data_dir, tmp_path / "a", client=client, progress=False, model="named")
+    msg = str(e.value)
+    assert "\n" not in msg and "{" not in msg and "HTTP 401 Unauthorized: Invalid API key" in msg, msg
+    assert "--api-key-env" in msg and (("was refused" in msg) == keyed), msg
+
+
+def test_refusals_are_summarised_in_one_line():
+    from rlcd.remote.client import REASON_CHARS, summary
+
+    def line(status, **kw):
+        return summary(httpx.Response(status, **kw))
+
+    assert line(404, text=PAGE_404, headers={"content-type": "text/html"}) == "HTTP 404 Not Found"
+    assert line(502, text="<html><head><title>502 Bad Gateway</title></head><body>nginx</body></html>") == \
+        "HTTP 502 Bad Gateway"
+    assert line(500, text="<html><body><h1>boom</h1></body></html>") == "HTTP 500 Internal Server Error"
+    assert line(422, json={"detail": [{"loc": ["body", "questions", "q0"], "msg": "bad", "type": "x"}]}) == \
+        "HTTP 422 Unprocessable Entity: questions.q0: bad"
+    assert line(400, json={"error": {"message": "model not found", "type": "invalid_request_error"}}) == \
+        "HTTP 400 Bad Request: model not found"
+    assert line(503, json={"detail": "busy"}) == "HTTP 503 Service Unavailable: busy"
+    assert line(403, json={"detail": "Forbidden"}).startswith("HTTP 403 Forbidden (the server wants an API key")
+    long = line(500, text="x " * 1000)
+    assert long == "HTTP 500 Internal Server Error", "a long plain page is not quoted"
+    many = line(400, json={"detail": "why " * 100})
+    assert len(many) <= len("HTTP 400 Bad Request: ") + REASON_CHARS + 1 and many.endswith("…")
+
+
 # ------------------------------------------------------------------ the CLI's mistakes
 
 

@@ -245,6 +245,64 @@ def test_text_decoder_family_warm_equals_cold():
         assert _gap(warm.respond(warm.prepare(req, img), logits, usage), cold.predict(req, img)) < TOL
 
 
+def test_a_cold_question_costs_what_it_cost_without_the_cache():
+    """Issue 58: a cold single question with the cache on ran the prefix path (two calls) and copied its state,
+    1.13x-1.17x the cache-off time. On a keys-and-values decoder it now runs as the cache-off plan does (one
+    full forward: the same answer bit for bit) and keeps its state from that forward's own cache, uncopied; the
+    next question about the state is warm and gets the cold answer."""
+    model = build_tiny_model(model_spec="tiny-llama")
+    assert model.kv_only_cache
+    meta = {"model": "tiny-llama", "temperatures": dict(TEMPERATURES)}
+    warm = Predictor(model, meta, state_cache_mb=64)
+    cold = Predictor(model, meta, state_cache_mb=0)
+    for state in (LONG, SHORT + " " + LONG):
+        case = warm.prepare(_req(state, "angry")).case
+        (_, usage), = model.score_cases([case], state_cache=StateCache(64 << 20).scoped("probe"))
+        (_, off), = model.score_cases([case])
+        assert usage["calls"] == off["calls"] == 1 and usage["path"] == off["path"] == "full"
+        assert warm.predict(_req(state, "angry")) == cold.predict(_req(state, "angry")), "the cache-off answer"
+    stats = warm.state_cache_stats()
+    assert stats["misses"] == 2 and stats["stores"] == 2 and stats["hits"] == 0
+    for key in warm.state_cache.keys():
+        stored = warm.state_cache._entries[key]
+        layer = stored.cache.layers[0]
+        assert layer.keys.shape[-2] == stored.tokens and not layer.keys.is_contiguous(), "a view of the forward's keys"
+        assert stored.nbytes == sum(t.untyped_storage().nbytes() for lay in stored.cache.layers
+                                    for t in (lay.keys, lay.values))
+    for qids in (("dept",), ("urgency", "late")):
+        hits = warm.state_cache_stats()["hits"]
+        assert _gap(warm.predict(_req(LONG, *qids)), cold.predict(_req(LONG, *qids))) < TOL
+        assert warm.state_cache_stats()["hits"] == hits + 1
+
+
+def test_a_cold_case_of_several_rows_run_as_full_rows_stores_its_state_once():
+    """Two questions about a short state: the cache-off plan runs them as full rows (sharing saves less than a
+    call), the cache-on plan would take the prefix path to store the state. They run as full rows, in one call,
+    the state is stored once, and the next request about it is warm and gets the cold answers."""
+    from rlcd.model.paths import CALL_OVERHEAD
+
+    model = build_tiny_model(model_spec="tiny-llama")
+    meta = {"model": "tiny-llama", "temperatures": dict(TEMPERATURES)}
+    warm = Predictor(model, meta, state_cache_mb=64)
+    cold = Predictor(model, meta, state_cache_mb=0)
+    words = LONG.split()
+    for n in range(1, len(words)):
+        state = " ".join(words[:n])
+        case = warm.prepare(_req(state, "angry", "late")).case
+        on, off = model.plan_paths([case], state_cut=True)[0], model.plan_paths([case])[0]
+        if on is not None and off is None:
+            break
+    else:
+        pytest.fail("no state length where only the cache-on plan shares the prefix")
+    assert on * 2 > CALL_OVERHEAD
+    (_, usage), = model.score_cases([case], state_cache=StateCache(64 << 20).scoped("probe"))
+    assert usage["path"] == "full" and usage["calls"] == 1 and usage["cached_tokens"] == 0
+    assert warm.predict(_req(state, "angry", "late")) == cold.predict(_req(state, "angry", "late"))
+    assert warm.state_cache_stats()["stores"] == 1
+    assert _gap(warm.predict(_req(state, "dept", "worth")), cold.predict(_req(state, "dept", "worth"))) < TOL
+    assert warm.state_cache_stats()["hits"] == 1
+
+
 # --------------------------------------------------------------------------------------- keys
 def test_changed_lora_weights_or_a_merge_never_hit():
     """The scope follows the model as it is: weights changed in place or LoRA merged is a new scope."""
@@ -511,3 +569,16 @@ def test_state_cache_bench_runs_and_counts_suffixes(base):
         row = enc.encode(LONG, q)
         assert b["suffix"] == len(row) - row.prefix_len
         assert b["template"] + b["content"] == b["suffix"] and b["options"] == q.k
+
+
+def test_state_cache_bench_runs_a_subset_of_its_scenarios(base):
+    """`--scenarios cold_1q_off,cold_1q,warm_1q`: those only (the warm one hits the state its cold one stored), the
+    ratios between them; an unknown name is refused."""
+    from rlcd.bench.state_cache import run_state_cache_bench
+
+    res = run_state_cache_bench(base, threads=(1,), repeats=1, state_tokens=60, say=lambda _: None,
+                                scenarios=("warm_1q", "cold_1q_off"))
+    assert set(res["p50_ms"]["1"]) == {"cold_1q_off", "warm_1q"}
+    assert set(res["ratios"]["1"]) == {"warm_over_cold_off"} and res["cache"]["hits"] == 2
+    with pytest.raises(ValueError, match="cold_2q"):
+        run_state_cache_bench(base, threads=(1,), repeats=1, scenarios=("cold_2q",))

@@ -385,3 +385,22 @@ def test_the_progress_line_says_when_the_dev_subset_is_empty():
     assert progress_info(stats, 0.0, dev_rows=0) == "loss 1.0000 ce 0.5000 no dev rows"
     assert progress_info(stats, 0.25, dev_rows=3) == "loss 1.0000 ce 0.5000 dev 0.2500"
     assert progress_info(stats, None, dev_rows=3) == "loss 1.0000 ce 0.5000 dev -"
+
+
+def test_resume_removes_the_temp_dir_of_a_checkpoint_write_killed_earlier(tmp_path, data_dir):
+    """A SIGKILL during a checkpoint write leaves `.tmp-last-<pid>` (tests/test_checkpoint.py kills a real writer);
+    the next start of the run removes it and resumes from the checkpoint itself."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    _train(run, data_dir, steps=2, stop_after=1)
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()  # a pid that no longer runs: the killed writer's
+    stale = run / "checkpoints" / f".tmp-last-{p.pid}"
+    stale.mkdir()
+    (stale / ckpt.STATE).write_text(json.dumps({"step": 99}))
+    said = []
+    train(run, resume=True, progress=False, print_fn=said.append)
+    assert not stale.exists() and any(str(stale) in s and "killed" in s for s in said), said
+    assert ckpt.load(run / "checkpoints" / "last")["state"]["step"] == 2

@@ -4,6 +4,9 @@ A checkpoint directory is written under a temporary name, every file fsync'd, th
 renames, so a kill at any moment leaves a loadable checkpoint: either the new one, or the previous
 one (kept as `<name>.old` for the instant between the two renames; `load` falls back to it). A write that fails
 (a full disk: an `OSError` naming the file) removes its temporary directory and leaves the previous one as it was.
+A SIGKILL mid-write runs no cleanup: its `.tmp-<name>-<pid>` stays until the next start of the run calls
+`remove_dead_temps` (train and resume do). A temporary directory is never read as a checkpoint: `resolve` looks at
+`<name>` and `<name>.old` only.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from rlcd.files import pid_alive, plain_mode
 
 WEIGHTS = "trainable.safetensors"
 OPTIMIZER = "optimizer.pt"
@@ -70,6 +75,7 @@ def save(path: Path, *, weights: dict[str, torch.Tensor], optimizer: dict | None
     tmp.mkdir()
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
+        plain_mode(tmp / WEIGHTS)  # safetensors writes 600; every other file of the run is what open() makes
         if optimizer is not None:
             _torch_save(optimizer, tmp / OPTIMIZER)
         _torch_save(rng_state(), tmp / RNG)
@@ -89,6 +95,20 @@ def save(path: Path, *, weights: dict[str, torch.Tensor], optimizer: dict | None
     _fsync_dir(parent)
     if old.exists():
         shutil.rmtree(old)
+
+
+def remove_dead_temps(directory: Path) -> list[Path]:
+    """Remove the `.tmp-<name>-<pid>` directories in `directory` that `save` left when its process died mid-write:
+    those whose pid no longer runs, or is this process's own (a restarted container reuses pids; call this before
+    this process saves). A live writer's directory stays. Returns what was removed."""
+    removed = []
+    for tmp in sorted(Path(directory).glob(".tmp-*-*")):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if not tmp.is_dir() or not pid.isdigit() or (int(pid) != os.getpid() and pid_alive(int(pid))):
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tmp)
+    return removed
 
 
 def resolve(path: Path) -> Path | None:

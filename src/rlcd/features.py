@@ -14,7 +14,10 @@ everything the content depends on, so a match is a proof and a mismatch a rebuil
 
 KEY = sha256 of {feature_version, backbone (family, config hash, vocabulary, marker), a digest of every
 frozen weight, a digest of the LoRA weights when any LoRA B is non-zero (no field for a zero LoRA: it adds
-nothing), the prompt frame, the four split files' sha256, the dtype, ORDERS_SCHEME}. The directory is
+nothing), the prompt frame, the four split files' sha256, the dtype, ORDERS_SCHEME, and -- for features computed
+from a cut-state cache (the layers above its cut run on stored states: they differ from a full forward's by
+~1e-4) -- `from_cut_states` {cut, storage}; no such field: the full backbone ran}. A cache built before that
+field existed whose manifest says it came from cut states is never read (nor re-keyed). The directory is
 written under a temporary name and renamed into place as the last step, so a killed extraction leaves
 only a `.tmp-*` directory that no reader opens (and the next extraction removes); a directory whose
 manifest does not say `complete` or whose key differs is never read.
@@ -49,6 +52,7 @@ import torch
 
 from rlcd.data.sampling import ORDERS_SCHEME, orders_of, with_fixed_order
 from rlcd.errors import OptionError
+from rlcd.files import plain_mode
 from rlcd.model.collate import RowLabels
 from rlcd.schema import TYPE_ID, Record
 
@@ -115,8 +119,9 @@ def _zero_lora_off(model):
             p.requires_grad_(flag)
 
 
-def feature_key(model, data_dir: Path) -> dict[str, Any]:
-    """Everything the cached features depend on (see the module docstring)."""
+def feature_key(model, data_dir: Path, cut_states=None) -> dict[str, Any]:
+    """Everything the cached features depend on (see the module docstring); `cut_states`: the cut-state cache
+    (`rlcd.cut_cache.CutCache`) they are computed from, else the full backbone."""
     from rlcd.data.io import sha256_file
 
     info = model.backbone_info
@@ -133,7 +138,14 @@ def feature_key(model, data_dir: Path) -> dict[str, Any]:
         "dtype": dtype,
         "orders": ORDERS_SCHEME,
         **({"lora": lora} if lora is not None else {}),  # absent for a zero LoRA: caches built before it stay valid
+        **({"from_cut_states": cut_source(cut_states)} if cut_states is not None else {}),
     }
+
+
+def cut_source(cut_states) -> dict[str, Any]:
+    """What of a cut-state cache its features depend on beyond the model, the data and the dtype: the cut layer
+    and the storage dtype of its states (its weights below the cut are the model's: `find_cut_states`)."""
+    return {"cut": int(cut_states.key["cut"]), "storage": str(cut_states.key["storage"])}
 
 
 def key_id(key: dict[str, Any]) -> str:
@@ -347,18 +359,20 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
     say = say or (lambda _: None)
     data_dir = Path(data_dir)
     key = feature_key(model, data_dir)
-    kid = key_id(key)
     root = cache_root(data_dir)
-    final = root / kid
-    found = FeatureCache.load(final, key)
+    found = FeatureCache.load(root / key_id(key), key) or _derived(key, root)
     if found is not None:
-        say(f"features: reusing {final}")
+        say(f"features: reusing {found.root}" + (f" (computed from the cut states at layer {found.key['from_cut_states']['cut']})"
+                                                 if "from_cut_states" in found.key else ""))
         return found
     if callable(cut_states):
         cut_states = cut_states()
-        if cut_states is not None:
-            say(f"features: from the cut states {cut_states.root} (layers {cut_states.key['cut']}.."
-                f"{model.num_layers - 1} run)")
+    if cut_states is not None:
+        key = {**key, "from_cut_states": cut_source(cut_states)}
+        say(f"features: from the cut states {cut_states.root} (layers {cut_states.key['cut']}.."
+            f"{model.num_layers - 1} run)")
+    kid = key_id(key)
+    final = root / kid
     t0 = time.perf_counter()
     counts, tokens = {}, 0
     collator = model.collator(image_root=data_dir)
@@ -368,6 +382,7 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
                 tensors, index = extract_split(model, recs, collator, split, progress=bar.update,
                                                cut_states=cut_states)
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / f"{split}.safetensors"))
+            plain_mode(tmp / f"{split}.safetensors")  # safetensors writes 600 (rlcd.files)
             (tmp / f"{split}.index.json").write_text(json.dumps(index))
             counts[split] = len(index)
             tokens += int(tensors["n_tokens"].sum())
@@ -385,12 +400,14 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
 
 
 def find_features(model, data_dir: Path) -> FeatureCache | None:
-    """The complete cache for `model` over `data_dir` if one exists (never extracts). Without a features
-    directory nothing is hashed: evaluating a LoRA run pays no weights digest."""
-    if not cache_root(Path(data_dir)).is_dir():
+    """The complete cache for `model` over `data_dir` if one exists (never extracts): the full backbone's, else
+    one computed from cut states (its key's `from_cut_states` says so). Without a features directory nothing is
+    hashed: evaluating a LoRA run pays no weights digest."""
+    root = cache_root(Path(data_dir))
+    if not root.is_dir():
         return None
     key = feature_key(model, Path(data_dir))
-    return FeatureCache.load(cache_root(Path(data_dir)) / key_id(key), key)
+    return FeatureCache.load(root / key_id(key), key) or _derived(key, root)
 
 
 def remove_dead_tmp(root: Path) -> None:
@@ -445,7 +462,26 @@ def read_manifest(root: Path, key: dict | None = None) -> dict | None:
         return None
     if not manifest.get("complete") or (key is not None and manifest.get("key") != key):
         return None
+    if manifest.get("from_cut_states") and "from_cut_states" not in manifest.get("key", {}):
+        return None  # built from cut states before the key said so: never read as the full backbone's
     return manifest
+
+
+def _derived(model_key: dict[str, Any], root: Path) -> "FeatureCache | None":
+    """A complete cache in `root` computed from cut states for `model_key` (the full-backbone key): its key is
+    that key plus `from_cut_states`; the deepest cut when there are several. No cut-state cache is looked up."""
+    found = []
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        m = read_manifest(d)
+        key = (m or {}).get("key")
+        if isinstance(key, dict) and "from_cut_states" in key and {
+                k: v for k, v in key.items() if k != "from_cut_states"} == model_key:
+            found.append((int(key["from_cut_states"]["cut"]), d, key))
+    for _, d, key in sorted(found, key=lambda x: -x[0]):
+        cache = FeatureCache.load(d, key)
+        if cache is not None:
+            return cache
+    return None
 
 
 @contextlib.contextmanager

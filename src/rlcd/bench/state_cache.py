@@ -11,8 +11,10 @@ each on a fresh state of about `state_tokens` tokens per repeat, so "cold" is al
   other (off: each pays the state; on: the first pays it, four are warm), total time.
 
 Every repeat runs every scenario at every torch thread count in turn, so drift in the machine's load
-hits all alike. Printed: p50 per scenario and thread count, `warm_1q / cold_1q_off` and
-`five_requests_on / five_requests_off`. `suffix_breakdown` counts which tokens a question adds after
+hits all alike. `scenarios` runs a subset (`--scenarios cold_1q_off,cold_1q,warm_1q`: the cold question's cost
+with the cache on and off, in a fraction of the time). Printed: p50 per scenario and thread count and the ratios
+of those that ran (`RATIOS`: `warm_1q / cold_1q_off`, `cold_1q / cold_1q_off`, `five_requests_on /
+five_requests_off`, ...). `suffix_breakdown` counts which tokens a question adds after
 the state, split into the template's own text and the question's content.
 """
 
@@ -26,6 +28,9 @@ from .pipeline import request_of
 from .prefix import make_questions, make_state
 
 SCENARIOS = ("cold_1q_off", "cold_1q", "warm_1q", "one_request_5q", "five_requests_off", "five_requests_on")
+RATIOS = {"warm_over_cold_off": ("warm_1q", "cold_1q_off"), "warm_over_cold_on": ("warm_1q", "cold_1q"),
+          "cold_on_over_off": ("cold_1q", "cold_1q_off"),
+          "five_requests_on_over_off": ("five_requests_on", "five_requests_off")}
 
 
 def suffix_breakdown(encoder: Any, question: Any) -> dict[str, int]:
@@ -63,10 +68,17 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 def run_state_cache_bench(predictor: Any, *, threads: tuple[int, ...] = (1, 2), repeats: int = 5,
-                          state_tokens: int = 250, seed: int = 0, say: Callable[[str], None] = print) -> dict:
+                          state_tokens: int = 250, seed: int = 0, say: Callable[[str], None] = print,
+                          scenarios: tuple[str, ...] = SCENARIOS) -> dict:
     """The scenarios of the module docstring on `predictor`'s model; returns the p50s, ratios and the suffix
-    breakdown of the five questions. `threads`: torch thread counts, interleaved per repeat."""
+    breakdown of the five questions. `threads`: torch thread counts, interleaved per repeat; `scenarios`: the
+    ones to run (a ratio is given when both its scenarios ran)."""
     import torch
+
+    unknown = [x for x in scenarios if x not in SCENARIOS]
+    if unknown or not scenarios:
+        raise ValueError(f"scenarios: {', '.join(unknown) or 'none given'}; choose from {', '.join(SCENARIOS)}")
+    scenarios = tuple(x for x in SCENARIOS if x in scenarios)
 
     from ..predict import Predictor
 
@@ -77,7 +89,7 @@ def run_state_cache_bench(predictor: Any, *, threads: tuple[int, ...] = (1, 2), 
     qids = list(five)
     one = {q: {"x": five[q]} for q in qids}
     encoder = model.encoder
-    times: dict[str, dict[int, list[float]]] = {s: {t: [] for t in threads} for s in SCENARIOS}
+    times: dict[str, dict[int, list[float]]] = {s: {t: [] for t in threads} for s in scenarios}
     old_threads = torch.get_num_threads()
     counter = [0]
 
@@ -93,15 +105,23 @@ def run_state_cache_bench(predictor: Any, *, threads: tuple[int, ...] = (1, 2), 
             for t in threads:
                 torch.set_num_threads(t)
                 got: dict[str, float] = {}
-                got["cold_1q_off"] = _timed(lambda: off.predict(req(state(), one[qids[0]])))
+                if "cold_1q_off" in scenarios:
+                    got["cold_1q_off"] = _timed(lambda: off.predict(req(state(), one[qids[0]])))
                 s = state()
-                got["cold_1q"] = _timed(lambda: on.predict(req(s, one[qids[0]])))
-                got["warm_1q"] = _timed(lambda: on.predict(req(s, one[qids[1]])))
-                got["one_request_5q"] = _timed(lambda: on.predict(req(state(), five)))
+                if "cold_1q" in scenarios:
+                    got["cold_1q"] = _timed(lambda: on.predict(req(s, one[qids[0]])))
+                if "warm_1q" in scenarios:
+                    if "cold_1q" not in scenarios:
+                        on.predict(req(s, one[qids[0]]))  # the state stored, untimed
+                    got["warm_1q"] = _timed(lambda: on.predict(req(s, one[qids[1]])))
+                if "one_request_5q" in scenarios:
+                    got["one_request_5q"] = _timed(lambda: on.predict(req(state(), five)))
                 s = state()
-                got["five_requests_off"] = _timed(lambda: [off.predict(req(s, one[q])) for q in qids])
+                if "five_requests_off" in scenarios:
+                    got["five_requests_off"] = _timed(lambda: [off.predict(req(s, one[q])) for q in qids])
                 s = state()
-                got["five_requests_on"] = _timed(lambda: [on.predict(req(s, one[q])) for q in qids])
+                if "five_requests_on" in scenarios:
+                    got["five_requests_on"] = _timed(lambda: [on.predict(req(s, one[q])) for q in qids])
                 if r:
                     for k, v in got.items():
                         times[k][t].append(v)
@@ -114,16 +134,12 @@ def run_state_cache_bench(predictor: Any, *, threads: tuple[int, ...] = (1, 2), 
                            "suffixes": {q: suffix_breakdown(encoder, m) for q, m in zip(qids, make_questions(5, seed))},
                            "cache": on.state_cache_stats()}
     for t in threads:
-        p50 = {k: statistics.median(times[k][t]) for k in SCENARIOS}
+        p50 = {k: statistics.median(times[k][t]) for k in scenarios}
         out["p50_ms"][str(t)] = p50
-        out["ratios"][str(t)] = {"warm_over_cold_off": p50["warm_1q"] / p50["cold_1q_off"],
-                                 "warm_over_cold_on": p50["warm_1q"] / p50["cold_1q"],
-                                 "cold_on_over_off": p50["cold_1q"] / p50["cold_1q_off"],
-                                 "five_requests_on_over_off": p50["five_requests_on"] / p50["five_requests_off"]}
+        ratios = {name: p50[a] / p50[b] for name, (a, b) in RATIOS.items() if a in p50 and b in p50}
+        out["ratios"][str(t)] = ratios
         say(f"  threads={t}: p50 ms " + "  ".join(f"{k}={v:.1f}" for k, v in p50.items()))
-        rt = out["ratios"][str(t)]
-        say(f"  threads={t}: warm/cold {rt['warm_over_cold_off']:.3f} (cold with the cache on: "
-            f"{rt['cold_on_over_off']:.3f} of off); 5 requests on/off {rt['five_requests_on_over_off']:.3f}")
+        say(f"  threads={t}: " + "; ".join(f"{name} {v:.3f}" for name, v in ratios.items()))
     sizes = out["suffixes"]
     say(f"  prefix {out['prefix_tokens']} tokens; suffix per question: " + ", ".join(
         f"{v['suffix']} ({v['template']} template, {v['content']} content, {v['options']} options)"

@@ -234,6 +234,9 @@ def serve(
     threads: Annotated[str, typer.Option(help="--state-cache: torch thread counts, comma-separated")] = "1,2",
     repeats: Annotated[int, typer.Option(min=1, help="--state-cache: timed repeats (median)")] = 5,
     state_tokens: Annotated[int, typer.Option(min=1, help="--state-cache: approximate state length in tokens")] = 250,
+    scenarios: Annotated[Optional[str], typer.Option(
+        help="--state-cache: the scenarios to run, comma-separated (default all; e.g. cold_1q_off,cold_1q,warm_1q)")
+    ] = None,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
 ) -> None:
@@ -254,9 +257,14 @@ def serve(
             raise typer.BadParameter("comma-separated integers, e.g. 1,2", param_hint="--threads") from None
         if not thread_t or min(thread_t) < 1:
             raise typer.BadParameter("at least one thread count, each >= 1", param_hint="--threads")
+        from rlcd.bench.state_cache import SCENARIOS
+
+        chosen = tuple(x.strip() for x in (scenarios or ",".join(SCENARIOS)).split(",") if x.strip())
+        if not chosen or any(x not in SCENARIOS for x in chosen):
+            raise typer.BadParameter(f"comma-separated, from {','.join(SCENARIOS)}", param_hint="--scenarios")
         res = run_state_cache_bench(Predictor.from_run(path, placement=placement(device, dtype)), threads=thread_t,
-                                    repeats=repeats, state_tokens=state_tokens, seed=seed)
-        _save("serve-state-cache", json_out, res, ("--threads", threads, "1,2"),
+                                    repeats=repeats, state_tokens=state_tokens, seed=seed, scenarios=chosen)
+        _save("serve-state-cache", json_out, res, ("--threads", threads, "1,2"), ("--scenarios", scenarios, None),
               ("--repeats", repeats, 5), ("--state-tokens", state_tokens, 250), ("--seed", seed, 0),
               ("--device", device, "auto"), ("--dtype", dtype, DType.auto), command="serve",
               positional=(path, "--state-cache"))

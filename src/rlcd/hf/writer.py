@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
+from rlcd.files import plain_mode
 from rlcd.hf import modeling_rlcd
 from rlcd.hf.template import decision_template
 
@@ -81,6 +82,7 @@ def write_hf_export(model: Any, meta: Mapping[str, Any], out: Path, *, evaluatio
     hf.register_buffer("mu_c", head.mu_c.float().cpu().clone())
     hf.decision_config = decision_config(meta, model.encoder.marker, model.encoder.spec.head)
     hf.save_pretrained(str(out))
+    plain_mode(*out.glob("*.safetensors"))  # safetensors writes 600, the rest of export/hf is 644
     shutil.copyfile(HERE / "modeling_rlcd.py", out / "modeling_rlcd.py")
     _write_tokenizer(model.tokenizer, out)
     (out / "README.md").write_text(model_card(meta, evaluation, run_name=run_name), encoding="utf-8")

@@ -21,7 +21,10 @@ gets the cache rows it needs from its own fork (`fork_cache_rows`: the selected 
 in-place recurrent-state updates of one call cannot reach the next); the last call takes them from
 the prefix cache itself (`Family.select_cache_rows`). With a state cache (`rlcd.model.state_cache`, the
 Predictor's), the prefix ends where the state ends, prefixes already stored skip the forward and new
-ones are stored; the suffix calls then read a cache stacked from copies of every case's prefix state.
+ones are stored; the suffix calls then read a cache stacked from copies of every case's prefix state. A cold
+case that the cache-off planner runs as full rows (one question) still runs as full rows when the decoder's
+cache is keys and values only: the forward keeps its cache and the state's first positions are stored from it
+as they are (no second call, no copy), so a cold request costs what it cost without the cache.
 """
 
 from __future__ import annotations
@@ -97,6 +100,30 @@ class CaseInputs:
     @property
     def n_tokens(self) -> int:
         return sum(len(r) for r in self.rows)
+
+
+def _kept_cache(config: Any) -> Any:
+    """A DynamicCache for one forward whose layers keep their first keys and values as the attention computed them
+    (new tensors, only read afterwards) instead of concatenating them onto an empty tensor: the cache a full forward
+    returns then costs no copy and no extra allocation (a cold request with the state cache on, issue 58). The
+    layers stay transformers' `DynamicLayer`s (`state_cache.SUPPORTED_LAYERS`); the override is per instance and
+    removed after the forward."""
+    import types
+
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    def keep_first(layer: Any, keys: torch.Tensor, values: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if layer.is_initialized:
+            return DynamicLayer.update(layer, keys, values, *args, **kwargs)
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+        return keys, values
+
+    cache = DynamicCache(config=config)
+    for layer in cache.layers:
+        if type(layer) is DynamicLayer:
+            layer.update = types.MethodType(keep_first, layer)
+    return cache
 
 
 def _cut_row(h: torch.Tensor, pos: torch.Tensor, i: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,8 +310,9 @@ class DecisionModel(nn.Module):
         return self.family.run(self._causal_lm(), ids, feats, attention_mask, positions, cache=cache,
                                use_cache=use_cache, chunk_size=chunk_size, layers=layers, inputs_embeds=inputs_embeds)
 
-    def hidden_states(self, batch: Batch, layers: tuple[int, int] | None = None) -> torch.Tensor:
-        """Last hidden states [B, T, H] of a full forward (`layers=(0, c)`: the states at cut c, un-normed)."""
+    def hidden_states(self, batch: Batch, layers: tuple[int, int] | None = None, *, with_cache: bool = False) -> Any:
+        """Last hidden states [B, T, H] of a full forward (`layers=(0, c)`: the states at cut c, un-normed);
+        `with_cache`: (states, the forward's cache)."""
         dev = self.device
         ids = batch.input_ids.to(dev)
         attn = batch.attention_mask.to(dev)
@@ -295,7 +323,15 @@ class DecisionModel(nn.Module):
             feats = self.image_features(batch.pixel_values, batch.image_grid_thw)
         image_mask = batch.mm_token_type_ids.to(dev) if batch.mm_token_type_ids is not None else None
         pos = self.family.full_positions(ids, image_mask, batch.image_grid_thw, self.merge_size)
-        return self._lm(ids, feats, attn, pos, layers=layers).last_hidden_state
+        if not with_cache:
+            return self._lm(ids, feats, attn, pos, layers=layers).last_hidden_state
+        cache = _kept_cache(self.family.text_decoder(self._causal_lm()).config)
+        try:
+            o = self._lm(ids, feats, attn, pos, cache=cache, use_cache=True, layers=layers)
+        finally:
+            for layer in cache.layers:
+                vars(layer).pop("update", None)
+        return o.last_hidden_state, cache
 
     def features(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(h_decision [B,H], h_markers [B,Kmax,H]) from a full forward (or as given by a cached
@@ -502,22 +538,33 @@ class DecisionModel(nn.Module):
         warm: list[PrefixState | None] = [None] * len(cases)
         with torch.inference_mode():
             pre = [i for i, cut in enumerate(plan) if cut is not None and cases[i].rows]
-            full = [i for i, cut in enumerate(plan) if cut is None and cases[i].rows]
-            keep = None
+            keep, store = None, {}
             if state_cache is not None and pre:
                 for i in pre:
                     keys[i] = cases[i].prefix_key(plan[i])
                     warm[i] = state_cache.get(keys[i])
+                # a cold case the cache-off plan runs as full rows: full rows still, its state kept from their cache
+                if path == "auto" and self.kv_only_cache:
+                    cold = [i for i in pre if warm[i] is None]
+                    off = self.plan_paths([cases[i] for i in cold], exact=exact, path=path)
+                    store = {i: plan[i] for i, cut in zip(cold, off) if cut is None}
+                    for i in store:
+                        plan[i] = None
+                    pre = [i for i in pre if i not in store]
 
                 def keep(j: int, state: PrefixState) -> None:
                     state_cache.put(keys[pre[j]], state)
+            full = [i for i, cut in enumerate(plan) if cut is None and cases[i].rows]
             calls = 0
             if pre:
                 calls += self._prefix_features([cases[i] for i in pre], [plan[i] for i in pre],
                                                [feats[i] for i in pre], max_rows=max_rows, exact=exact,
                                                warm=[warm[i] for i in pre], keep=keep)
             if full:
-                calls += self._full_features([cases[i] for i in full], [feats[i] for i in full], max_rows=max_rows)
+                calls += self._full_features(
+                    [cases[i] for i in full], [feats[i] for i in full], max_rows=max_rows,
+                    keep={j: (store[i], lambda state, i=i: state_cache.put(keys[i], state))
+                          for j, i in enumerate(full) if i in store} or None)
         usages = []
         for c, cut, w in zip(cases, plan, warm):
             full_tokens = sum(len(r) for r in c.rows)
@@ -528,10 +575,28 @@ class DecisionModel(nn.Module):
                            "batched_requests": len(cases), "path": "prefix" if cut is not None else "full"})
         return feats, usages
 
+    @property
+    def kv_only_cache(self) -> bool:
+        """Whether the decoder's cache holds keys and values alone (every layer full attention: the config's
+        `layer_types`, or no `sliding_window` where it has none): then the first positions of a full forward's cache
+        are exactly a prefix's state (a causal decoder's keys and values at a position depend on the tokens up to it
+        only). Qwen3.5's linear-attention layers carry a recurrent state of the whole row instead."""
+        got = getattr(self, "_kv_only", None)
+        if got is None:
+            cfg = getattr(self.family.text_decoder(self._causal_lm()), "config", None)
+            types = getattr(cfg, "layer_types", None)
+            got = cfg is not None and (all(t == "full_attention" for t in types) if types  # what transformers builds
+                                       else not getattr(cfg, "sliding_window", None))
+            self._kv_only = got
+        return got
+
     def _full_features(self, cases: Sequence[CaseInputs], out: list[list[Any]], *, max_rows: int,
-                       at_layer: int | None = None) -> int:
+                       at_layer: int | None = None, keep: dict[int, tuple[int, Any]] | None = None) -> int:
         """Full forwards of the cases' rows (right padded, grouped by length); fills `out`; returns the call count.
-        `at_layer`: instead of the features, every row's states entering that layer and their positions (`_cut_row`)."""
+        `at_layer`: instead of the features, every row's states entering that layer and their positions (`_cut_row`).
+        `keep` {case index: (cut, put)}: that case's forward keeps its cache and `put` receives the state of its
+        first `cut` positions (`snapshot_row`: the forward's own keys and values, not copied, when its row runs
+        alone) -- what the prefix path would have stored, at no second call."""
         flat = [(ci, ri) for ci, c in enumerate(cases) for ri in range(len(c.rows))]
         groups = plan_suffix_groups([len(cases[ci].rows[ri]) for ci, ri in flat], max_rows=max_rows,
                                     granule=self.family.exact_align or 1)
@@ -550,7 +615,18 @@ class DecisionModel(nn.Module):
                 for i, (r, (ci, ri)) in enumerate(zip(chunk, members)):
                     out[ci][ri] = _cut_row(h, pos, i, 0, len(r))
                 continue
-            h_dec, h_cand = self.features(b)
+            stored = {ci: (i, keep.pop(ci)) for i, (ci, _) in enumerate(members) if keep and ci in keep}
+            if stored:
+                h, cache = self.hidden_states(b, with_cache=True)
+                rows = torch.arange(h.shape[0], device=h.device)
+                h_dec = h[rows, b.decision_pos.to(h.device)]
+                h_cand = h[rows[:, None], b.marker_pos.to(h.device)]
+                for i, (cut, put) in stored.values():  # once per case (its first row here): the others only read
+                    state = snapshot_row(cache, i, 0, cut)
+                    if state is not None:
+                        put(state)
+            else:
+                h_dec, h_cand = self.features(b)
             for i, (r, (ci, ri)) in enumerate(zip(chunk, members)):
                 out[ci][ri] = (h_dec[i], h_cand[i, : r.k])
         return len(groups)
@@ -564,9 +640,9 @@ class DecisionModel(nn.Module):
         entering that layer -- each case's prefix into `prefixes`, each row's suffix into `out` (`_cut_row`).
 
         The state cache: `warm[i]`, a stored `PrefixState` of case i's prefix, replaces its part of the prefix
-        forward (which then runs for the other cases only, or not at all); `keep(i, state)` receives a copy
-        of every prefix state computed here. With a warm case the suffix calls read a cache stacked from
-        every case's state (`state_cache.stack_states`: copies, except a lone unpadded state's keys and values,
+        forward (which then runs for the other cases only, or not at all); `keep(i, state)` receives the
+        state of every prefix computed here (`snapshot_row`: a lone prefix's keys and values as they are). With a
+        warm case the suffix calls read a cache stacked from every case's state (`state_cache.stack_states`: copies, except a lone unpadded state's keys and values,
         which the forward only reads), padded and masked as the forward's own."""
         layers = (0, at_layer) if at_layer is not None else None
         dev, family = self.device, self.family

@@ -5,13 +5,16 @@ state's prefix already runs once (`DecisionModel.score_cases`); this cache keeps
 state -- what the shared-prefix path hands its suffix calls, nothing else -- so a later request about
 the same state runs only its questions' suffixes.
 
-What is stored (`PrefixState`): a one-row copy of the prefix cache: every attention layer's keys and
-values [1, heads, cut, dim] (left padding dropped) and every linear-attention layer's conv and recurrent
-states (Qwen3.5's Gated DeltaNet). The scorer reads no position inside the prefix (the cut never passes
+What is stored (`PrefixState`): one row of the prefix cache: every attention layer's keys and values
+[1, heads, cut, dim] (left padding dropped) and a copy of every linear-attention layer's conv and recurrent
+states (Qwen3.5's Gated DeltaNet). Keys and values of a forward that ran one row alone are kept as the forward
+left them, not copied (a view when the state is their first positions; `nbytes` counts all they hold): a cold
+request pays no copy of its state (issue 58). The scorer reads no position inside the prefix (the cut never passes
 a decision position), so no hidden states are kept. Only caches made of the layer classes in
 `SUPPORTED_LAYERS` are stored; another kind (sliding window, static, quantized) is never cached.
 
-Exactness: nothing a forward does reaches a stored state. `stack_states` builds each batch's prefix cache
+Exactness: nothing a forward does reaches a stored state. The supported layers replace their keys and values
+(`update` concatenates, `reorder_cache` selects) and never write into them; `stack_states` builds each batch's prefix cache
 from new tensors -- keys and values left-padded with zeros to a common width (which the suffix calls mask),
 recurrent states concatenated -- so the in-place updates of the suffix calls cannot reach it. One exception
 saves a warm question three copies of its state's keys and values: a lone state that needs no padding lends
@@ -68,9 +71,12 @@ def _supported(cache: Any) -> bool:
                                 and type(layer).__module__ == "transformers.cache_utils" for layer in layers)
 
 
-def snapshot_row(cache: Any, row: int, start: int) -> PrefixState | None:
-    """Row `row` of a batched prefix cache with its first `start` (left padding) positions dropped, as fresh
-    tensors (`PrefixState`); None for a cache this module does not know how to copy exactly."""
+def snapshot_row(cache: Any, row: int, start: int, end: int | None = None) -> PrefixState | None:
+    """Row `row` of a batched cache, positions [start, end) (`start`: left padding dropped; `end`: a full row's
+    cache cut at the end of its state), as a `PrefixState`; None for a cache this module does not know how to keep
+    exactly. Keys and values of a one-row cache are kept as they are (they are never written into: the module
+    docstring), those of a wider batch copied so the state holds its own row only; recurrent states are copied
+    (the suffix calls advance them in place). `nbytes`: the bytes the state keeps alive."""
     import torch  # here, not at import: a Predictor with the cache off (the portable server) needs no torch
 
     if not _supported(cache):
@@ -83,9 +89,14 @@ def snapshot_row(cache: Any, row: int, start: int) -> PrefixState | None:
         for name in _KV:
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor) and t.dim() == 4:
-                setattr(twin, name, t[row: row + 1, :, start:].clone())
-                nbytes += getattr(twin, name).nbytes
-                tokens = getattr(twin, name).shape[-2]
+                kept = t[row: row + 1, :, start:end]
+                if t.shape[0] == 1:  # the forward's own tensor: no copy
+                    nbytes += t.untyped_storage().nbytes()
+                else:
+                    kept = kept.clone()
+                    nbytes += kept.nbytes
+                setattr(twin, name, kept)
+                tokens = kept.shape[-2]
         for name in _STATES:
             d = getattr(layer, name, None)
             if isinstance(d, dict):

@@ -319,7 +319,10 @@ def export_onnx(run: Run | Path, out: Path, *, quantize: str | None = None, max_
         export_graph(model, tmp / GRAPH, example_inputs(model, records), opset=opset)
         from safetensors.numpy import save_file
 
+        from rlcd.files import plain_mode
+
         save_file(scorer_tensors(model, meta["temperatures"]), str(tmp / SCORER))
+        plain_mode(tmp / SCORER)  # safetensors writes 600: another user (a container) could not read it
         model.tokenizer._tokenizer.save(str(tmp / TOKENIZER))
         doc = manifest(meta, model, opset=opset, precision="float32", quant=None,
                        graph_bytes=(tmp / GRAPH).stat().st_size, axes=graph_axes(tmp / GRAPH))

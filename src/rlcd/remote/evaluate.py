@@ -218,11 +218,10 @@ def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "te
     client = client or SystemOneClient(url, api_key=api_key, timeout_s=timeout_s, retries=retries)
     try:
         try:
-            served = client.models()
+            name, served, line = client.pick_model(model)  # with --remote-model, /v1/models is a check only
         except ConnectionError as e:
             raise RunError(f"--remote {url}: {e}") from None
-        name = model or (served[0] if served else "default")
-        say(f"remote: {client.base} serves {', '.join(served) or 'no listed model'}; asking {name!r}")
+        say(line)
         outgoing, skipped = build_requests(records, name, votes)
         started = _dt.datetime.now(_dt.timezone.utc)
         results = _send(client, outgoing, concurrency, progress, sum(len(r) for r in records.values()))

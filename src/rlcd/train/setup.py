@@ -188,12 +188,14 @@ class Trainer:
 
 
 def _resume_start(run: Run, d: Dist, held: contextlib.ExitStack, *, steps: int | None, log: str | None,
-                  device: str, dtype: str) -> Start:
+                  device: str, dtype: str, print_fn: Callable[[str], None] = echo) -> Start:
     if not run.exists():
         raise ResumeRefused(f"refusing to resume {run.root}: no config.json there (start it with "
                             f"`rlcd train {run.root} --data DATA`)")
     if d.main:  # one writer per run (rank 0 writes; the other ranks never touch the directory)
         held.enter_context(run.lock("train --resume"))
+        for gone in ckpt.remove_dead_temps(run.checkpoints_dir):  # a writer killed mid-checkpoint (SIGKILL)
+            print_fn(f"train: removed {gone}, the temporary directory of a checkpoint write that was killed")
     samples = run.samples()
     config = check_resume(run, run.config(), samples, steps)
     if log is not None and log != config.get("log", "none"):
@@ -248,7 +250,8 @@ def setup(run_dir: Path, *, held: contextlib.ExitStack, data_dir: Path | None = 
     d = init_distributed()
     if resume and init is not None:
         raise OptionError(f"--init {init} starts a new run; a resume continues {run.root} from its own checkpoint")
-    start = (_resume_start(run, d, held, steps=steps, log=log, device=device, dtype=dtype) if resume else
+    start = (_resume_start(run, d, held, steps=steps, log=log, device=device, dtype=dtype,
+                           print_fn=print_fn) if resume else
              _new_start(run, d, data_dir=data_dir, model=model, recipe=recipe, steps=steps, model_seed=model_seed,
                         device=device, dtype=dtype, log=log, init=init))
     config, loaded, fingerprint = start.config, start.loaded, {}

@@ -1,0 +1,56 @@
+"""Files rlcd writes: their modes (as a plain `open()` makes them) and the temporary directories of dead writers.
+
+safetensors' `save_file` (and `save_pretrained`, which calls it) writes through a private temporary file and
+leaves the weights mode 600 while every other file of the same directory is 644 under the usual umask 022: a
+portable export or an `export/hf` copied into a container that runs as another user then cannot read its
+weights. `plain_mode(path)` gives such a file the mode `0o666 & ~umask` -- what `open()` creates -- so the
+umask the user chose still decides (a umask of 077 keeps it private).
+
+`pid_alive(pid)`: whether a writer whose temporary directory is named after its pid still runs (a SIGKILL runs no
+cleanup, so its `.tmp-...-<pid>` stays behind until the next start removes it).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+_LOCK = threading.Lock()
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where Linux says it (/proc/self/status, "Umask:"); else
+    set and restored at once under a lock (`os.umask` has no read-only form)."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _LOCK:
+        old = os.umask(0o022)
+        os.umask(old)
+    return old
+
+
+def plain_mode(*paths: Path | str) -> None:
+    """chmod each file in `paths` to `0o666 & ~umask()`: the mode `open(path, "w")` would have given it."""
+    mode = 0o666 & ~umask()
+    for p in paths:
+        os.chmod(p, mode)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (one of another user counts as alive: it may be writing)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+__all__ = ["pid_alive", "plain_mode", "umask"]
