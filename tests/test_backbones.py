@@ -184,13 +184,13 @@ def test_the_gemma_preset_resolves_with_its_licence(fake_gemma, monkeypatch):
         seen.update(kw, source=source)
         return model, kw["tokenizer"], None
 
-    monkeypatch.setattr(B, "gguf_tokenizer", lambda path, tag, digest=None: seen.update(tok=(path, tag))
+    monkeypatch.setattr(B, "gguf_tokenizer", lambda path, tag, digest=None: seen.update(tok=(path, tag, digest))
                         or gemma3_tokenizer(size=262144))
     monkeypatch.setattr(CAUSAL_LM, "from_pretrained", from_pretrained)
     assert check_backbone_spec("gemma3-270m") == "gemma3-270m" and PRESETS["gemma3-270m"]["kind"] == "package-gguf"
     bb = load_backbone("gemma3-270m")
     path = packaged.gemma3_gguf()
-    assert seen["tok"] == (path, "gemma3") and seen["gguf_file"] == packaged.GEMMA3_FILE
+    assert seen["tok"] == (path, "gemma3", packaged.GEMMA3_SHA256) and seen["gguf_file"] == packaged.GEMMA3_FILE
     assert seen["source"] == str(path.parent) and seen["gguf_sha256"] == packaged.GEMMA3_SHA256
     info = bb.info
     assert info["preset"] == "gemma3-270m" and info["source"] == "gguf" and info["vocab"] == "gemma3"

