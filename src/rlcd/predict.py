@@ -221,6 +221,7 @@ class Predictor:
             "backbone": self.meta.get("model"),
             "preset": bb.get("preset"),
             "revision": bb.get("revision"),
+            "license": bb.get("license"),  # the backbone weights' licence as its preset recorded it (None: unknown)
             "temperatures": dict(self.temperatures),
             "question_types": list(QUESTION_TYPES),
             "selected_step": self.meta.get("selected_step"),

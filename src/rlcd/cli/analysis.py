@@ -159,7 +159,7 @@ def _num(v: Any, digits: int = 3) -> str:
 def sweep(
     data: Annotated[Path, typer.Option(help="processed data dir (rlcd data prepare)")],
     out: Annotated[Path, typer.Option(help="sweep directory: runs/, configs/, logs/, summary.json/.md, plots")],
-    model: Annotated[str, typer.Option(help="preset (qwen3.5-0.8b, qwen3.5-2b, tiny, tiny-toy, smollm2-135m, tiny-llama), local dir, .gguf file or hub id")] = "qwen3.5-0.8b",
+    model: Annotated[str, typer.Option(help="preset (qwen3.5-0.8b, qwen3.5-2b, tiny, tiny-toy, smollm2-135m, gemma3-270m, tiny-llama), local dir, .gguf file or hub id")] = "qwen3.5-0.8b",
     grid: Annotated[Optional[list[str]], typer.Option(help="KEY=V1,V2,... over recipe fields; repeat for more keys "
                                                            "(e.g. --grid sigma=0.25,1,4 --grid objective=rlcd,ce)")] = None,
     seeds: Annotated[str, typer.Option(help="N (seeds 0..N-1) or a comma-separated list of seeds")] = "3",

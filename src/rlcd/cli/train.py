@@ -27,7 +27,7 @@ def train(
     run_alias: RunAlias = None,
     model: Annotated[Optional[str], typer.Option(
         help="backbone: a preset (qwen3.5-0.8b, the default; qwen3.5-2b, tiny, tiny-toy, smollm2-135m, "
-             "tiny-llama), a local model directory, a .gguf file or a hub id owner/name@revision (any "
+             "gemma3-270m, tiny-llama), a local model directory, a .gguf file or a hub id owner/name@revision (any "
              "Qwen3.5 or text causal LM)")] = None,
     resume: Annotated[Optional[Path], typer.Option(help="resume this run (only --steps may grow)")] = None,
     init: Annotated[Optional[Path], typer.Option(

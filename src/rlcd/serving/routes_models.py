@@ -24,9 +24,11 @@ def router(ctx: ServerContext) -> APIRouter:
         info.update({"created": ctx.started, "owned_by": "rlcd", "limits": ctx.limits.to_dict(),
                      "image_root": ctx.image_root is not None, "batching": ctx.batcher.stats(),
                      "thresholds": ctx.gates.source if ctx.gates is not None else None})
+        lic = info.get("license")
+        terms = f"; backbone weights under the {lic['name']}" if isinstance(lic, dict) and lic.get("name") else ""
         card = {"name": p.name, "release_date": ctx.release_date,
                 "description": f"rlcd typed-decision model on {info.get('backbone')} (choice, noul and score; "
-                               "calibrated per type)"}
+                               f"calibrated per type{terms})"}
         return {"object": "list", "data": [info], "models": [card]}
 
     return r

@@ -171,7 +171,7 @@ class CausalLMFamily(Family):
 
     def from_pretrained(self, source: str, *, local: bool, dtype: torch.dtype, device: Any,
                         revision: str | None = None, cache_dir: str | None = None,
-                        gguf_file: str | None = None, tokenizer: Any = None) -> tuple:
+                        gguf_file: str | None = None, tokenizer: Any = None, gguf_sha256: str | None = None) -> tuple:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         kw: dict[str, Any] = {} if local else {"revision": revision, "cache_dir": cache_dir}
@@ -180,7 +180,7 @@ class CausalLMFamily(Family):
         with _quiet_progress():
             tok = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(source, **kw)
             if gguf_file is not None:
-                model = dequantised_gguf(Path(source) / gguf_file).to(dtype)
+                model = dequantised_gguf(Path(source) / gguf_file, sha256=gguf_sha256).to(dtype)
             else:
                 model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kw)
         model.to(device).eval()
@@ -219,7 +219,7 @@ def _drop_gguf_quantization(model: nn.Module) -> None:
     model.hf_quantizer = None
 
 
-def dequantised_gguf(path: Path) -> nn.Module:
+def dequantised_gguf(path: Path, sha256: str | None = None) -> nn.Module:
     """The float32 model a GGUF file holds, dequantised once and kept as safetensors under
     `$RLCD_CACHE/gguf/<name>-<sha256 of the file>-tf<transformers version>/`.
 
@@ -227,7 +227,8 @@ def dequantised_gguf(path: Path) -> nn.Module:
     on a 2-core CPU, more than a head-only run on cached features trains); the safetensors copy loads
     in about a second with the same float32 values. Always dequantised in float32: asked for another
     dtype, transformers keeps the weights packed and casts every matmul, which is slower; callers cast after.
-    A corrupt copy is rebuilt; the copy is written under a temporary name and renamed into place.
+    A corrupt copy is rebuilt; the copy is written under a temporary name and renamed into place. `sha256`: the
+    file's digest when the caller has already checked it (a packaged preset), so the file is not hashed again.
     """
     import transformers
     from transformers import AutoModelForCausalLM
@@ -235,7 +236,8 @@ def dequantised_gguf(path: Path) -> nn.Module:
     from ...data.io import sha256_file
 
     path = Path(path).expanduser().resolve()
-    target = cache_dir() / "gguf" / f"{path.stem}-{sha256_file(path)[:16]}-tf{transformers.__version__}"
+    digest = sha256 or sha256_file(path)
+    target = cache_dir() / "gguf" / f"{path.stem}-{digest[:16]}-tf{transformers.__version__}"
     if (target / "config.json").is_file():
         try:
             return AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
