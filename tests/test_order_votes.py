@@ -81,11 +81,13 @@ def run_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def plain(run_dir) -> Predictor:
-    return Predictor.from_run(run_dir, state_cache_mb=0)
+    # questions asked as sent: the votes here are over the caller's orders (canonical requests: tests/test_canonical.py)
+    return Predictor.from_run(run_dir, state_cache_mb=0, canonical=False)
 
 
 def _voted_predictor(plain: Predictor, n: int, **kw) -> Predictor:
-    return Predictor(plain.model, plain.meta, name=plain.name, order_votes=n, **{"state_cache_mb": 0, **kw})
+    return Predictor(plain.model, plain.meta, name=plain.name, order_votes=n,
+                     **{"state_cache_mb": 0, "canonical": False, **kw})
 
 
 def _probs(answer: dict) -> np.ndarray:
@@ -230,7 +232,8 @@ def test_predict_cli_votes(run_dir, tmp_path, plain):
 
     req = tmp_path / "req.json"
     req.write_text(json.dumps(REQUEST))
-    res = CliRunner().invoke(app, ["predict", str(run_dir), str(req), "--order-votes", "3", "--device", "cpu"])
+    res = CliRunner().invoke(app, ["predict", str(run_dir), str(req), "--order-votes", "3", "--device", "cpu",
+                                   "--as-asked"])
     assert res.exit_code == 0, res.output
     got = json.loads(res.stdout)
     want = _voted_predictor(plain, 3).predict(REQUEST)

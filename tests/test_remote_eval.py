@@ -244,7 +244,9 @@ def test_remote_cli_mistakes_are_one_line_and_write_nothing(tmp_path, data_dir):
 
 @pytest.fixture(scope="module")
 def served_run(tmp_path_factory):
-    """A tiny run trained, evaluated locally (temperatures fitted) and served by `rlcd serve` in a subprocess."""
+    """A tiny run trained, evaluated locally (temperatures fitted) and served by `rlcd serve` in a subprocess, with
+    `--as-asked`: evaluation scores each row as it is written, so the served answers equal it when the server asks
+    each question as sent too (canonical requests would reorder the synthetic choices' options)."""
     from rlcd.data.io import write_jsonl
     from rlcd.data.prepare import prepare
     from rlcd.data.synth import generate
@@ -263,7 +265,7 @@ def served_run(tmp_path_factory):
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLCD_TEST_KEY": "sekret", "RLCD_API_KEY": "sekret"}
     proc = subprocess.Popen([sys.executable, "-m", "rlcd.cli", "serve", "--run", str(base / "run"), "--port", str(port),
-                             "--quiet"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--quiet", "--as-asked"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:

@@ -186,7 +186,8 @@ def app_from_env():
     predictor = load_predictor(Path(cfg["run"]), portable=bool(cfg.get("portable")), limits=lim, placement=placement,
                                name=cfg.get("name"), strict_model=bool(cfg.get("strict_model")),
                                state_cache_mb=cfg.get("state_cache_mb", DEFAULT_STATE_CACHE_MB),
-                               order_votes=int(cfg.get("order_votes", 1)))
+                               order_votes=int(cfg.get("order_votes", 1)),
+                               canonical=bool(cfg.get("canonical", True)))
     return create_app(predictor, image_root=cfg.get("image_root"), limits=lim,
                       batching=BatchingConfig(**cfg["batching"]), api_key=os.environ.get(access.API_KEY_ENV) or None,
                       access_log=cfg.get("access_log") or None, thresholds=cfg.get("thresholds"))
@@ -215,7 +216,7 @@ def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root
           strict_model: bool = False, batching: BatchingConfig | None = None, workers: int = 1,
           api_key: str | None = None, quiet: bool = False, thresholds: Path | str | None = None,
           access_log: str = "text", state_cache_mb: float = DEFAULT_STATE_CACHE_MB, portable: bool = False,
-          order_votes: int = 1, **limits: Any) -> None:
+          order_votes: int = 1, canonical: bool = True, **limits: Any) -> None:
     """Load `run`'s export and serve it with uvicorn until interrupted.
 
     `api_key`: required on /v1/* and /drain (binding a non-loopback host without one prints a warning).
@@ -226,6 +227,7 @@ def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root
     `portable`: `run` is a portable ONNX export directory (`rlcd export --format onnx`), served without torch.
     `order_votes`: each choice question also asked in N-1 other option orders, answered on the mean probabilities
     (`Predictor`; 1: off).
+    `canonical`: canonical requests (`Predictor`, `rlcd.serving.canonical`; False: every question asked as sent).
 
     `workers` > 1 runs that many uvicorn worker processes (uvicorn's own process manager), each with its
     own copy of the model: memory grows by one model per worker; throughput by up to one model's per
@@ -256,12 +258,13 @@ def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root
             "limits": lim.to_dict(), "batching": batching.to_dict(), "name": served_model_name,
             "strict_model": strict_model, "portable": portable,
             "image_root": str(image_root) if image_root is not None else None, "state_cache_mb": state_cache_mb,
-            "order_votes": order_votes,
+            "order_votes": order_votes, "canonical": canonical,
             "thresholds": str(Path(thresholds).resolve()) if thresholds is not None else None})
         uvicorn.run("rlcd.server:app_from_env", factory=True, workers=workers, **server_kw)
         return
     predictor = load_predictor(Path(run), portable=portable, limits=lim, placement=placement, name=served_model_name,
-                               strict_model=strict_model, state_cache_mb=state_cache_mb, order_votes=order_votes)
+                               strict_model=strict_model, state_cache_mb=state_cache_mb, order_votes=order_votes,
+                               canonical=canonical)
     app = create_app(predictor, image_root=image_root, limits=lim, batching=batching, api_key=api_key,
                      access_log=fmt, thresholds=gates)
     uvicorn.run(app, **server_kw)

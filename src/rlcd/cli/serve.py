@@ -31,6 +31,12 @@ def check_state_cache_mb(value: float) -> float:
     return value
 
 
+AsAskedOpt = Annotated[bool, typer.Option(
+    "--as-asked", help="ask every question as sent; by default each is asked in one canonical form (a choice's "
+                       "options sorted by description then id, duplicates once, a yes/no choice or score as a noul) "
+                       "and the answer mapped back to the caller's options (docs/SERVING.md)")]
+
+
 class AccessLog(str, Enum):
     """The access line's format (rlcd.serving.access.ACCESS_FORMATS)."""
 
@@ -51,6 +57,7 @@ def predict(
     image: Annotated[Optional[Path], typer.Option(help="image file for the request")] = None,
     state_cache_mb: StateCacheOpt = STATE_CACHE_MB,
     order_votes: OrderVotesOpt = 1,
+    as_asked: AsAskedOpt = False,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
 ) -> None:
@@ -95,7 +102,8 @@ def predict(
     from rlcd.predict import Predictor
 
     predictor = Predictor.from_run(path, placement=placement(device, dtype), lazy=True,  # loaded only if needed
-                                   state_cache_mb=state_cache_mb, order_votes=order_votes)
+                                   state_cache_mb=state_cache_mb, order_votes=order_votes,
+                                   canonical=not as_asked)
     echo_json(predictor.predict(req, img))
 
 
@@ -142,6 +150,7 @@ def serve(
                                         "instead of a run: onnxruntime + tokenizers + numpy, no torch",
         show_default=False)] = None,
     order_votes: OrderVotesOpt = 1,
+    as_asked: AsAskedOpt = False,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
 ) -> None:
@@ -192,7 +201,7 @@ def serve(
                placement=None if export is not None else placement(device, dtype), portable=export is not None,
                served_model_name=served_model_name, strict_model=strict_model, batching=batching, workers=workers,
                api_key=api_key, quiet=quiet, access_log=(access_log or AccessLog.text).value, thresholds=thresholds,
-               state_cache_mb=state_cache_mb, order_votes=order_votes,
+               state_cache_mb=state_cache_mb, order_votes=order_votes, canonical=not as_asked,
                max_questions=max_questions, max_candidates=max_candidates, max_tokens=max_tokens,
                max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels)
 
