@@ -191,9 +191,10 @@ def test_bad_answers_are_counted_and_listed_never_dropped(tmp_path, data_dir):
     assert "model `fake` at `http://fake`" in md and f"malformed {len(unanswered)}" in md
 
 
-def test_remote_order_votes_average_the_orders_in_candidate_space(tmp_path, data_dir):
+@pytest.mark.parametrize("how", ["mean", "logmean"])
+def test_remote_order_votes_combine_the_orders_in_candidate_space(tmp_path, data_dir, how):
     """A server with a pure position bias (the first option listed gets 0.6): two orders voted give each end
-    option 0.6 / 2 + 0.2 / 2 back in its own place."""
+    option 0.6 / 2 + rest / 2 back in its own place (mean), or sqrt(0.6 rest) renormalised (logmean)."""
     def answer(q):
         if q["type"] != "choice":
             k = 2 if q["type"] == "noul" else len(q["criteria"])
@@ -204,13 +205,17 @@ def test_remote_order_votes_average_the_orders_in_candidate_space(tmp_path, data
         return {"type": "choice", "probabilities": {lab: (0.6 if i == 0 else 0.4 / (k - 1)) for i, lab in enumerate(labels)}}
 
     client = SystemOneClient("http://fake", transport=_fake_server(answer))
-    evaluate_remote("http://fake", data_dir, tmp_path / "v", client=client, progress=False, votes=2)
+    evaluate_remote("http://fake", data_dir, tmp_path / "v", client=client, progress=False, votes=2, vote_combine=how)
     rows = [json.loads(x) for x in (tmp_path / "v" / "eval" / "predictions-test.jsonl").read_text().splitlines()]
     for r in (r for r in rows if r["type"] == "choice"):
         k = len(r["labels"])
         rest = 0.4 / (k - 1)
         expect = [rest] * k  # a middle option is never listed first in either order
-        expect[0] = expect[-1] = (0.6 + rest) / 2
+        if how == "mean":
+            expect[0] = expect[-1] = (0.6 + rest) / 2
+        else:
+            expect[0] = expect[-1] = math.sqrt(0.6 * rest)
+            expect = [x / sum(expect) for x in expect]
         assert [math.exp(x) for x in r["logits"]] == pytest.approx(expect, abs=1e-12), r["labels"]
 
 

@@ -34,8 +34,8 @@ frame, LoRA state or image never hits. `state_cache_stats()` is what monitoring 
 Order votes (`order_votes` N, default 1: off; `rlcd.order_votes`): each choice question of K > 1 options is
 also asked in the other orders of `vote_orders(K, N)`, as extra rows of the same case (more suffixes on the
 same shared prefix: the state still runs once, and a cached state serves them all). Its logits become
-`combine(...)`: log of the mean over orders of softmax(z_o), aligned back to the question's own option order;
-the answer is then made from them as from any logits (the type's temperature applied). noul and score
+`combine(..., vote_combine)`, aligned back to the question's own option order: "logmean" (default) the normalised
+mean of the orders' log-probabilities, "mean" the log of their mean probability; the answer is then made from them as from any logits (the type's temperature applied). noul and score
 questions are never voted. `usage.input_tokens` counts the extra suffixes (they are processed tokens), and
 the batcher's question count (`Prepared.size`) counts them as rows.
 
@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .device import Placement
-from .order_votes import asked, check_votes, vote_plan, voted
+from .order_votes import DEFAULT_COMBINE, asked, check_combine, check_votes, vote_plan, voted
 from .schema import QUESTION_TYPES, RecordError
 from .serving.answer import fixed_answer, make_answer, probabilities
 from .serving.canonical import answer_logits, canonical_questions
@@ -149,7 +149,8 @@ class Predictor:
 
     def __init__(self, model: Any, meta: Mapping[str, Any], *, name: str | None = None,
                  limits: Limits | None = None, strict_model: bool = False, loader: Any = None,
-                 state_cache_mb: float = DEFAULT_STATE_CACHE_MB, order_votes: int = 1, canonical: bool = True):
+                 state_cache_mb: float = DEFAULT_STATE_CACHE_MB, order_votes: int = 1, canonical: bool = True,
+                 vote_combine: str = DEFAULT_COMBINE):
         temps = dict(meta.get("temperatures") or {})
         missing = [t for t in QUESTION_TYPES if t not in temps]
         if missing:
@@ -161,6 +162,7 @@ class Predictor:
             raise ValueError("a Predictor needs a model or a loader of one")
         self.order_votes = check_votes(order_votes)
         self.canonical = bool(canonical)
+        self.vote_combine = check_combine(vote_combine)
         from .model.state_cache import StateCache  # torch only when a state is stored: a portable Predictor has none
 
         self.state_cache = StateCache(state_cache_bytes(state_cache_mb))
@@ -197,17 +199,17 @@ class Predictor:
     def from_run(cls, path: str | Path, *, placement: Placement | None = None, name: str | None = None,
                  limits: Limits | None = None, strict_model: bool = False, lazy: bool = False,
                  state_cache_mb: float = DEFAULT_STATE_CACHE_MB, order_votes: int = 1,
-                 canonical: bool = True) -> "Predictor":
+                 canonical: bool = True, vote_combine: str = DEFAULT_COMBINE) -> "Predictor":
         """Load from a run dir (its `export/`) or an export dir (merged model, temperatures). `lazy`: read only
         the export's metadata now and load the model when a request first needs it (`rlcd predict`: a request
-        whose every question has one option is answered without it). `order_votes`, `canonical`: see the module
+        whose every question has one option is answered without it). `order_votes`, `vote_combine`, `canonical`: see the module
         docstring."""
         from .export import load_export, read_export_meta
         from .run import find_export
 
         name = name or _run_name(Path(path))
         kw = dict(name=name, limits=limits, strict_model=strict_model, state_cache_mb=state_cache_mb,
-                  order_votes=order_votes, canonical=canonical)
+                  order_votes=order_votes, canonical=canonical, vote_combine=vote_combine)
         if lazy:
             meta = read_export_meta(find_export(Path(path)))
             predictor = cls(None, meta, loader=lambda: load_export(Path(path), placement=placement)[0], **kw)
@@ -244,6 +246,7 @@ class Predictor:
                           "1 - E|level - argmax| / E_uniform|level - middle|; noul has none (its answer is P(true))",
             "placement": getattr(self._model, "placement", None),
             "order_votes": self.order_votes,
+            "vote_combine": self.vote_combine,
             "canonical_requests": self.canonical,
         }
 
@@ -304,7 +307,7 @@ class Predictor:
         live = [i for i, p in enumerate(prepared) if p.case is not None]
         if live:
             for i, res in zip(live, self._score_cases([prepared[i].case for i in live])):
-                out[i] = res if isinstance(res, Exception) else (voted(res[0], prepared[i].votes), res[1])
+                out[i] = res if isinstance(res, Exception) else (voted(res[0], prepared[i].votes, self.vote_combine), res[1])
         return out
 
     def _score_cases(self, cases: list[Any]) -> list[Any]:

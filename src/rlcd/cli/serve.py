@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from rlcd.cli._common import (DeviceOpt, DType, DTypeOpt, OrderVotesOpt, RunAlias, RunArg, check_order_votes, echo_json,
-                              placement, run_path)
+from rlcd.cli._common import (DeviceOpt, DType, DTypeOpt, OrderVotesOpt, RunAlias, RunArg, VoteCombine,
+                              VoteCombineOpt, check_order_votes, echo_json, placement, run_path)
 
 # the server's defaults (rlcd.serving.limits.Limits), spelled here so --help needs no import of it
 MAX_QUESTIONS, MAX_CANDIDATES, MAX_TOKENS, MAX_REQUEST_BYTES, MAX_IMAGE_PIXELS = 64, 255, 8192, 8 << 20, 4096 * 4096
@@ -57,6 +57,7 @@ def predict(
     image: Annotated[Optional[Path], typer.Option(help="image file for the request")] = None,
     state_cache_mb: StateCacheOpt = STATE_CACHE_MB,
     order_votes: OrderVotesOpt = 1,
+    vote_combine: VoteCombineOpt = VoteCombine.logmean,
     as_asked: AsAskedOpt = False,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
@@ -103,7 +104,7 @@ def predict(
 
     predictor = Predictor.from_run(path, placement=placement(device, dtype), lazy=True,  # loaded only if needed
                                    state_cache_mb=state_cache_mb, order_votes=order_votes,
-                                   canonical=not as_asked)
+                                   canonical=not as_asked, vote_combine=vote_combine.value)
     echo_json(predictor.predict(req, img))
 
 
@@ -150,6 +151,7 @@ def serve(
                                         "instead of a run: onnxruntime + tokenizers + numpy, no torch",
         show_default=False)] = None,
     order_votes: OrderVotesOpt = 1,
+    vote_combine: VoteCombineOpt = VoteCombine.logmean,
     as_asked: AsAskedOpt = False,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
@@ -202,7 +204,7 @@ def serve(
                served_model_name=served_model_name, strict_model=strict_model, batching=batching, workers=workers,
                api_key=api_key, quiet=quiet, access_log=(access_log or AccessLog.text).value, thresholds=thresholds,
                state_cache_mb=state_cache_mb, order_votes=order_votes, canonical=not as_asked,
-               max_questions=max_questions, max_candidates=max_candidates, max_tokens=max_tokens,
+               vote_combine=vote_combine.value, max_questions=max_questions, max_candidates=max_candidates, max_tokens=max_tokens,
                max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels)
 
 
