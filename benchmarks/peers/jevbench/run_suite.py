@@ -1,0 +1,84 @@
+"""Run a JevBench suite against a System One server and write a summary JSON (+ the full report, gzipped).
+
+Runs in the JevBench venv (`setup.sh`; jevbench and httpx only), called by `run.sh` once `rlcd serve` is ready:
+
+    python run_suite.py --url http://127.0.0.1:PORT --name NAME --suite jevbench-mini --out OUT.json \
+        [--serve-options "..."] [--run RUN]
+
+`--domains`, `--relations`, `--groups` select part of the suite (JevBench's own selection; the overall score is
+reported only when all five dimensions ran). OUT.json holds what the server says it is (`/v1/models`), the settings, and JevBench's scores: overall, per
+dimension (pillars), group and relation (the share of a relation's tests that pass), with the bootstrap intervals
+JevBench computes. OUT.report.json.gz is JevBench's own report (`Report.save`), every outcome included, which
+`jevbench report` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import httpx
+import jevbench as jb
+from importlib.metadata import version
+
+# the relations a server can make hold exactly by answering one canonical form of each question (docs/SERVING.md)
+EXACT = ("option_permutation", "clone_symmetry", "option_clone", "noul_as_choice", "noul_as_score")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url", required=True, help="the server's base URL (http://127.0.0.1:PORT)")
+    ap.add_argument("--name", required=True, help="the model's name in the report (and the `model` field sent)")
+    ap.add_argument("--suite", default="jevbench-mini")
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--serve-options", default="")
+    ap.add_argument("--run", default="")
+    ap.add_argument("--domains", default="", help="comma-separated domains (cases); default: all")
+    ap.add_argument("--relations", default="", help="comma-separated relations; with --groups their union; "
+                                                    "default: every scored relation (the overall score)")
+    ap.add_argument("--groups", default="", help="comma-separated groups, e.g. BAT.isolation")
+    args = ap.parse_args()
+    pick = {k: [x for x in getattr(args, k).split(",") if x] or None for k in ("domains", "relations", "groups")}
+
+    models = httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]
+    model = jb.systemone(f"{args.url}/v1/systemone", model=args.name, timeout=600)
+    start = time.time()
+    report = jb.evaluate(model, suite=args.suite, name=args.name, cache=None, **pick)
+    wall = time.time() - start
+    s = report.scores
+    summary = {
+        "name": args.name,
+        "suite": args.suite,
+        "selection": pick,
+        "jevbench": version("jevbench"),
+        "run": args.run,
+        "serve_options": args.serve_options,
+        "server": {k: models.get(k) for k in ("id", "backbone", "canonical_requests", "order_votes", "vote_combine",
+                                              "temperatures", "checkpoint_sha256", "placement")},
+        "requests": report.result.get("requests"),
+        "errors": len(report.result.get("errors") or []),
+        "wall_seconds": round(wall, 1),
+        "overall": s["overall"],
+        "overall_ci95": s["ci"].get("overall"),
+        "pillars": s["pillars"],
+        "groups": s["groups"],
+        "relations": s["relations"],
+        "graded_relations": s["graded"]["relations"],
+        "exact_relations": {r: s["relations"].get(r) for r in EXACT},
+        "n_cases": s["n_cases"],
+        "tolerance": s["tolerance"],
+        "incomplete": s["incomplete"],
+        "excluded": s["excluded"],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    report.save(args.out.with_name(args.out.stem + ".report.json.gz"))
+    print(report.table("dimension"))
+    print(json.dumps({"overall": s["overall"], "exact": summary["exact_relations"],
+                      "BAT.isolation": s["groups"].get("BAT.isolation"), "wall_seconds": summary["wall_seconds"]}))
+
+
+if __name__ == "__main__":
+    main()
