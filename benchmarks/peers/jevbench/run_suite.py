@@ -27,12 +27,44 @@ from importlib.metadata import version
 EXACT = ("option_permutation", "clone_symmetry", "option_clone", "noul_as_choice", "noul_as_score")
 
 
+def by_type(outcomes: list[dict], relation: str) -> dict[str, dict]:
+    """Pass rate of `relation`'s outcomes per type of the question tested (option_permutation permutes a choice's
+    options but reverses a score's levels: only the first is the same question by construction)."""
+    import jevbench
+
+    types = {}
+    for line in (Path(jevbench.__file__).parent / "suites" / "jevbench-240" / "cases.jsonl").open():
+        case = json.loads(line)
+        types.update({(case["id"], k): q["type"] for k, q in case["questions"].items()})
+    out: dict[str, dict] = {}
+    for o in outcomes:
+        if o.get("relation") != relation:
+            continue
+        t = out.setdefault(types.get((o["case_id"], o["targets"][0]), "?"), {"n": 0, "passed": 0, "max_deviation": 0.0})
+        t["n"] += 1
+        t["passed"] += not o["violated"]
+        t["max_deviation"] = max(t["max_deviation"], float(o["deviation"]))
+    return out
+
+
+def add_by_type(summary_path: Path) -> None:
+    """Add `option_permutation_by_type` to a summary from its saved report (OUT.report.json.gz)."""
+    import gzip
+
+    report = json.load(gzip.open(summary_path.with_name(summary_path.stem + ".report.json.gz"), "rt"))
+    summary = json.loads(summary_path.read_text())
+    summary["option_permutation_by_type"] = by_type(report["result"]["outcomes"], "option_permutation")
+    summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--url", required=True, help="the server's base URL (http://127.0.0.1:PORT)")
-    ap.add_argument("--name", required=True, help="the model's name in the report (and the `model` field sent)")
+    ap.add_argument("--url", help="the server's base URL (http://127.0.0.1:PORT)")
+    ap.add_argument("--name", help="the model's name in the report (and the `model` field sent)")
+    ap.add_argument("--add-by-type", type=Path, help="only add option_permutation_by_type to this summary, from "
+                                                     "its saved report")
     ap.add_argument("--suite", default="jevbench-mini")
-    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--serve-options", default="")
     ap.add_argument("--run", default="")
     ap.add_argument("--domains", default="", help="comma-separated domains (cases); default: all")
@@ -40,6 +72,9 @@ def main() -> None:
                                                     "default: every scored relation (the overall score)")
     ap.add_argument("--groups", default="", help="comma-separated groups, e.g. BAT.isolation")
     args = ap.parse_args()
+    if args.add_by_type:
+        add_by_type(args.add_by_type)
+        return
     pick = {k: [x for x in getattr(args, k).split(",") if x] or None for k in ("domains", "relations", "groups")}
 
     models = httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]
@@ -67,6 +102,7 @@ def main() -> None:
         "relations": s["relations"],
         "graded_relations": s["graded"]["relations"],
         "exact_relations": {r: s["relations"].get(r) for r in EXACT},
+        "option_permutation_by_type": by_type(report.result["outcomes"], "option_permutation"),
         "n_cases": s["n_cases"],
         "tolerance": s["tolerance"],
         "incomplete": s["incomplete"],

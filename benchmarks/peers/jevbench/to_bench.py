@@ -20,6 +20,14 @@ from pathlib import Path
 PUBLISHED = [("open-jev-9b", 83.9, None), ("jevany-gemma-4b", 81.2, None), ("luce", 64.9, None),
              ("laya", 56.5, None), ("uniform answer", 89.4, 0.398)]
 KEY = ("option_permutation", "clone_symmetry", "option_clone", "noul_as_choice", "noul_as_score")
+# columns: option_permutation split by the type tested (a choice's options permuted; a score's levels reversed)
+COLUMNS = ("option_permutation (choice)", "option_permutation (score reversed)", *KEY[1:])
+
+
+def _cells(a: dict) -> list:
+    split = a.get("option_permutation_by_type") or {}
+    perm = [split[t]["passed"] / split[t]["n"] if split.get(t, {}).get("n") else None for t in ("choice", "score")]
+    return perm + [a["relations"].get(r) for r in KEY[1:]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,10 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         overall = a.get("overall")
         rows.append([f"rlcd {a['name']} ({'canonical' if a['server'].get('canonical_requests') else 'as asked'})",
                      None if overall is None else round(100 * overall, 1), round(acc, 4),
-                     *(a["relations"].get(r) for r in KEY), a["groups"].get("BAT.isolation"),
+                     *_cells(a), a["groups"].get("BAT.isolation"),
                      "measured here"])
     for name, score, accuracy in PUBLISHED:
-        rows.append([name, score, accuracy, *([None] * len(KEY)), None, "leaderboard (published)"])
+        rows.append([name, score, accuracy, *([None] * len(COLUMNS)), None, "leaderboard (published)"])
     relations = sorted({r for a in arms for r in a["relations"]})
     out = {
         "suite": arms[0]["suite"],
@@ -51,11 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         "errors": {a["name"]: a["errors"] for a in arms},
         "wall_seconds": {a["name"]: a["wall_seconds"] for a in arms},
         "accuracy_source": f"{args.eval} (calibrated, {ev.get('headline_split', 'test')} split, all types)",
-        "table": {"columns": ["model", "JevBench overall", "accuracy", *KEY, "BAT.isolation", "source"],
+        "table": {"columns": ["model", "JevBench overall", "accuracy", *COLUMNS, "BAT.isolation", "source"],
                   "rows": rows},
         "relations_table": {"columns": ["relation", *(a["name"] for a in arms)],
                             "rows": [[r, *(a["relations"].get(r) for a in arms)] for r in relations]},
         "groups": {a["name"]: a["groups"] for a in arms},
+        "option_permutation_by_type": {a["name"]: a.get("option_permutation_by_type") for a in arms},
         "serve_options": {a["name"]: a["serve_options"] for a in arms},
     }
     cmd = ("python benchmarks/peers/jevbench/to_bench.py --eval " + str(args.eval) + " "
