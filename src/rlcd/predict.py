@@ -35,8 +35,8 @@ Order votes (`order_votes` N, default 1: off; `rlcd.order_votes`): each choice q
 also asked in the other orders of `vote_orders(K, N)`, as extra rows of the same case (more suffixes on the
 same shared prefix: the state still runs once, and a cached state serves them all). Its logits become
 `combine(..., vote_combine)`, aligned back to the question's own option order: "logmean" (default) the normalised
-mean of the orders' log-probabilities, "mean" the log of their mean probability; the answer is then made from them as from any logits (the type's temperature applied). noul and score
-questions are never voted. `usage.input_tokens` counts the extra suffixes (they are processed tokens), and
+mean of the orders' log-probabilities, "mean" the log of their mean probability; the answer is then made from them
+as from any logits (the type's temperature applied). noul and score questions are never voted. `usage.input_tokens` counts the extra suffixes (they are processed tokens), and
 the batcher's question count (`Prepared.size`) counts them as rows.
 
 Canonical requests (`canonical`, default on; `rlcd serve --as-asked` turns them off; `rlcd.serving.canonical`):
@@ -202,8 +202,8 @@ class Predictor:
                  canonical: bool = True, vote_combine: str = DEFAULT_COMBINE) -> "Predictor":
         """Load from a run dir (its `export/`) or an export dir (merged model, temperatures). `lazy`: read only
         the export's metadata now and load the model when a request first needs it (`rlcd predict`: a request
-        whose every question has one option is answered without it). `order_votes`, `vote_combine`, `canonical`: see the module
-        docstring."""
+        whose every question has one option is answered without it). `order_votes`, `vote_combine`, `canonical`: see
+        the module docstring."""
         from .export import load_export, read_export_meta
         from .run import find_export
 
@@ -307,7 +307,8 @@ class Predictor:
         live = [i for i, p in enumerate(prepared) if p.case is not None]
         if live:
             for i, res in zip(live, self._score_cases([prepared[i].case for i in live])):
-                out[i] = res if isinstance(res, Exception) else (voted(res[0], prepared[i].votes, self.vote_combine), res[1])
+                out[i] = res if isinstance(res, Exception) else (
+                    voted(res[0], prepared[i].votes, self.vote_combine), res[1])
         return out
 
     def _score_cases(self, cases: list[Any]) -> list[Any]:
