@@ -117,6 +117,13 @@ def test_save_result_and_benchmarks_md(tmp_path):
     assert "| objective | 3 |" in md and "Not measured yet" not in md
     assert "| `train.mfu` | 0.21 |" in md  # gpu sections are tabulated
     assert "| `per_k.1.row_ratio` | 3.5 |" in md  # so are the cut bench's per-K fields
+    # a result holding {"columns", "rows"} values shows each as a Markdown table (a peer suite beside published rows)
+    report.save_result("peer", "bash peer.sh", {"table": {"columns": ["model", "score", "accuracy"],
+                                                           "rows": [["ours", 72.25, None], ["uniform", 89.4, 0.398]]}},
+                       rd, machine=_fake_machine(0))
+    md_t = report.render_benchmarks_md(report.load_results(rd), rd)
+    assert "| model | score | accuracy |\n|---|---|---|\n| ours | 72.25 | - |\n| uniform | 89.4 | 0.398 |" in md_t
+    (rd / "peer.json").unlink()
     # a missing bench is listed with the command that makes it; junk JSON is refused
     (rd / "gpu.json").unlink()
     md2 = report.render_benchmarks_md(report.load_results(rd), rd)

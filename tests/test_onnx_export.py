@@ -442,3 +442,26 @@ def test_every_file_of_the_portable_export_is_readable_like_the_rest(exported):
     os.umask(old)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in exported.iterdir()}
     assert modes and modes == {name: 0o666 & ~old for name in modes}, oct(old)
+
+
+def test_the_portable_predictor_asks_canonical_requests(exported):
+    """The ONNX runtime's Predictor runs the same canonical requests (rlcd.serving.canonical): a permuted choice and a
+    yes/no choice get the answers of the request and of the noul, within 1e-6; --as-asked (canonical=False) is kept."""
+    from rlcd.portable.runtime import load_portable
+
+    p = load_portable(exported)
+    assert p.info()["canonical_requests"] is True and load_portable(exported, canonical=False).info()[
+        "canonical_requests"] is False
+    crit = {"email": "a written message", "phone": "a call", "chat": "a live chat"}
+
+    def ask(q):
+        return p.predict({"state": "The parcel arrived late.", "questions": {"q": q}})["answers"]["q"]
+
+    base = ask({"type": "choice", "instructions": "Which channel?", "criteria": crit})
+    twin = ask({"type": "choice", "instructions": "Which channel?",
+                "criteria": {k: crit[k] for k in ("chat", "phone", "email")}})
+    assert list(twin["probabilities"]) == ["chat", "phone", "email"]
+    assert all(abs(twin["probabilities"][k] - base["probabilities"][k]) < 1e-6 for k in crit)
+    noul = ask({"type": "noul", "instructions": "Is it late?"})["noul"]
+    yes = ask({"type": "choice", "instructions": "Is it late?", "criteria": {"n": "No", "y": "Yes"}})
+    assert abs(yes["probabilities"]["y"] - noul) < 1e-6

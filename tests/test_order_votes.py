@@ -1,8 +1,9 @@
 """Order votes (issue 46): the pure math, the Predictor (predict / serve), evaluate --order-votes, the CLI, the bench.
 
-The independent computations here are written out in float64 from the definition
-``p_vote = mean_o softmax(z_o)[aligned]``, ``logits_vote = log p_vote``, with each permuted question scored on its
-own by a plain (N = 1) Predictor: they share no code with `rlcd.order_votes.combine` beyond the model call.
+The independent computations here are written out in float64 from the definitions (issue 55: two combinations)
+``mean``: ``p_vote = mean_o softmax(z_o)[aligned]``; ``logmean``: ``p_vote ∝ exp(mean_o log softmax(z_o)[aligned])``,
+with each permuted question scored on its own by a plain (N = 1) Predictor: they share no code with
+`rlcd.order_votes.combine` beyond the model call.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ torch.set_num_threads(1)
 from _tiny_export import tiny_export  # noqa: E402
 from conftest import synth_processed, user_error  # noqa: E402
 
-from rlcd.order_votes import MAX_VOTES, check_votes, combine, vote_orders  # noqa: E402
+from rlcd.order_votes import COMBINES, MAX_VOTES, check_combine, check_votes, combine, vote_orders  # noqa: E402
 from rlcd.predict import Predictor  # noqa: E402
 
 STATE = "The parcel arrived two weeks late, the box was damaged and nobody answers the phone."
@@ -56,21 +57,54 @@ def test_vote_orders_shapes():
             check_votes(bad)
 
 
-def test_combine_is_the_mean_probability_in_candidate_space():
+def _by_hand(zs, orders, how: str) -> list[float]:
+    """The voted log-probabilities in float64 from the definitions, with plain Python math: option i of the question
+    sits at position orders[o].index(i) in order o."""
+    k = len(orders[0])
+    if how == "mean":
+        p = [0.0] * k
+        for z, perm in zip(zs, orders):
+            total = math.fsum(math.exp(float(x)) for x in z)
+            for i in range(k):
+                p[i] += math.exp(float(z[perm.index(i)])) / total / len(orders)
+        return [math.log(x) for x in p]
+    m = [0.0] * k
+    for z, perm in zip(zs, orders):
+        lse = math.log(math.fsum(math.exp(float(x)) for x in z))
+        for i in range(k):
+            m[i] += (float(z[perm.index(i)]) - lse) / len(orders)
+    lse = math.log(math.fsum(math.exp(x) for x in m))
+    return [x - lse for x in m]
+
+
+@pytest.mark.parametrize("how", COMBINES)
+def test_combine_equals_its_definition_in_candidate_space(how):
     rng = np.random.default_rng(0)
     for k, n in ((4, 2), (4, 3), (5, 4), (3, 8), (2, 3)):
         orders = vote_orders(k, n)
         zs = [rng.normal(size=k) * 3 for _ in orders]
-        # independent: option i of the question sits at position orders[o].index(i) in order o
-        p = np.zeros(k, dtype=np.float64)
-        for z, perm in zip(zs, orders):
-            e = [math.exp(float(x)) for x in z]
-            total = sum(e)
-            for i in range(k):
-                p[i] += e[perm.index(i)] / total / len(orders)
-        assert np.allclose(combine(zs, orders), np.log(p), rtol=0, atol=1e-12)
+        got = combine(zs, orders, how)
+        assert np.allclose(got, _by_hand(zs, orders, how), rtol=0, atol=1e-12)
+        assert math.isclose(math.fsum(math.exp(x) for x in got), 1.0, abs_tol=1e-12)  # normalised log-probabilities
     z = [0.3, -1.0, 2.0]
-    assert np.allclose(np.exp(combine([z], [[0, 1, 2]])), np.exp(z) / np.exp(z).sum(), atol=1e-15)  # one order: softmax
+    assert np.allclose(np.exp(combine([z], [[0, 1, 2]], how)), np.exp(z) / np.exp(z).sum(), atol=1e-15)  # one order
+
+
+def test_logmean_cancels_an_additive_position_bias_over_all_cyclic_shifts_and_mean_does_not():
+    """z_o[j] = s[perm_o[j]] + b[j]: over the K cyclic shifts every option sits at every position once, so the
+    log-mean is log softmax(s) exactly; the mean of probabilities is not."""
+    rng = np.random.default_rng(1)
+    for k in (2, 3, 5, 8):
+        s, b = rng.normal(size=k), rng.normal(size=k) * 4
+        orders = vote_orders(k, k)
+        zs = [np.array([s[perm[j]] + b[j] for j in range(k)]) for perm in orders]
+        want = s - np.log(np.exp(s).sum())
+        assert np.allclose(combine(zs, orders, "logmean"), want, rtol=0, atol=1e-12)
+        assert not np.allclose(combine(zs, orders, "mean"), want, rtol=0, atol=1e-3)
+    assert combine([[0.0, 1.0]], [[0, 1]]) == combine([[0.0, 1.0]], [[0, 1]], "logmean")  # the default
+    for bad in ("geo", "", None):
+        with pytest.raises(ValueError, match="vote_combine must be one of logmean, mean"):
+            check_combine(bad)
 
 
 # ------------------------------------------------------------------------------------------- the Predictor
@@ -81,11 +115,13 @@ def run_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def plain(run_dir) -> Predictor:
-    return Predictor.from_run(run_dir, state_cache_mb=0)
+    # questions asked as sent: the votes here are over the caller's orders (canonical requests: tests/test_canonical.py)
+    return Predictor.from_run(run_dir, state_cache_mb=0, canonical=False)
 
 
 def _voted_predictor(plain: Predictor, n: int, **kw) -> Predictor:
-    return Predictor(plain.model, plain.meta, name=plain.name, order_votes=n, **{"state_cache_mb": 0, **kw})
+    return Predictor(plain.model, plain.meta, name=plain.name, order_votes=n,
+                     **{"state_cache_mb": 0, "canonical": False, **kw})
 
 
 def _probs(answer: dict) -> np.ndarray:
@@ -104,9 +140,10 @@ def test_one_vote_is_the_plain_predictor_bit_for_bit(plain):
     assert one.info()["order_votes"] == 1 and _voted_predictor(plain, 3).info()["order_votes"] == 3
 
 
-def _independent(plain: Predictor, qid: str, n: int) -> np.ndarray:
+def _independent(plain: Predictor, qid: str, n: int, how: str = "mean") -> np.ndarray:
     """p_vote of question `qid` in float64: each order asked alone (a request with the permuted criteria) by the plain
-    Predictor, its probabilities mapped back to the question's own options and averaged."""
+    Predictor, its probabilities (mean) or log-probabilities (logmean, then renormalised) mapped back to the
+    question's own options and averaged."""
     q = QUESTIONS[qid]
     labels = list(q["criteria"])
     p = np.zeros(len(labels), dtype=np.float64)
@@ -118,20 +155,21 @@ def _independent(plain: Predictor, qid: str, n: int) -> np.ndarray:
         z = z.double().numpy()
         e = np.exp(z - z.max())
         for j, i in enumerate(perm):
-            p[i] += e[j] / e.sum() / len(orders)
-    return p
+            p[i] += (e[j] / e.sum() if how == "mean" else np.log(e[j] / e.sum())) / len(orders)
+    return p if how == "mean" else np.exp(p) / np.exp(p).sum()
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_votes_equal_an_independent_computation(plain, n):
-    voter = _voted_predictor(plain, n)
+@pytest.mark.parametrize("n, how", [(2, "mean"), (3, "mean"), (2, "logmean"), (3, "logmean")])
+def test_votes_equal_an_independent_computation(plain, n, how):
+    voter = _voted_predictor(plain, n, vote_combine=how)
+    assert voter.info()["vote_combine"] == how
     prepared = voter.prepare(REQUEST)
     logits, _ = voter.score(prepared)
     by_qid = dict(zip(prepared.request.qids, logits))
     answers = voter.predict(REQUEST)["answers"]
     t = plain.temperatures["choice"]
     for qid in ("dept", "channel", "pair"):
-        p = _independent(plain, qid, n)
+        p = _independent(plain, qid, n, how)
         assert np.allclose(np.exp(np.asarray(by_qid[qid], dtype=np.float64)), p, rtol=0, atol=1e-6), qid
         want = p ** (1 / t) / (p ** (1 / t)).sum()  # softmax(log p / T): the answer from the voted logits
         assert np.allclose(_probs(answers[qid]), want, rtol=0, atol=1e-6), qid
@@ -230,7 +268,8 @@ def test_predict_cli_votes(run_dir, tmp_path, plain):
 
     req = tmp_path / "req.json"
     req.write_text(json.dumps(REQUEST))
-    res = CliRunner().invoke(app, ["predict", str(run_dir), str(req), "--order-votes", "3", "--device", "cpu"])
+    res = CliRunner().invoke(app, ["predict", str(run_dir), str(req), "--order-votes", "3", "--device", "cpu",
+                                   "--as-asked"])
     assert res.exit_code == 0, res.output
     got = json.loads(res.stdout)
     want = _voted_predictor(plain, 3).predict(REQUEST)
@@ -249,7 +288,8 @@ def test_bench_votes_reports_time_and_tokens(run_dir, plain):
 
 
 # ------------------------------------------------------------------------------------------- evaluate
-def test_predict_rows_votes_equal_an_independent_computation(plain, tmp_path):
+@pytest.mark.parametrize("how", COMBINES)
+def test_predict_rows_votes_equal_an_independent_computation(plain, tmp_path, how):
     from rlcd.data.synth import generate
     from rlcd.evaluate import predict_rows
     from rlcd.order_votes import permute_question
@@ -259,7 +299,7 @@ def test_predict_rows_votes_equal_an_independent_computation(plain, tmp_path):
     records[0] = records[0].model_copy(update={"case_id": None})  # a voted row without a case of its own
     collator = model.collator()
     plain_rows = predict_rows(model, records, collator)
-    rows = predict_rows(model, records, collator, order_votes=3)
+    rows = predict_rows(model, records, collator, order_votes=3, vote_combine=how)
     assert [r["id"] for r in rows] == [r.id for r in records] and rows[0].get("case_id") is None
     assert any(r.question.type == "choice" for r in records)
     for rec, row, ref in zip(records, rows, plain_rows):
@@ -268,14 +308,12 @@ def test_predict_rows_votes_equal_an_independent_computation(plain, tmp_path):
             assert np.allclose(row["logits"], ref["logits"], rtol=0, atol=1e-5)
             continue
         orders = vote_orders(rec.question.k, 3)
-        p = np.zeros(rec.question.k, dtype=np.float64)
+        zs = []
         for perm in orders:  # each order scored alone, as its own one-row case
             alone = rec.model_copy(update={"question": permute_question(rec.question, perm), "case_id": None,
                                            "target": [rec.target[i] for i in perm], "posterior": None})
-            z = np.asarray(predict_rows(model, [alone], collator)[0]["logits"], dtype=np.float64)
-            e = np.exp(z - z.max())
-            for j, i in enumerate(perm):
-                p[i] += e[j] / e.sum() / len(orders)
+            zs.append(np.asarray(predict_rows(model, [alone], collator)[0]["logits"], dtype=np.float64))
+        p = np.exp(_by_hand(zs, orders, how))
         assert np.allclose(np.exp(row["logits"]), p, rtol=0, atol=1e-6), rec.id
     with pytest.raises(ValueError, match="cache"):
         predict_rows(model, records, collator, order_votes=2, features=object())

@@ -31,6 +31,12 @@ def predictor(run_dir) -> Predictor:
 
 
 @pytest.fixture(scope="module")
+def as_asked(predictor) -> Predictor:
+    """The tiny export's Predictor with canonical requests off: every question asked as sent, as evaluation does."""
+    return Predictor(predictor.model, predictor.meta, name=predictor.name, canonical=False)
+
+
+@pytest.fixture(scope="module")
 def png(tmp_path_factory) -> Path:
     from PIL import Image
 
@@ -147,7 +153,8 @@ def test_confidence_at_the_extremes():
 
 # ------------------------------------------------------------------------------------- temperatures
 @pytest.mark.parametrize("with_image", [False, True])
-def test_probabilities_are_softmax_of_evaluation_logits_over_temperature(predictor, png, with_image):
+def test_probabilities_are_softmax_of_evaluation_logits_over_temperature(as_asked, png, with_image):
+    predictor = as_asked  # evaluation scores each row as it is; canonical requests: tests/test_canonical.py
     from rlcd.evaluate import predict_rows
     from rlcd.model.collate import Collator
     from rlcd.schema import Record, parse_question

@@ -146,30 +146,36 @@ def test_not_probed_counts_add_up_with_reasons():
 # order votes
 
 
-def _independent_voted(z_of, perm, n, k):
-    """float64 by hand: mean over vote orders v of softmax(z(asked order)) mapped back, asked = perm[v[j]]."""
+def _independent_voted(z_of, perm, n, k, how="mean"):
+    """float64 by hand: mean over vote orders v of softmax(z(asked order)) mapped back, asked = perm[v[j]]; logmean:
+    the mean of the log-probabilities, renormalised."""
     acc = np.zeros(k)
     for v in vote_orders(k, n):
         asked = [perm[j] for j in v]
         p = _softmax(z_of(asked))
         back = np.zeros(k)
         for j, orig in enumerate(asked):
-            back[orig] = p[j]
+            back[orig] = p[j] if how == "mean" else np.log(p[j])
         acc += back
-    return acc / len(vote_orders(k, n))
+    acc /= len(vote_orders(k, n))
+    return acc if how == "mean" else np.exp(acc) / np.exp(acc).sum()
 
 
-def test_votes_reduce_flips_and_match_an_independent_float64_computation():
+@pytest.mark.parametrize("how", ["mean", "logmean"])
+def test_votes_reduce_flips_and_match_an_independent_float64_computation(how):
     labels = ["a", "b", "c", "d", "e", "f"]
     recs = [_rec("c3", "choice", labels[:3]), _rec("c4", "choice", labels[:4]), _rec("c6", "choice", labels)]
     score = biased(0.8)
-    res = probe_order_scores(score, recs, votes=[1, 2, 3])
+    res = probe_order_scores(score, recs, votes=[1, 2, 3], vote_combine=how)
+    assert res["vote_combine"] == how
     ch = res["per_type"]["choice"]
     assert ch["votes"]["2"]["flip_rate"] < ch["flip_rate"] and ch["votes"]["3"]["flip_rate"] <= ch["flip_rate"]
     # K = 3 with 3 votes: a cyclic listing votes over the same three orders as the given one, so only the three
     # other listings (reversal, 0-2-1, 1-0-2) can flip
     row3 = [r for r in res["rows"] if r["id"] == "c3"][0]
     assert row3["n_flips_by_votes"]["3"] <= 3 and row3["n_flips_by_votes"]["1"] == 2
+    if how == "logmean":  # all K = 3 cyclic shifts: the additive position bias cancels exactly, no listing flips
+        assert row3["n_flips_by_votes"]["3"] == 0
 
     # the reported TV of each voted comparison equals the hand computation
     from rlcd.analysis.probes import _answer, _plan_item, _score_plan
@@ -180,12 +186,12 @@ def test_votes_reduce_flips_and_match_an_independent_float64_computation():
         def z_of(asked, rec=rec):
             return np.asarray([VALUE[rec.question.labels[i]] for i in asked]) + np.eye(k)[0] * 0.8
 
-        items = [_plan_item(rec, 8, 0, [1, 2, 3])]
+        items = [{**_plan_item(rec, 8, 0, [1, 2, 3]), "combine": how}]
         _score_plan(score, items)
         for name, perm in items[0]["perms"]:
             for n in (1, 2, 3):
-                ref = _independent_voted(z_of, list(range(k)), n, k)
-                got = _independent_voted(z_of, perm, n, k)
+                ref = _independent_voted(z_of, list(range(k)), n, k, how)
+                got = _independent_voted(z_of, perm, n, k, how)
                 assert _answer(items[0], list(range(k)), n, 1.0) == pytest.approx(ref, abs=1e-12)
                 assert _answer(items[0], perm, n, 1.0) == pytest.approx(got, abs=1e-12)
         row = [r for r in res["rows"] if r["id"] == rec.id][0]

@@ -191,9 +191,10 @@ def test_bad_answers_are_counted_and_listed_never_dropped(tmp_path, data_dir):
     assert "model `fake` at `http://fake`" in md and f"malformed {len(unanswered)}" in md
 
 
-def test_remote_order_votes_average_the_orders_in_candidate_space(tmp_path, data_dir):
+@pytest.mark.parametrize("how", ["mean", "logmean"])
+def test_remote_order_votes_combine_the_orders_in_candidate_space(tmp_path, data_dir, how):
     """A server with a pure position bias (the first option listed gets 0.6): two orders voted give each end
-    option 0.6 / 2 + 0.2 / 2 back in its own place."""
+    option 0.6 / 2 + rest / 2 back in its own place (mean), or sqrt(0.6 rest) renormalised (logmean)."""
     def answer(q):
         if q["type"] != "choice":
             k = 2 if q["type"] == "noul" else len(q["criteria"])
@@ -204,13 +205,17 @@ def test_remote_order_votes_average_the_orders_in_candidate_space(tmp_path, data
         return {"type": "choice", "probabilities": {lab: (0.6 if i == 0 else 0.4 / (k - 1)) for i, lab in enumerate(labels)}}
 
     client = SystemOneClient("http://fake", transport=_fake_server(answer))
-    evaluate_remote("http://fake", data_dir, tmp_path / "v", client=client, progress=False, votes=2)
+    evaluate_remote("http://fake", data_dir, tmp_path / "v", client=client, progress=False, votes=2, vote_combine=how)
     rows = [json.loads(x) for x in (tmp_path / "v" / "eval" / "predictions-test.jsonl").read_text().splitlines()]
     for r in (r for r in rows if r["type"] == "choice"):
         k = len(r["labels"])
         rest = 0.4 / (k - 1)
         expect = [rest] * k  # a middle option is never listed first in either order
-        expect[0] = expect[-1] = (0.6 + rest) / 2
+        if how == "mean":
+            expect[0] = expect[-1] = (0.6 + rest) / 2
+        else:
+            expect[0] = expect[-1] = math.sqrt(0.6 * rest)
+            expect = [x / sum(expect) for x in expect]
         assert [math.exp(x) for x in r["logits"]] == pytest.approx(expect, abs=1e-12), r["labels"]
 
 
@@ -510,7 +515,9 @@ def test_remote_cli_mistakes_are_one_line_and_write_nothing(tmp_path, data_dir):
 
 @pytest.fixture(scope="module")
 def served_run(tmp_path_factory):
-    """A tiny run trained, evaluated locally (temperatures fitted) and served by `rlcd serve` in a subprocess."""
+    """A tiny run trained, evaluated locally (temperatures fitted) and served by `rlcd serve` in a subprocess, with
+    `--as-asked`: evaluation scores each row as it is written, so the served answers equal it when the server asks
+    each question as sent too (canonical requests would reorder the synthetic choices' options)."""
     from rlcd.data.io import write_jsonl
     from rlcd.data.prepare import prepare
     from rlcd.data.synth import generate
@@ -529,7 +536,7 @@ def served_run(tmp_path_factory):
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLCD_TEST_KEY": "sekret", "RLCD_API_KEY": "sekret"}
     proc = subprocess.Popen([sys.executable, "-m", "rlcd.cli", "serve", "--run", str(base / "run"), "--port", str(port),
-                             "--quiet"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--quiet", "--as-asked"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:

@@ -137,7 +137,9 @@ def run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def predictor(run) -> Predictor:
-    return Predictor.from_run(run)
+    # as asked: transformers' pipeline asks each question as sent, so rlcd's answers equal its with canonical
+    # requests off (canonical requests: tests/test_canonical.py)
+    return Predictor.from_run(run, canonical=False)
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +198,7 @@ def test_rlcd_serve_answers_like_transformers_pipeline(run, client, tmp_path):
 def test_a_text_decoder_export_answers_like_rlcd_too(tmp_path):
     """The same conformance on the other family (a Llama-shaped decoder with SmolLM2's chat template)."""
     run = _exported(tmp_path, "tiny-llama")
-    client = TestClient(create_app(Predictor.from_run(run)))
+    client = TestClient(create_app(Predictor.from_run(run, canonical=False)))
     requests = transformers_examples()[:3] + variants()[:2] + one_option_requests()[2:]
     theirs = pipeline_answers(run / "export" / "hf", requests, tmp_path)
     for i, (req, their) in enumerate(zip(requests, theirs)):

@@ -10,7 +10,8 @@ Order votes (`order_votes` N > 1, `rlcd evaluate --order-votes N`; `rlcd.order_v
 scored with its options in N-1 other orders, as more rows of its case (its state runs once), and its prediction
 row's `logits` are the voted ones; temperatures, metrics, gates and the report are those of the voted answers, and
 evaluation.json's meta and eval/temperatures.json record `order_votes`. The feature and cut-state caches hold each
-row in its own order only, so a voted evaluation runs the backbone live. It writes no export/: export/ and
+row in its own order only, so a voted evaluation runs the backbone live. `vote_combine` (`--vote-combine`, default
+logmean; `order_votes.combine`) is how the orders are combined, recorded beside `order_votes`. It writes no export/: export/ and
 export/hf/ carry plain answers, whose temperatures a voted calibration does not fit.
 
 Scoring a split is the long part (thousands of rows through the backbone): with `progress` on (the
@@ -33,6 +34,7 @@ from rlcd.device import Placement, resolve_placement
 from rlcd.export import checkpoint_identity, load_checkpoint_model, write_export
 from rlcd.progress import Progress, echo
 from rlcd.run import Run, write_json
+from rlcd.order_votes import DEFAULT_COMBINE
 from rlcd.schema import Record, text_of
 
 SPLITS = ("dev", "calibration", "test")
@@ -49,7 +51,8 @@ def state_excerpt(rec: Record) -> str:
 @torch.no_grad()
 def predict_rows(model, records: list[Record], collator, *, device="cpu", batch_size: int = 32,
                  split: str | None = None, progress: bool = False, shared: bool = True,
-                 features=None, source=None, order_votes: int = 1) -> list[dict[str, Any]]:
+                 features=None, source=None, order_votes: int = 1,
+                 vote_combine: str = DEFAULT_COMBINE) -> list[dict[str, Any]]:
     """One prediction row per record: id, group, type, labels, target, posterior, raw logits, and for
     reading the errors the question's ``instructions`` and a ``state_excerpt`` (older prediction files
     lack these two; every reader treats them as optional). Rows come back in the order of `records`.
@@ -64,7 +67,8 @@ def predict_rows(model, records: list[Record], collator, *, device="cpu", batch_
 
     `order_votes` N > 1: each choice record is also scored in the other orders of `order_votes.vote_orders(K, N)`
     (more rows of its case, so its state runs once; live only: the caches hold one order, so `features` and
-    `source` are refused) and its row's `logits` are `order_votes.combine(...)`; noul and score rows as they are.
+    `source` are refused) and its row's `logits` are `order_votes.combine(..., vote_combine)`; noul and score rows as
+    they are.
     """
     from rlcd.model.case_scoring import full_row_logits
     from rlcd.order_votes import check_votes
@@ -93,7 +97,7 @@ def predict_rows(model, records: list[Record], collator, *, device="cpu", batch_
         else:
             logits = full_row_logits(model, collator, records, batch_size=batch_size, device=device, on_rows=advance)
     if given is not None:
-        records, logits = given, _voted_logits(given, logits, order_votes)
+        records, logits = given, _voted_logits(given, logits, order_votes, vote_combine)
     rows = []
     for rec, lg in zip(records, logits):
         row = {"id": rec.id, "group": rec.group, "type": rec.question.type, "labels": rec.question.labels,
@@ -131,12 +135,12 @@ def _asked_records(records: list[Record], n: int) -> list[Record]:
     return own + extra
 
 
-def _voted_logits(records: list[Record], logits: list[Any], n: int) -> list[Any]:
+def _voted_logits(records: list[Record], logits: list[Any], n: int, how: str = DEFAULT_COMBINE) -> list[Any]:
     """The logits of `_asked_records(records, n)` -> one vector per record (`order_votes.voted`, record by record)."""
     from rlcd.order_votes import vote_plan, voted
 
     plan = vote_plan([r.question for r in records], n)
-    return voted(logits, plan)
+    return voted(logits, plan, how)
 
 
 def _collator(model, data_dir: Path):
@@ -154,11 +158,11 @@ def _records(config: dict, split: str) -> list[Record]:
 
 
 def _score(model, config: dict, split: str, records: list[Record], placement: Placement,
-           progress: bool, source=None, order_votes: int = 1) -> list[dict]:
+           progress: bool, source=None, order_votes: int = 1, vote_combine: str = DEFAULT_COMBINE) -> list[dict]:
     usable = source is not None and source.cache.has(split, (r.id for r in records))
     return predict_rows(model, records, _collator(model, Path(config["data_dir"])), split=split,
                         device=placement.torch_device, progress=progress, source=source if usable else None,
-                        order_votes=order_votes)
+                        order_votes=order_votes, vote_combine=vote_combine)
 
 
 def _features(model, config: dict, use: bool, say: Callable[[str], None] | None = None):
@@ -187,20 +191,21 @@ def _features(model, config: dict, use: bool, say: Callable[[str], None] | None 
     return None
 
 
-def _calibration_key(run: Run, placement: Placement, which: str = "best", order_votes: int = 1) -> dict[str, Any]:
+def _calibration_key(run: Run, placement: Placement, which: str = "best", order_votes: int = 1,
+                     vote_combine: str = DEFAULT_COMBINE) -> dict[str, Any]:
     """What the temperatures depend on: the evaluated checkpoint, the calibration data, the placement, the order
-    votes (recorded only when > 1: a file without the key was fitted on plain answers) and the fit's guard
-    (`rlcd.calibrate.GUARD`: a file fitted before the held-out guard has none, so it is refitted)."""
+    votes and their combination (recorded only when > 1: a file without the key was fitted on plain answers) and the
+    fit's guard (`rlcd.calibrate.GUARD`: a file fitted before the held-out guard has none, so it is refitted)."""
     from rlcd.data.io import sha256_file
 
     cal = run.data_dir / "calibration.jsonl"
     return {"checkpoint_sha256": ckpt.weights_sha256(run.require_checkpoint(which)),
             "calibration_sha256": sha256_file(cal) if cal.is_file() else None, **placement.to_dict(),
-            **({"order_votes": order_votes} if order_votes > 1 else {}), "guard": GUARD}
+            **({"order_votes": order_votes, "vote_combine": vote_combine} if order_votes > 1 else {}), "guard": GUARD}
 
 
 def fit_temperatures(run: Run, calibration_rows: list[dict], placement: Placement,
-                     which: str = "best", order_votes: int = 1) -> dict[str, Any]:
+                     which: str = "best", order_votes: int = 1, vote_combine: str = DEFAULT_COMBINE) -> dict[str, Any]:
     """Fit the per-type temperatures on the calibration predictions and store them in eval/temperatures.json.
 
     The one calibration path: `rlcd calibrate RUN` ends here, and `rlcd evaluate RUN` reuses the stored
@@ -209,18 +214,18 @@ def fit_temperatures(run: Run, calibration_rows: list[dict], placement: Placemen
     """
     temps, infos = fit_per_type(calibration_rows)
     out = {"temperatures": temps, "calibration": infos, "n_rows": len(calibration_rows),
-           **_calibration_key(run, placement, which, order_votes)}
+           **_calibration_key(run, placement, which, order_votes, vote_combine)}
     write_json(run.temperatures_path, out)
     return out
 
 
 def stored_temperatures(run: Run, placement: Placement, which: str = "best",
-                        order_votes: int = 1) -> dict[str, Any] | None:
+                        order_votes: int = 1, vote_combine: str = DEFAULT_COMBINE) -> dict[str, Any] | None:
     """eval/temperatures.json when it matches this checkpoint, calibration data, placement and order votes."""
     if not run.temperatures_path.is_file():
         return None
     stored = json.loads(run.temperatures_path.read_text())
-    key = _calibration_key(run, placement, which, order_votes)
+    key = _calibration_key(run, placement, which, order_votes, vote_combine)
     same = all(stored.get(k) == v for k, v in key.items()) and stored.get("order_votes", 1) == order_votes
     return stored if same else None
 
@@ -278,7 +283,7 @@ def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
                  print_fn: Callable[[str], None] | None = None, which: str = "best",
                  progress: bool = True, allow_data_change: bool = False,
                  feature_cache: bool = True, export: bool = True, command: str = "evaluate",
-                 order_votes: int = 1) -> dict[str, Any]:
+                 order_votes: int = 1, vote_combine: str = DEFAULT_COMBINE) -> dict[str, Any]:
     """Score every held-out split, calibrate, write eval/ and export/, and render the report (see
     `_evaluate_run`), holding the run's lock; refused when the data the run froze at its start changed,
     unless `allow_data_change` (then the changed files are recorded in evaluation.json's meta).
@@ -286,22 +291,23 @@ def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
     `export=False` writes no export/ (a sweep's runs: `rlcd export RUN` writes it later). The test split's
     scoring is recorded beside it as one look (`rlcd.data.looks`; `command` names who looked), and earlier
     looks are said on stderr (`print_fn`, else stderr) and in the report."""
-    from rlcd.order_votes import check_votes
+    from rlcd.order_votes import check_combine, check_votes
 
     check_votes(order_votes)
+    check_combine(vote_combine)
     run = run if isinstance(run, Run) else Run.open(run)
     run.require_checkpoint(which)
     changed = frozen_data_changes(run, allow_data_change, print_fn or echo)
     with run.lock("evaluate"):
         return _evaluate_run(run, placement=placement, print_fn=print_fn, which=which, progress=progress,
                              data_changed=changed, feature_cache=feature_cache, export=export, command=command,
-                             order_votes=order_votes)
+                             order_votes=order_votes, vote_combine=vote_combine)
 
 
 def _evaluate_run(run: Run, *, placement: Placement | None, print_fn: Callable[[str], None] | None,
                   which: str, progress: bool, data_changed: list[str],
                   feature_cache: bool = True, export: bool = True, command: str = "evaluate",
-                  order_votes: int = 1) -> dict[str, Any]:
+                  order_votes: int = 1, vote_combine: str = DEFAULT_COMBINE) -> dict[str, Any]:
     """Score every held-out split, calibrate, write eval/ and export/, and render the report.
 
     `which`: the dev-selected checkpoint ("best", the recipe) or the "last" one (what the final
@@ -320,20 +326,22 @@ def _evaluate_run(run: Run, *, placement: Placement | None, print_fn: Callable[[
     model, config, state = load_checkpoint_model(run, which, placement=placement)
     records = {split: _records(config, split) for split in SPLITS}
     if order_votes > 1:
-        say(f"order votes: each choice question in {order_votes} option orders, scored live (the feature and "
+        say(f"order votes: each choice question in {order_votes} option orders, combined by {vote_combine}, scored "
+            "live (the feature and "
             "cut-state caches hold one order)")
     features = _features(model, config, feature_cache and order_votes == 1, say)
-    preds = {split: _score(model, config, split, records[split], placement, progress, features, order_votes)
+    preds = {split: _score(model, config, split, records[split], placement, progress, features, order_votes,
+                           vote_combine)
              for split in SPLITS}
     for split, rows in preds.items():
         write_jsonl(run.predictions_path(split), rows)
-    stored = stored_temperatures(run, placement, which, order_votes)
+    stored = stored_temperatures(run, placement, which, order_votes, vote_combine)
     if stored is not None:
         say(f"temperatures: {run.temperatures_path} (fitted by `rlcd calibrate` on this checkpoint)")
     else:
         say(f"temperatures: fitting one per type on {len(preds['calibration'])} calibration rows -> "
             f"{run.temperatures_path}")
-    cal = stored or fit_temperatures(run, preds["calibration"], placement, which, order_votes)
+    cal = stored or fit_temperatures(run, preds["calibration"], placement, which, order_votes, vote_combine)
     temps, infos = cal["temperatures"], cal["calibration"]
     data_dir = Path(config["data_dir"])
     baseline = majority_baseline(_records(config, "train"), records["test"]) if records["test"] else None
@@ -345,7 +353,7 @@ def _evaluate_run(run: Run, *, placement: Placement | None, print_fn: Callable[[
         "placement": placement.to_dict(),
         "training_progress": run.training_progress(),
         **({"data_changed": {"files": data_changed, "allowed": True}} if data_changed else {}),
-        **({"order_votes": order_votes} if order_votes > 1 else {}),
+        **({"order_votes": order_votes, "vote_combine": vote_combine} if order_votes > 1 else {}),
     }
     meta.update(_test_look(run, data_dir, preds, meta["checkpoint_sha256"], command, print_fn or echo))
     for line in small_data_warnings(preds, infos):
@@ -429,7 +437,8 @@ def other_data_name(data_dir: Path, name: str | None) -> str:
 
 def evaluate_on_data(run: Run | Path, data_dir: Path, *, name: str | None = None, recalibrate: bool = False,
                      placement: Placement | None = None, which: str = "best", progress: bool = True,
-                     print_fn: Callable[[str], None] | None = None, order_votes: int = 1) -> dict[str, Any]:
+                     print_fn: Callable[[str], None] | None = None, order_votes: int = 1,
+                     vote_combine: str = DEFAULT_COMBINE) -> dict[str, Any]:
     """Score the run's model on another processed data set; write RUN/eval-NAME/ (and nothing else).
 
     Temperatures: the run's own (eval/temperatures.json when fitted on this checkpoint and placement,
@@ -442,9 +451,10 @@ def evaluate_on_data(run: Run | Path, data_dir: Path, *, name: str | None = None
     """
     from rlcd.data.io import load_split
     from rlcd.errors import RunError
-    from rlcd.order_votes import check_votes
+    from rlcd.order_votes import check_combine, check_votes
 
     check_votes(order_votes)
+    check_combine(vote_combine)
     run = run if isinstance(run, Run) else Run.open(run)
     other = check_other_data(data_dir, recalibrate=recalibrate)
     view = run.on_data(other_data_name(other, name))
@@ -458,12 +468,14 @@ def evaluate_on_data(run: Run | Path, data_dir: Path, *, name: str | None = None
                                               else "dev, calibration and test hold no rows"))
     with run.lock("evaluate --data"):  # eval-NAME/ and eval/temperatures.json's reader: one writer, as evaluate
         return _evaluate_on_data(run, view, other, records, recalibrate=recalibrate, placement=placement,
-                                 which=which, progress=progress, print_fn=print_fn, order_votes=order_votes)
+                                 which=which, progress=progress, print_fn=print_fn, order_votes=order_votes,
+                                 vote_combine=vote_combine)
 
 
 def _evaluate_on_data(run: Run, view: Run, other: Path, records: dict[str, list[Record]], *, recalibrate: bool,
                       placement: Placement, which: str, progress: bool,
-                      print_fn: Callable[[str], None] | None, order_votes: int = 1) -> dict[str, Any]:
+                      print_fn: Callable[[str], None] | None, order_votes: int = 1,
+                      vote_combine: str = DEFAULT_COMBINE) -> dict[str, Any]:
     from rlcd.data.io import load_split, sha256_file, write_jsonl
     from rlcd.metrics import majority_baseline
     from rlcd.report import evaluation_from_predictions, write_evaluation, write_report
@@ -473,20 +485,21 @@ def _evaluate_on_data(run: Run, view: Run, other: Path, records: dict[str, list[
     model, config, state = load_checkpoint_model(run, which, placement=placement)
     collator = _collator(model, other)
     preds = {split: predict_rows(model, rows, collator, split=split, device=placement.torch_device,
-                                 progress=progress, order_votes=order_votes) for split, rows in records.items()}
+                                 progress=progress, order_votes=order_votes, vote_combine=vote_combine)
+             for split, rows in records.items()}
     if recalibrate:
         temps, infos = fit_per_type(preds["calibration"])
         source = {"source": f"fitted on {other / 'calibration.jsonl'} (--recalibrate)", "n_rows": len(preds["calibration"]),
                   "calibration_sha256": sha256_file(other / "calibration.jsonl"), "guard": GUARD}
     else:
-        stored = stored_temperatures(run, placement, which, order_votes)
+        stored = stored_temperatures(run, placement, which, order_votes, vote_combine)
         if stored is not None:
             temps, infos = stored["temperatures"], stored["calibration"]
             source = {"source": str(run.temperatures_path.relative_to(run.root)), "n_rows": stored.get("n_rows"),
                       "calibration_sha256": stored.get("calibration_sha256"), "guard": stored.get("guard")}
         else:
             own = _score(model, config, "calibration", _records(config, "calibration"), placement, progress,
-                         order_votes=order_votes)
+                         order_votes=order_votes, vote_combine=vote_combine)
             temps, infos = fit_per_type(own)
             source = {"source": "fitted here on the run's own calibration split (no matching eval/temperatures.json)",
                       "n_rows": len(own), "guard": GUARD,
@@ -497,7 +510,8 @@ def _evaluate_on_data(run: Run, view: Run, other: Path, records: dict[str, list[
     write_json(view.temperatures_path, {"temperatures": temps, "calibration": infos, **source,
                                         "checkpoint_sha256": ckpt.weights_sha256(run.require_checkpoint(which)),
                                         **placement.to_dict(),
-                                        **({"order_votes": order_votes} if order_votes > 1 else {})})
+                                        **({"order_votes": order_votes, "vote_combine": vote_combine}
+                                           if order_votes > 1 else {})})
     train_rows = load_split(other, "train") if (other / "train.jsonl").is_file() else []
     baseline = majority_baseline(train_rows, records["test"]) if records.get("test") and train_rows else None
     meta = {
@@ -510,7 +524,7 @@ def _evaluate_on_data(run: Run, view: Run, other: Path, records: dict[str, list[
         "temperatures_source": source["source"],
         "majority_baseline_from": str(other / "train.jsonl") if baseline is not None else None,
         "placement": placement.to_dict(),
-        **({"order_votes": order_votes} if order_votes > 1 else {}),
+        **({"order_votes": order_votes, "vote_combine": vote_combine} if order_votes > 1 else {}),
     }
     meta.update(_test_look(view, other, preds, meta["checkpoint_sha256"], "evaluate --data", warn))
     ev = evaluation_from_predictions(preds, temps, meta, majority_baseline=baseline)

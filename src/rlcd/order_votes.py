@@ -3,10 +3,17 @@
 A choice answer should not depend on the order its options are listed in. With ``order_votes=N`` a choice
 question of K options is also asked in N-1 other orders (`vote_orders`): for N = 2 the reversal, else the
 cyclic shifts 1..N-1 (shift s puts original option ``(j + s) % K`` at position j). N is capped at K (the
-K cyclic shifts are all the distinct ones; for K = 2 the reversal is the shift). Each order's probabilities
-are mapped back to the question's own option order and averaged (`combine`):
+K cyclic shifts are all the distinct ones; for K = 2 the reversal is the shift). Each order's answer is mapped
+back to the question's own option order and the orders are combined (`combine`, `how`):
 
-    p_vote = mean_o softmax(z_o)[aligned],   logits_vote = log p_vote
+    logmean (default):  logits_vote = m - logsumexp(m),  m = mean_o log_softmax(z_o)[aligned]
+    mean:               logits_vote = log p_vote,        p_vote = mean_o softmax(z_o)[aligned]
+
+logmean is the normalised geometric mean of the orders' probabilities (PriDe, Zheng et al., ICLR 2024; AnyJev's
+`permute`): an additive position bias (b_j added to the logit shown at position j) adds mean_o b_{pos_o(i)} to
+option i's log-mean, which is the same for every option -- so it cancels exactly -- when the orders show every option
+at every position equally often (N = K: all K cyclic shifts; K = 2: the reversal), and is averaged otherwise. The
+mean of probabilities never cancels it exactly. Measured on the demo run: docs/SERVING.md.
 
 The voted logits replace the question's raw logits everywhere downstream (temperatures, answers, metrics),
 so a temperature fitted on voted logits calibrates the voted answer. ``noul`` and ``score`` options carry
@@ -26,6 +33,15 @@ import numpy as np
 from rlcd.schema import Question
 
 MAX_VOTES = 8  # the most orders one question is asked in (each is one more suffix on the shared prefix)
+COMBINES = ("logmean", "mean")  # how the orders' answers are combined (`combine`)
+DEFAULT_COMBINE = "logmean"
+
+
+def check_combine(how: str) -> str:
+    """`how` as a vote combination (one of COMBINES), else a ValueError naming them."""
+    if how not in COMBINES:
+        raise ValueError(f"vote_combine must be one of {', '.join(COMBINES)}, got {how!r}")
+    return how
 
 
 def check_votes(n: int) -> int:
@@ -74,12 +90,25 @@ def _softmax(z: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
-def combine(logits_per_order: Sequence[Sequence[float]], orders: Sequence[Sequence[int]]) -> list[float]:
-    """The voted logits in the original option order: ``log mean_o softmax(z_o)[aligned]`` (float64).
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    y = z - z.max()
+    return y - np.log(np.exp(y).sum())
+
+
+def combine(logits_per_order: Sequence[Sequence[float]], orders: Sequence[Sequence[int]],
+            how: str = DEFAULT_COMBINE) -> list[float]:
+    """The voted logits in the original option order (float64), normalised log-probabilities:
+    `how` "logmean": ``m - logsumexp(m)`` with ``m = mean_o log_softmax(z_o)[aligned]``; "mean":
+    ``log mean_o softmax(z_o)[aligned]``.
 
     `logits_per_order[o]` are the raw logits of the question asked in `orders[o]` (positions of that order)."""
+    check_combine(how)
     if len(logits_per_order) != len(orders) or not orders:
         raise ValueError(f"{len(logits_per_order)} logit rows for {len(orders)} orders")
+    if how == "logmean":
+        m = np.mean([align(_log_softmax(np.asarray(z, dtype=np.float64)), perm)
+                     for z, perm in zip(logits_per_order, orders)], axis=0)
+        return [float(x) for x in _log_softmax(m)]
     p = np.mean([align(_softmax(np.asarray(z, dtype=np.float64)), perm)
                  for z, perm in zip(logits_per_order, orders)], axis=0)
     return [float(x) for x in np.log(np.maximum(p, 1e-300))]
@@ -102,9 +131,9 @@ def asked(questions: Sequence[Question], plan: list[list[list[int]]] | None) -> 
     return list(questions) + [permute_question(q, perm) for q, orders in zip(questions, plan) for perm in orders[1:]]
 
 
-def voted(logits: Sequence[Any], plan: list[list[list[int]]] | None) -> list[Any]:
-    """The logits of the `asked` questions -> one vector per question: a voted question's orders `combine`d (a
-    float64 numpy array), any other question's logits as they came (the same object)."""
+def voted(logits: Sequence[Any], plan: list[list[list[int]]] | None, how: str = DEFAULT_COMBINE) -> list[Any]:
+    """The logits of the `asked` questions -> one vector per question: a voted question's orders `combine`d by `how`
+    (a float64 numpy array), any other question's logits as they came (the same object)."""
     if plan is None:
         return list(logits)
     extra = iter(logits[len(plan):])
@@ -114,9 +143,9 @@ def voted(logits: Sequence[Any], plan: list[list[list[int]]] | None) -> list[Any
             out.append(own)
             continue
         rows = [own] + [next(extra) for _ in orders[1:]]
-        out.append(np.asarray(combine([np.asarray(r, dtype=np.float64) for r in rows], orders)))
+        out.append(np.asarray(combine([np.asarray(r, dtype=np.float64) for r in rows], orders, how)))
     return out
 
 
-__all__ = ["MAX_VOTES", "align", "asked", "check_votes", "combine", "permute_question", "vote_orders", "vote_plan",
+__all__ = ["COMBINES", "DEFAULT_COMBINE", "MAX_VOTES", "align", "asked", "check_combine", "check_votes", "combine", "permute_question", "vote_orders", "vote_plan",
            "voted"]

@@ -34,10 +34,16 @@ frame, LoRA state or image never hits. `state_cache_stats()` is what monitoring 
 Order votes (`order_votes` N, default 1: off; `rlcd.order_votes`): each choice question of K > 1 options is
 also asked in the other orders of `vote_orders(K, N)`, as extra rows of the same case (more suffixes on the
 same shared prefix: the state still runs once, and a cached state serves them all). Its logits become
-`combine(...)`: log of the mean over orders of softmax(z_o), aligned back to the question's own option order;
-the answer is then made from them as from any logits (the type's temperature applied). noul and score
-questions are never voted. `usage.input_tokens` counts the extra suffixes (they are processed tokens), and
+`combine(..., vote_combine)`, aligned back to the question's own option order: "logmean" (default) the normalised
+mean of the orders' log-probabilities, "mean" the log of their mean probability; the answer is then made from them
+as from any logits (the type's temperature applied). noul and score questions are never voted. `usage.input_tokens` counts the extra suffixes (they are processed tokens), and
 the batcher's question count (`Prepared.size`) counts them as rows.
+
+Canonical requests (`canonical`, default on; `rlcd serve --as-asked` turns them off; `rlcd.serving.canonical`):
+each question is asked in its canonical form -- a choice's options in (description, id) order, options with the
+same description once, a yes/no choice or [no, yes] score as the noul -- and its answer mapped back to the caller's
+options (`canonical.answer_logits`), so those forms of one question get the same answer. Order votes are planned
+on the asked questions.
 
 Validation errors raise `PredictError` (a `RecordError`): `.field` is a path into the request
 (`"questions.q1.criteria"`), `.question` the question id where there is one, `.status` the HTTP
@@ -56,9 +62,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .device import Placement
-from .order_votes import asked, check_votes, vote_plan, voted
+from .order_votes import DEFAULT_COMBINE, asked, check_combine, check_votes, vote_plan, voted
 from .schema import QUESTION_TYPES, RecordError
 from .serving.answer import fixed_answer, make_answer, probabilities
+from .serving.canonical import answer_logits, canonical_questions
 from .serving.errors import PredictError
 from .serving.images import load_image_spec, open_image
 from .serving.limits import Limits
@@ -78,6 +85,8 @@ class Prepared:
     # order votes: per scored question (the case's first rows, in order), the orders it is asked in; the rows
     # of the orders after the first follow the scored questions in the case, question by question. None: no votes
     votes: list[list[list[int]]] | None = None
+    # canonical requests: per request question, its canonical form (`serving.canonical`); None: asked as sent
+    canon: list[Any] | None = None
 
     def size(self) -> tuple[int, int]:
         """(questions, tokens) for the batcher's bounds; a voted question counts once per order it is asked in."""
@@ -140,7 +149,8 @@ class Predictor:
 
     def __init__(self, model: Any, meta: Mapping[str, Any], *, name: str | None = None,
                  limits: Limits | None = None, strict_model: bool = False, loader: Any = None,
-                 state_cache_mb: float = DEFAULT_STATE_CACHE_MB, order_votes: int = 1):
+                 state_cache_mb: float = DEFAULT_STATE_CACHE_MB, order_votes: int = 1, canonical: bool = True,
+                 vote_combine: str = DEFAULT_COMBINE):
         temps = dict(meta.get("temperatures") or {})
         missing = [t for t in QUESTION_TYPES if t not in temps]
         if missing:
@@ -151,6 +161,8 @@ class Predictor:
         if model is None and loader is None:
             raise ValueError("a Predictor needs a model or a loader of one")
         self.order_votes = check_votes(order_votes)
+        self.canonical = bool(canonical)
+        self.vote_combine = check_combine(vote_combine)
         from .model.state_cache import StateCache  # torch only when a state is stored: a portable Predictor has none
 
         self.state_cache = StateCache(state_cache_bytes(state_cache_mb))
@@ -186,16 +198,18 @@ class Predictor:
     @classmethod
     def from_run(cls, path: str | Path, *, placement: Placement | None = None, name: str | None = None,
                  limits: Limits | None = None, strict_model: bool = False, lazy: bool = False,
-                 state_cache_mb: float = DEFAULT_STATE_CACHE_MB, order_votes: int = 1) -> "Predictor":
+                 state_cache_mb: float = DEFAULT_STATE_CACHE_MB, order_votes: int = 1,
+                 canonical: bool = True, vote_combine: str = DEFAULT_COMBINE) -> "Predictor":
         """Load from a run dir (its `export/`) or an export dir (merged model, temperatures). `lazy`: read only
         the export's metadata now and load the model when a request first needs it (`rlcd predict`: a request
-        whose every question has one option is answered without it). `order_votes`: see the module docstring."""
+        whose every question has one option is answered without it). `order_votes`, `vote_combine`, `canonical`: see
+        the module docstring."""
         from .export import load_export, read_export_meta
         from .run import find_export
 
         name = name or _run_name(Path(path))
         kw = dict(name=name, limits=limits, strict_model=strict_model, state_cache_mb=state_cache_mb,
-                  order_votes=order_votes)
+                  order_votes=order_votes, canonical=canonical, vote_combine=vote_combine)
         if lazy:
             meta = read_export_meta(find_export(Path(path)))
             predictor = cls(None, meta, loader=lambda: load_export(Path(path), placement=placement)[0], **kw)
@@ -233,6 +247,8 @@ class Predictor:
                           "1 - E|level - argmax| / E_uniform|level - middle|; noul has none (its answer is P(true))",
             "placement": getattr(self._model, "placement", None),
             "order_votes": self.order_votes,
+            "vote_combine": self.vote_combine,
+            "canonical_requests": self.canonical,
         }
 
     # ------------------------------------------------------------------ answering
@@ -256,11 +272,13 @@ class Predictor:
             decoded = load_image_spec(field, spec, image_root, lim, parts)
         else:
             decoded = None
-        scored = [i for i, q in enumerate(parsed.questions) if q.k > 1]  # one option: a fixed answer, no model
+        canon = canonical_questions(parsed.questions) if self.canonical else None
+        asking = [c.asked for c in canon] if canon is not None else parsed.questions
+        scored = [i for i, q in enumerate(asking) if q.k > 1]  # one option: a fixed answer, no model
         if not scored:
-            return Prepared(parsed, decoded, None)
+            return Prepared(parsed, decoded, None, canon=canon)
         qids = [parsed.qids[i] for i in scored]
-        questions = [parsed.questions[i] for i in scored]
+        questions = [asking[i] for i in scored]
         votes = vote_plan(questions, self.order_votes)  # the other orders: more rows of the same case
         ids = qids + [qid for qid, orders in zip(qids, votes or []) for _ in orders[1:]]  # an error names its question
         try:
@@ -272,7 +290,7 @@ class Predictor:
             from .model.state_cache import image_digest
 
             case.image_digest = image_digest(case.pixel_values, case.grid)  # here, off the model thread
-        return Prepared(parsed, decoded, case, votes)
+        return Prepared(parsed, decoded, case, votes, canon)
 
     def score(self, prepared: Prepared) -> tuple[list[Any], dict]:
         """The model call for one request: logits per question and usage (serialised by a lock)."""
@@ -290,7 +308,8 @@ class Predictor:
         live = [i for i, p in enumerate(prepared) if p.case is not None]
         if live:
             for i, res in zip(live, self._score_cases([prepared[i].case for i in live])):
-                out[i] = res if isinstance(res, Exception) else (voted(res[0], prepared[i].votes), res[1])
+                out[i] = res if isinstance(res, Exception) else (
+                    voted(res[0], prepared[i].votes, self.vote_combine), res[1])
         return out
 
     def _score_cases(self, cases: list[Any]) -> list[Any]:
@@ -330,11 +349,17 @@ class Predictor:
         """The System One response from the logits."""
         r = prepared.request
         answers = {}
-        scored = iter(logits)  # the logits of the questions with more than one option, in order
-        for qid, q in zip(r.qids, r.questions):
+        scored = iter(logits)  # the logits of the questions asked with more than one option, in order
+        for i, (qid, q) in enumerate(zip(r.qids, r.questions)):
             levels = r.raw_criteria.get(qid) if q.type == "score" else None
-            answers[qid] = (fixed_answer(q, levels) if q.k == 1
-                            else make_answer(q, next(scored), self.temperatures[q.type], levels=levels))
+            c = prepared.canon[i] if prepared.canon is not None else None
+            if q.k == 1:
+                answers[qid] = fixed_answer(q, levels)
+            elif c is None or c.asked is q:
+                answers[qid] = make_answer(q, next(scored), self.temperatures[q.type], levels=levels)
+            else:  # asked in canonical form: mapped back to the caller's options
+                z, t = answer_logits(c, next(scored) if c.asked.k > 1 else None, self.temperatures)
+                answers[qid] = make_answer(q, z, t, levels=levels)
         read_image = prepared.image is not None and prepared.case is not None
         out = {"model": r.model if r.model is not None else self.name, "answers": answers,
                "usage": {"input_tokens": int(usage["input_tokens"]), "output_tokens": 0,

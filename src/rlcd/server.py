@@ -186,7 +186,9 @@ def app_from_env():
     predictor = load_predictor(Path(cfg["run"]), portable=bool(cfg.get("portable")), limits=lim, placement=placement,
                                name=cfg.get("name"), strict_model=bool(cfg.get("strict_model")),
                                state_cache_mb=cfg.get("state_cache_mb", DEFAULT_STATE_CACHE_MB),
-                               order_votes=int(cfg.get("order_votes", 1)), threads=cfg.get("threads"))
+                               order_votes=int(cfg.get("order_votes", 1)), threads=cfg.get("threads"),
+                               canonical=bool(cfg.get("canonical", True)),
+                               vote_combine=cfg.get("vote_combine", "logmean"))
     return create_app(predictor, image_root=cfg.get("image_root"), limits=lim,
                       batching=BatchingConfig(**cfg["batching"]), api_key=os.environ.get(access.API_KEY_ENV) or None,
                       access_log=cfg.get("access_log") or None, thresholds=cfg.get("thresholds"))
@@ -220,7 +222,8 @@ def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root
           strict_model: bool = False, batching: BatchingConfig | None = None, workers: int = 1,
           api_key: str | None = None, quiet: bool = False, thresholds: Path | str | None = None,
           access_log: str = "text", state_cache_mb: float = DEFAULT_STATE_CACHE_MB, portable: bool = False,
-          order_votes: int = 1, threads: int | None = None, **limits: Any) -> None:
+          order_votes: int = 1, threads: int | None = None, canonical: bool = True, vote_combine: str = "logmean",
+          **limits: Any) -> None:
     """Load `run`'s export and serve it with uvicorn until interrupted.
 
     `api_key`: required on /v1/* and /drain (binding a non-loopback host without one prints a warning).
@@ -230,7 +233,9 @@ def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root
     `state_cache_mb`: each process's state cache (`Predictor`; 0 turns it off; a portable export has none).
     `portable`: `run` is a portable ONNX export directory (`rlcd export --format onnx`), served without torch.
     `order_votes`: each choice question also asked in N-1 other option orders, answered on the mean probabilities
-    (`Predictor`; 1: off). `threads`: the model's CPU threads (`load_predictor`).
+    (`Predictor`; 1: off), combined by `vote_combine` ("logmean" or "mean", `rlcd.order_votes.combine`).
+    `threads`: the model's CPU threads (`load_predictor`).
+    `canonical`: canonical requests (`Predictor`, `rlcd.serving.canonical`; False: every question asked as sent).
 
     `workers` > 1 runs that many uvicorn worker processes (uvicorn's own process manager), each with its
     own copy of the model: memory grows by one model per worker; throughput by up to one model's per
@@ -261,13 +266,13 @@ def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root
             "limits": lim.to_dict(), "batching": batching.to_dict(), "name": served_model_name,
             "strict_model": strict_model, "portable": portable,
             "image_root": str(image_root) if image_root is not None else None, "state_cache_mb": state_cache_mb,
-            "order_votes": order_votes, "threads": threads,
+            "order_votes": order_votes, "threads": threads, "canonical": canonical, "vote_combine": vote_combine,
             "thresholds": str(Path(thresholds).resolve()) if thresholds is not None else None})
         uvicorn.run("rlcd.server:app_from_env", factory=True, workers=workers, **server_kw)
         return
     predictor = load_predictor(Path(run), portable=portable, limits=lim, placement=placement, name=served_model_name,
                                strict_model=strict_model, state_cache_mb=state_cache_mb, order_votes=order_votes,
-                               threads=threads)
+                               threads=threads, canonical=canonical, vote_combine=vote_combine)
     app = create_app(predictor, image_root=image_root, limits=lim, batching=batching, api_key=api_key,
                      access_log=fmt, thresholds=gates)
     uvicorn.run(app, **server_kw)

@@ -29,7 +29,7 @@ Per comparison:
 
 **Order votes** (``votes``, choice only; ``rlcd.order_votes``): with N votes a choice answer is
 ``log mean_o softmax(z_o)`` over the orders ``vote_orders(K, N)`` of the listing it is asked in, aligned
-back (``order_votes.combine``). The voted answer under the original listing is compared with the voted
+back (``order_votes.combine``, by ``vote_combine``: logmean by default, or mean). The voted answer under the original listing is compared with the voted
 answer under each probe order (voted from that order's listing: asked orders ``perm[v[j]]``). N = 1 is the
 plain answer; noul and score are never voted. Every distinct asked order of a question is scored once.
 
@@ -72,6 +72,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from rlcd.errors import OptionError
+from rlcd.order_votes import DEFAULT_COMBINE, check_combine
 from rlcd.run import Run
 from rlcd.schema import QUESTION_TYPES, Record, text_of
 
@@ -409,7 +410,7 @@ def _answer(it: dict[str, Any], perm: Sequence[int], n: int, temperature: float)
     orders = [_compose(perm, v) for v in it["votes"][n]]
     if len(orders) == 1:
         return align(softmax(it["z"][orders[0]], temperature), orders[0])
-    return softmax(np.asarray(combine([it["z"][o] for o in orders], orders)), temperature)
+    return softmax(np.asarray(combine([it["z"][o] for o in orders], orders, it.get("combine", DEFAULT_COMBINE))), temperature)
 
 
 def _evaluate_item(it: dict[str, Any], temperature: float) -> dict[str, Any]:
@@ -493,7 +494,7 @@ def _question_table(rows: list[dict[str, Any]], votes: Sequence[int], *, resampl
 
 
 def probe_order_scores(score_fn: ScoreFn, records: Sequence[Record], *, max_perms: int = 8,
-                       votes: Sequence[int] | int = DEFAULT_VOTES,
+                       votes: Sequence[int] | int = DEFAULT_VOTES, vote_combine: str = DEFAULT_COMBINE,
                        temperatures: Mapping[str, float] | float | None = None, resamples: int = RESAMPLES,
                        seed: int = 0, keep_rows: bool = True) -> dict[str, Any]:
     """The order probe with any scorer ``score_fn(records) -> logits per record`` (see module doc).
@@ -504,6 +505,7 @@ def probe_order_scores(score_fn: ScoreFn, records: Sequence[Record], *, max_perm
 
     records = list(records)
     vote_list = check_vote_list(votes)
+    check_combine(vote_combine)
     if max_perms < 1:
         raise ValueError(f"max_perms must be >= 1, got {max_perms}")
     if resamples < 1:
@@ -514,7 +516,7 @@ def probe_order_scores(score_fn: ScoreFn, records: Sequence[Record], *, max_perm
         if isinstance(it, str):
             not_probed.append({"id": rec.id, "type": rec.question.type, "reason": it})
         else:
-            items.append(it)
+            items.append({**it, "combine": vote_combine})
     _score_plan(score_fn, items)
     rows = []
     for it in items:
@@ -547,6 +549,7 @@ def probe_order_scores(score_fn: ScoreFn, records: Sequence[Record], *, max_perm
         "n_records": len(records),
         "max_perms": max_perms,
         "votes": vote_list,
+        "vote_combine": vote_combine,
         "seed": seed,
         "resamples": resamples,
         "confidence": CONFIDENCE,
@@ -586,11 +589,11 @@ def probe_order_scores(score_fn: ScoreFn, records: Sequence[Record], *, max_perm
 def probe_order(model, records: Sequence[Record], collator, *, max_perms: int = 8, device: Any = "cpu",
                 batch_size: int = 32, temperatures: Mapping[str, float] | float | None = None,
                 votes: Sequence[int] | int = DEFAULT_VOTES, resamples: int = RESAMPLES, seed: int = 0,
-                keep_rows: bool = True, shared: bool = True) -> dict[str, Any]:
+                keep_rows: bool = True, shared: bool = True, vote_combine: str = DEFAULT_COMBINE) -> dict[str, Any]:
     """Order probe of a DecisionModel (``model(batch) -> logits``) with its Collator (``model_scorer``)."""
     return probe_order_scores(model_scorer(model, collator, device=device, batch_size=batch_size, shared=shared),
                               records, max_perms=max_perms, temperatures=temperatures, votes=votes,
-                              resamples=resamples, seed=seed, keep_rows=keep_rows)
+                              resamples=resamples, seed=seed, keep_rows=keep_rows, vote_combine=vote_combine)
 
 
 def load_run_model(run_dir: Path, *, placement: Any = None):
@@ -664,7 +667,7 @@ def check_probe_order_options(*, limit: int | None, max_perms: int, votes: Seque
 def probe_order_run(run_dir: Path, *, split: str = "test", limit: int | None = None, data_dir: Path | None = None,
                     max_perms: int = 8, calibrated: bool = False, batch_size: int = 32, placement: Any = None,
                     votes: Sequence[int] | int = DEFAULT_VOTES, resamples: int = RESAMPLES, seed: int = 0,
-                    save: bool = True) -> dict[str, Any]:
+                    save: bool = True, vote_combine: str = DEFAULT_COMBINE) -> dict[str, Any]:
     """Load a run, read ``split`` of its data dir (or ``data_dir``) and run the order probe.
 
     ``limit`` keeps the first N records of each type (file order). Scoring the run's own test split (``split``
@@ -702,7 +705,8 @@ def probe_order_run(run_dir: Path, *, split: str = "test", limit: int | None = N
     device = model.device
     collator = model.collator(image_root=data_dir)
     out = probe_order(model, records, collator, max_perms=max_perms, device=device, batch_size=batch_size,
-                      temperatures=temps if calibrated else None, votes=votes, resamples=resamples, seed=seed)
+                      temperatures=temps if calibrated else None, votes=votes, resamples=resamples, seed=seed,
+                      vote_combine=vote_combine)
     out.update(run=str(run_dir), split=split, data_dir=str(data_dir), limit=limit, calibrated=calibrated,
                placement=model.placement, checkpoint_sha256=scored_checkpoint(run_dir), saved=None)
     if save and split == "test" and own is not None and data_dir.resolve() == Path(own).resolve():

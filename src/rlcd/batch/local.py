@@ -42,12 +42,15 @@ class PredictorSpec:
     threads: int | None = None
     order_votes: int = 1
     state_cache_mb: float = 256.0
+    canonical: bool = True
+    vote_combine: str = "logmean"
 
     def load(self) -> Any:
         if self.export is not None:
             from rlcd.portable.runtime import load_portable
 
-            return load_portable(self.export, threads=self.threads, order_votes=self.order_votes)
+            return load_portable(self.export, threads=self.threads, order_votes=self.order_votes,
+                                 canonical=self.canonical, vote_combine=self.vote_combine)
         if self.threads:
             import torch
 
@@ -56,12 +59,14 @@ class PredictorSpec:
         from rlcd.predict import Predictor
 
         return Predictor.from_run(self.run, placement=resolve_placement(self.device, self.dtype), lazy=True,
-                                  state_cache_mb=self.state_cache_mb, order_votes=self.order_votes)
+                                  state_cache_mb=self.state_cache_mb, order_votes=self.order_votes,
+                                  canonical=self.canonical, vote_combine=self.vote_combine)
 
     def identity(self) -> dict[str, Any]:
         """What a resumed job must share with its start: the model and the options that change answers."""
         src = Path(self.export or self.run).resolve()
-        return {"model": str(src), "portable": self.export is not None, "order_votes": self.order_votes}
+        return {"model": str(src), "portable": self.export is not None, "order_votes": self.order_votes,
+                "canonical": self.canonical, "vote_combine": self.vote_combine}
 
 
 def _reject(e: Exception) -> dict[str, str]:

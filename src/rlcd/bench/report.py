@@ -54,6 +54,10 @@ HEADLINE = {
     "train": ("model", "hidden", "device", "batch_size", "grad_accum", "updates", "warmup_updates", "mean_row_tokens",
               "step_ms", "examples_per_s", "tokens_per_s", "objective_share", "objective_pass",
               "sampler_rows_per_s", "sampler_pass"),
+    "vote-combine": ("run", "split", "type", *(f"{k}.{n}" for n in (2, 4) for k in ("lower_nll", "nll_paired")),
+                     *(f"arms.{c}-{n}.{k}" for n in (2, 4) for c in ("logmean", "mean") for k in ("nll", "nll_ci95")),
+                     *(f"probe.{c}.{n}.{k}" for c in ("logmean", "mean") for n in (1, 2, 4)
+                       for k in ("flip_rate", "flip_rate95"))),
     "train-case": tuple(f"models.{m}.{k}" for m in ("tiny", "tiny-llama", "smollm2-135m")
                         for k in ("row.examples_per_s", "case.examples_per_s", "speedup", "full_tokens_per_row",
                                   "run_tokens_per_row", "token_ratio", "whole_case_token_ratio",
@@ -278,6 +282,18 @@ def _parts_table(res: dict) -> list[str]:
     return lines
 
 
+def _tables(res: dict) -> list[str]:
+    """Every `{"columns": [...], "rows": [[...], ...]}` value of `res` (a result that is a table, e.g. a peer suite's
+    scores beside published ones) as a Markdown table, titled by its key."""
+    lines: list[str] = []
+    for key, val in res.items():
+        if isinstance(val, dict) and isinstance(val.get("columns"), list) and isinstance(val.get("rows"), list):
+            lines += [f"`{key}`:", "", "| " + " | ".join(map(str, val["columns"])) + " |",
+                      "|" + "---|" * len(val["columns"])]
+            lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in val["rows"]] + [""]
+    return lines
+
+
 def render_benchmarks_md(records: list[dict], results_dir: str | Path = RESULTS_DIR) -> str:
     lines = [
         "# Benchmarks",
@@ -303,6 +319,7 @@ def render_benchmarks_md(records: list[dict], results_dir: str | Path = RESULTS_
         head = [(k, v) for k, v in head if v is not KeyError]
         if head:
             lines += _table(head, ("result", "value")) + [""]
+        lines += _tables(res)
         if name == "train":
             pt = _parts_table(res)
             if pt:

@@ -27,9 +27,19 @@ RunAlias = Annotated[Optional[Path], typer.Option("--run", help="the run directo
                                                    show_default=False)]
 
 MAX_ORDER_VOTES = 8  # rlcd.order_votes.MAX_VOTES, spelled here so --help imports nothing of it
+class VoteCombine(str, Enum):
+    """How order votes combine the orders' answers (rlcd.order_votes.COMBINES)."""
+
+    logmean = "logmean"
+    mean = "mean"
+
+
+VoteCombineOpt = Annotated[VoteCombine, typer.Option(
+    help="how --order-votes combines the orders: logmean (the normalised mean of log-probabilities, PriDe: cancels "
+         "an additive position bias) or mean (the mean probability)")]
 OrderVotesOpt = Annotated[int, typer.Option(
     "--order-votes", metavar="N", help=f"ask each choice question in N option orders (1..{MAX_ORDER_VOTES}; 1 = "
-                                       "off) and answer on the mean probabilities; each extra order is one more "
+                                       "off), combined by --vote-combine; each extra order is one more "
                                        "suffix on the shared state (docs/SERVING.md)")]
 
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Optional, Union
 
 import typer
 
-from rlcd.cli._common import DeviceOpt, DType, DTypeOpt, placement
+from rlcd.cli._common import DeviceOpt, DType, DTypeOpt, VoteCombine, VoteCombineOpt, placement
 
 analyze_app = typer.Typer(help="Model-free analyses (toy bias of the smoothed score).", no_args_is_help=True)
 probe_app = typer.Typer(help="Probes of a trained run: candidate order, coherence of derived forms, noise over-sharpening.", no_args_is_help=True)
@@ -267,6 +267,7 @@ def probe_order(
                                                 "sample); K <= 4 is asked in all K!-1 other orders")] = 8,
     order_votes: Annotated[str, typer.Option(help="comma-separated order-vote counts N to report for choice (1, the "
                                                   "plain answer, always)")] = "1,2",
+    vote_combine: VoteCombineOpt = VoteCombine.logmean,
     resamples: Annotated[int, typer.Option(help="bootstrap resamples over cases for the 95% intervals")] = 1000,
     seed: Annotated[int, typer.Option(help="seed of the sampled orders and of the bootstrap")] = 0,
     calibrated: Annotated[bool, typer.Option(help="apply the run's temperatures (TV only; flips do not change)")]
@@ -296,7 +297,8 @@ def probe_order(
     try:
         result = probe_order_run(run, split=split, limit=limit, data_dir=data, max_perms=max_perms,
                                  calibrated=calibrated, batch_size=batch_size, placement=placement(device, dtype),
-                                 votes=votes, resamples=resamples, seed=seed)
+                                 votes=votes, resamples=resamples, seed=seed,
+                                 vote_combine=vote_combine.value)
     except (ValueError, FileNotFoundError) as e:
         _fail(e)
     table = Table(title=f"option-order probe: {run} ({split})", box=box.SIMPLE, padding=(0, 1))

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from rlcd.cli._common import DeviceOpt, DType, DTypeOpt, RunArg, echo_json, placement
+from rlcd.cli._common import DeviceOpt, DType, DTypeOpt, RunArg, VoteCombine, VoteCombineOpt, echo_json, placement
 
 
 class Which(str, Enum):
@@ -59,7 +59,8 @@ def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = D
                  "--order-votes", metavar="N", help="evaluate the answers voted over N option orders of each choice "
                                                     "question (1..8; 1 = off): scored live, no export/ written "
                                                     "(docs/SERVING.md); with --remote the orders go out as extra "
-                                                    "questions of each request and are averaged here")] = 1,
+                                                    "questions of each request and are combined here")] = 1,
+             vote_combine: VoteCombineOpt = VoteCombine.logmean,
              remote: Annotated[Optional[str], typer.Option(
                  "--remote", metavar="URL", help="score any System One server instead of a run (no RUN): with --data D "
                                                  "and --out DIR; see `rlcd.remote`")] = None,
@@ -101,7 +102,8 @@ def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = D
     check_order_votes(order_votes)
     if remote is not None:  # votes: each choice question sent in N orders within its request, averaged here
         _evaluate_remote(run, remote, data=data, out=out, split=split, api_key_env=api_key_env, model=remote_model,
-                         concurrency=concurrency, recalibrate=recalibrate, order_votes=order_votes, max_lost=max_lost)
+                         concurrency=concurrency, recalibrate=recalibrate, order_votes=order_votes, max_lost=max_lost,
+                         vote_combine=vote_combine.value)
         return
     for name, value, default in (("--split", split, "test"), ("--api-key-env", api_key_env, None),
                                  ("--remote-model", remote_model, None), ("--concurrency", concurrency, 4),
@@ -114,15 +116,16 @@ def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = D
     r = Run.open(run_path(run, None))
     if data is not None:
         print_summary(evaluate_on_data(r, data, name=out, recalibrate=recalibrate, placement=placement(device, dtype),
-                                       print_fn=echo, which=checkpoint.value, order_votes=order_votes))
+                                       print_fn=echo, which=checkpoint.value, order_votes=order_votes,
+                                       vote_combine=vote_combine.value))
         return
     print_summary(evaluate_run(r, placement=placement(device, dtype), print_fn=echo, which=checkpoint.value,
                                allow_data_change=allow_data_change, feature_cache=not no_cache,
-                               order_votes=order_votes))
+                               order_votes=order_votes, vote_combine=vote_combine.value))
 
 
 def _evaluate_remote(run, url: str, *, data, out, split: str, api_key_env, model, concurrency: int,
-                     recalibrate: bool, order_votes: int, max_lost: float = 0.05) -> None:
+                     recalibrate: bool, order_votes: int, max_lost: float = 0.05, vote_combine: str = "logmean") -> None:
     """`rlcd evaluate --remote URL --data D --out DIR`: checks the options, then `rlcd.remote.evaluate_remote`."""
     import os
 
@@ -151,7 +154,7 @@ def _evaluate_remote(run, url: str, *, data, out, split: str, api_key_env, model
         raise OptionError(str(e)) from None
     try:
         ev = evaluate_remote(url, data, Path(out), split=split, api_key=key, model=model, concurrency=concurrency,
-                             votes=order_votes, print_fn=echo, max_lost=max_lost)
+                             votes=order_votes, vote_combine=vote_combine, print_fn=echo, max_lost=max_lost)
     except RowsLost as e:  # DIR is written: its summary first, then the one-line error and exit 3
         print_summary(e.evaluation)
         raise

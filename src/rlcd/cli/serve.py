@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from rlcd.cli._common import (DeviceOpt, DType, DTypeOpt, OrderVotesOpt, RunAlias, RunArg, check_order_votes, echo_json,
-                              placement, run_path)
+from rlcd.cli._common import (DeviceOpt, DType, DTypeOpt, OrderVotesOpt, RunAlias, RunArg, VoteCombine,
+                              VoteCombineOpt, check_order_votes, echo_json, placement, run_path)
 
 # the server's defaults (rlcd.serving.limits.Limits), spelled here so --help needs no import of it
 MAX_QUESTIONS, MAX_CANDIDATES, MAX_TOKENS, MAX_REQUEST_BYTES, MAX_IMAGE_PIXELS = 64, 255, 8192, 8 << 20, 4096 * 4096
@@ -29,6 +29,12 @@ def check_state_cache_mb(value: float) -> float:
     if not (math.isfinite(value) and value >= 0):
         raise OptionError(f"--state-cache-mb {value:g}: give a size in MiB >= 0 (0 turns the state cache off)")
     return value
+
+
+AsAskedOpt = Annotated[bool, typer.Option(
+    "--as-asked", help="ask every question as sent; by default each is asked in one canonical form (a choice's "
+                       "options sorted by description then id, duplicates once, a yes/no choice or score as a noul) "
+                       "and the answer mapped back to the caller's options (docs/SERVING.md)")]
 
 
 class AccessLog(str, Enum):
@@ -51,6 +57,8 @@ def predict(
     image: Annotated[Optional[Path], typer.Option(help="image file for the request")] = None,
     state_cache_mb: StateCacheOpt = STATE_CACHE_MB,
     order_votes: OrderVotesOpt = 1,
+    vote_combine: VoteCombineOpt = VoteCombine.logmean,
+    as_asked: AsAskedOpt = False,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
     input: Annotated[Optional[Path], typer.Option(
@@ -144,7 +152,8 @@ def predict(
                             image_root=image_root, order_votes=order_votes, state_cache_mb=state_cache_mb,
                             device=device, dtype=dtype.value, ray=ray, ray_address=ray_address,
                             num_actors=num_actors or 1, cpus_per_actor=cpus_per_actor or 1.0,
-                            gpus_per_actor=gpus_per_actor or 0.0, quiet=quiet)
+                            gpus_per_actor=gpus_per_actor or 0.0, quiet=quiet, canonical=not as_asked,
+                            vote_combine=vote_combine.value)
         from rlcd.progress import echo
 
         echo(f"rlcd predict: {res['rows']} rows read = {res['answered']} answered + {res['rejected']} rejected "
@@ -196,12 +205,14 @@ def predict(
     if export is not None:
         from rlcd.portable.runtime import load_portable
 
-        echo_json(load_portable(export, order_votes=order_votes).predict(req, img))
+        echo_json(load_portable(export, order_votes=order_votes, canonical=not as_asked,
+                                vote_combine=vote_combine.value).predict(req, img))
         return
     from rlcd.predict import Predictor
 
     predictor = Predictor.from_run(path, placement=placement(device, dtype), lazy=True,  # loaded only if needed
-                                   state_cache_mb=state_cache_mb, order_votes=order_votes)
+                                   state_cache_mb=state_cache_mb, order_votes=order_votes,
+                                   canonical=not as_asked, vote_combine=vote_combine.value)
     echo_json(predictor.predict(req, img))
 
 
@@ -252,6 +263,8 @@ def serve(
         min=1, metavar="N", help="CPU threads of the model: torch's intra-op threads, or with --export onnxruntime's "
                                  "intra-op and inter-op threads (default: torch's default, OMP_NUM_THREADS or the "
                                  "physical cores, for both)", show_default=False)] = None,
+    vote_combine: VoteCombineOpt = VoteCombine.logmean,
+    as_asked: AsAskedOpt = False,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
     ctx: typer.Context = None,  # type: ignore[assignment]  # typer passes it: which options were given
@@ -304,8 +317,9 @@ def serve(
                placement=None if export is not None else placement(device, dtype), portable=export is not None,
                served_model_name=served_model_name, strict_model=strict_model, batching=batching, workers=workers,
                api_key=api_key, quiet=quiet, access_log=(access_log or AccessLog.text).value, thresholds=thresholds,
-               state_cache_mb=state_cache_mb, order_votes=order_votes, threads=threads,
-               max_questions=max_questions, max_candidates=max_candidates, max_tokens=max_tokens,
+               state_cache_mb=state_cache_mb, order_votes=order_votes, threads=threads, canonical=not as_asked,
+               vote_combine=vote_combine.value, max_questions=max_questions, max_candidates=max_candidates,
+               max_tokens=max_tokens,
                max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels)
 
 

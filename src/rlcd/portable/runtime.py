@@ -294,8 +294,10 @@ def score(h_dec: np.ndarray, h_cand: np.ndarray, t: Mapping[str, np.ndarray], ce
 
 
 def load_portable(path: Path | str, *, name: str | None = None, limits: Any = None, strict_model: bool = False,
-                  threads: int | None = None, order_votes: int = 1) -> Any:
-    """A `Predictor` on the portable export at `path` (torch-free); `order_votes` as `Predictor`'s."""
+                  threads: int | None = None, order_votes: int = 1, canonical: bool = True,
+                  vote_combine: str = "logmean") -> Any:
+    """A `Predictor` on the portable export at `path` (torch-free); `order_votes`, `vote_combine`, `canonical` as
+    `Predictor`'s."""
     from rlcd.predict import Predictor
 
     t0 = time.perf_counter()
@@ -306,7 +308,7 @@ def load_portable(path: Path | str, *, name: str | None = None, limits: Any = No
     p = Path(path).resolve()
     predictor = Predictor(model, model.meta(), name=name or p.name or "rlcd", limits=limits, strict_model=strict_model,
                           state_cache_mb=0,  # the graph takes whole packed rows: no decoder state to keep
-                          order_votes=order_votes)
+                          order_votes=order_votes, canonical=canonical, vote_combine=vote_combine)
     predictor.release_date = (model.manifest.get("written") or "")[:10] or None
     return predictor
 

@@ -19,7 +19,7 @@ scored prediction rows themselves). When more than ``max_lost`` (default 5%) of 
 and `RowsLost` is raised (exit 3); a calibration split with no answered row says so (T = 1), never "no split".
 Answers rebuilt from a top answer and a confidence (no ``probabilities`` sent) are scored and counted as
 reconstructed. With ``order_votes`` N > 1 each choice question is also asked in N-1 other orders
-(`rlcd.order_votes`) inside the same request and the answers are averaged in candidate space.
+(`rlcd.order_votes`) inside the same request and the answers are combined in candidate space (`vote_combine`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlcd.errors import UserError
-from rlcd.order_votes import check_votes, combine, permute_question, vote_orders
+from rlcd.order_votes import DEFAULT_COMBINE, check_combine, check_votes, combine, permute_question, vote_orders
 from rlcd.remote.answers import map_answer
 from rlcd.remote.client import SystemOneClient
 from rlcd.run import Run, write_json
@@ -133,8 +133,10 @@ def prediction_row(rec: Record, split: str, logits: list[float], reconstructed: 
     return row
 
 
-def read_answers(out: Outgoing, reply) -> tuple[list[tuple[Asked, list[float], str | None]], list[dict[str, Any]]]:
-    """(asked, logits, reconstructed) for each usable answer of one request, and the unusable ones with reasons."""
+def read_answers(out: Outgoing, reply, how: str = DEFAULT_COMBINE
+                 ) -> tuple[list[tuple[Asked, list[float], str | None]], list[dict[str, Any]]]:
+    """(asked, logits, reconstructed) for each usable answer of one request, and the unusable ones with reasons;
+    a voted question's orders combined by `how` (`order_votes.combine`)."""
     scored, bad = [], []
     answers = reply.body.get("answers") if reply.error is None and isinstance(reply.body, dict) else None
     for a in out.asked:
@@ -160,7 +162,7 @@ def read_answers(out: Outgoing, reply) -> tuple[list[tuple[Asked, list[float], s
         if why is not None:
             bad.append({**base, "kind": why[0], "reason": why[1]})
             continue
-        logits = per_order[0] if len(per_order) == 1 else combine(per_order, a.orders)
+        logits = per_order[0] if len(per_order) == 1 else combine(per_order, a.orders, how)
         scored.append((a, [max(x, math.log(FLOOR)) for x in logits], rebuilt))
     return scored, bad
 
@@ -180,7 +182,8 @@ def check_out_dir(out: Path) -> Path:
 
 
 def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "test", api_key: str | None = None,
-                    model: str | None = None, concurrency: int = 4, votes: int = 1, progress: bool = True,
+                    model: str | None = None, concurrency: int = 4, votes: int = 1,
+                    vote_combine: str = DEFAULT_COMBINE, progress: bool = True,
                     timeout_s: float = 120.0, retries: int = 4, print_fn: Callable[[str], None] | None = None,
                     client: SystemOneClient | None = None, max_lost: float = MAX_LOST) -> dict[str, Any]:
     """Score `data_dir`'s `split` (and its calibration split, for the temperatures) on the System One server at
@@ -198,6 +201,7 @@ def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "te
 
     say = print_fn or (lambda _: None)
     votes = check_votes(votes)
+    check_combine(vote_combine)
     if concurrency < 1:
         raise OptionError(f"--concurrency must be at least 1, got {concurrency}")
     if not (isinstance(max_lost, (int, float)) and 0 <= max_lost <= 1):
@@ -235,7 +239,7 @@ def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "te
     attempts = 0
     for out, reply in zip(outgoing, results):
         attempts += reply.attempts
-        scored, bad = read_answers(out, reply)
+        scored, bad = read_answers(out, reply, vote_combine)
         unanswered += bad
         for a, logits, rebuilt in scored:
             preds[a.split].append(prediction_row(a.record, a.split, logits, rebuilt))
@@ -257,7 +261,7 @@ def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "te
     remote = {"format": FORMAT, "url": client.base, "model": name, "served_models": served,
               "started": started.isoformat(timespec="seconds"), "finished": finished.isoformat(timespec="seconds"),
               "seconds": round((finished - started).total_seconds(), 3), "requests": len(outgoing),
-              "attempts": attempts, "concurrency": concurrency, "order_votes": votes, "rows_read": n_read,
+              "attempts": attempts, "concurrency": concurrency, "order_votes": votes, "vote_combine": vote_combine, "rows_read": n_read,
               "rows_scored": n_read - len(unanswered), "rows_unanswered": len(unanswered),
               "unanswered_by_kind": dict(Counter(u["kind"] for u in unanswered)), "rows_by_split": by_split,
               "max_lost": max_lost,
@@ -280,7 +284,8 @@ def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "te
     baseline = majority_baseline(train_rows, preds[split]) if train_rows else None
     meta = {"run": f"{name} at {client.base}", "model": name, "remote": remote, "evaluated_on": str(data),
             "data_hashes": data_hashes(data), "calibration": infos, "temperatures_source": source,
-            "order_votes": votes, "majority_baseline_from": str(data / "train.jsonl") if baseline else None,
+            "order_votes": votes, "vote_combine": vote_combine,
+            "majority_baseline_from": str(data / "train.jsonl") if baseline else None,
             "majority_baseline_on": f"the {len(preds[split])} answered {split} rows" if baseline else None}
     if split == "test":
         meta.update(_test_look(view, data, preds, f"remote:{client.base}:{name}", "evaluate --remote",

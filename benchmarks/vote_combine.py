@@ -1,0 +1,105 @@
+"""Order votes: the mean of log-probabilities (logmean, PriDe) against the mean of probabilities, on a run's test split.
+
+    OMP_NUM_THREADS=1 python benchmarks/vote_combine.py RUN [--votes 2,4] [--json benchmarks/results/vote-combine-demo.json]
+
+RUN is copied (with its processed data, which `rlcd evaluate` records a test look beside) into a scratch directory;
+the copy is evaluated with `--order-votes N --vote-combine C` for every N and C (`rlcd.evaluate.evaluate_run`,
+temperatures fitted on the voted calibration split, as `rlcd evaluate` does), and probed with `rlcd probe order`
+(`rlcd.analysis.probes.probe_order_run`: flip rate of the top answer over the other option orders, with its 95%
+case-bootstrap interval). Reported for choice rows (votes touch nothing else): calibrated NLL and accuracy with the
+evaluation's 95% intervals, and the paired NLL difference logmean - mean per N with its 95% case-bootstrap interval
+(`rlcd.bootstrap.bootstrap_means`, the evaluation's resampling unit). Writes one bench result (`save_result`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+
+def _row_nll(row: dict, t: float) -> float:
+    z = np.asarray(row["logits"], dtype=np.float64) / t
+    logp = z - z.max() - np.log(np.exp(z - z.max()).sum())
+    return float(-(np.asarray(row["target"], dtype=np.float64) * logp).sum())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run", type=Path)
+    ap.add_argument("--votes", default="2,4")
+    ap.add_argument("--resamples", type=int, default=1000)
+    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/vote-combine-demo.json"))
+    args = ap.parse_args(argv)
+
+    from rlcd.analysis.probes import probe_order_run
+    from rlcd.bench.report import save_result
+    from rlcd.bootstrap import bootstrap_means, group_key
+    from rlcd.evaluate import evaluate_run
+    from rlcd.order_votes import COMBINES
+
+    votes = [int(x) for x in args.votes.split(",")]
+    scratch = Path(tempfile.mkdtemp(prefix="vote-combine-"))
+    try:
+        config = json.loads((args.run / "config.json").read_text())
+        data = scratch / "processed"
+        shutil.copytree(config["data_dir"], data)
+        run = scratch / "run"
+        shutil.copytree(args.run, run, ignore=shutil.ignore_patterns("export"))
+        config["data_dir"] = str(data)
+        (run / "config.json").write_text(json.dumps(config, indent=2))
+        out: dict = {"run": str(args.run), "split": "test", "type": "choice", "votes": votes, "arms": {}}
+        rows: dict = {}
+        for n in votes:
+            for how in COMBINES:
+                print(f"evaluate --order-votes {n} --vote-combine {how}", file=sys.stderr, flush=True)
+                evaluate_run(run, order_votes=n, vote_combine=how, export=False, progress=False)
+                ev = json.loads((run / "eval" / "evaluation.json").read_text())
+                temps = json.loads((run / "eval" / "temperatures.json").read_text())["temperatures"]
+                ch = ev["calibrated"]["per_type"]["choice"]
+                test = [json.loads(x) for x in (run / "eval" / "predictions-test.jsonl").read_text().splitlines()]
+                test = [r for r in test if r["type"] == "choice"]
+                nlls = [_row_nll(r, temps["choice"]) for r in test]
+                assert abs(np.mean(nlls) - ch["nll"]) < 1e-6, (np.mean(nlls), ch["nll"])  # the evaluation's NLL
+                rows[(n, how)] = (test, nlls)
+                out["arms"][f"{how}-{n}"] = {"order_votes": n, "vote_combine": how, "n": ch["n"],
+                                             "temperature": temps["choice"], "nll": ch["nll"],
+                                             "nll_ci95": ch["ci95"]["nll"], "accuracy": ch["accuracy"],
+                                             "accuracy_ci95": ch["ci95"]["accuracy"]}
+        paired = {}
+        for n in votes:
+            (a_rows, a), (b_rows, b) = rows[(n, "logmean")], rows[(n, "mean")]
+            assert [r["id"] for r in a_rows] == [r["id"] for r in b_rows]
+            d = np.asarray(a) - np.asarray(b)
+            boot = bootstrap_means(d, resamples=args.resamples, seed=0, groups=[group_key(r) for r in a_rows])
+            paired[str(n)] = {"nll_logmean_minus_mean": float(d.mean()),
+                              "ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))]}
+        out["nll_paired"] = paired
+        out["probe"] = {}
+        for how in COMBINES:
+            print(f"probe order --order-votes 1,{','.join(map(str, votes))} --vote-combine {how}", file=sys.stderr,
+                  flush=True)
+            res = probe_order_run(run, votes=[1, *votes], vote_combine=how, resamples=args.resamples, save=False)
+            ch = res["per_type"]["choice"]
+            out["probe"][how] = {"1": {k: ch[k] for k in ("flip_rate", "flip_rate95", "mean_tv", "n_rows",
+                                                          "n_comparisons")},
+                                 **{str(n): {k: ch["votes"][str(n)][k] for k in ("flip_rate", "flip_rate95", "mean_tv")}
+                                    for n in votes}}
+        better = {str(n): ("logmean" if paired[str(n)]["nll_logmean_minus_mean"] < 0 else "mean") for n in votes}
+        out["lower_nll"] = better
+        cmd = f"OMP_NUM_THREADS=1 python benchmarks/vote_combine.py {args.run} --votes {args.votes} --json {args.json}"
+        path = save_result("vote-combine", cmd, out, path=args.json)
+        print(json.dumps(out, indent=2))
+        print(f"wrote {path}", file=sys.stderr)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
