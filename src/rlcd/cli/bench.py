@@ -235,15 +235,28 @@ def serve(
     repeats: Annotated[int, typer.Option(min=1, help="--state-cache: timed repeats (median)")] = 5,
     state_tokens: Annotated[int, typer.Option(min=1, help="--state-cache: approximate state length in tokens")] = 250,
     device: DeviceOpt = "auto",
-    dtype: DTypeOpt = DType.auto,
+    dtype: Annotated[str, typer.Option(
+        "--dtype", metavar="auto|float32|bfloat16[,...]",
+        help="backbone dtype (the scorer stays float32); with --state-cache a comma-separated list "
+             "(float32,bfloat16) is measured interleaved, one model per dtype")] = "auto",
 ) -> None:
     """Loopback load on the server at several concurrencies, batching on and off: decisions/s, p50/p95/p99, 4xx/5xx
-    (--state-cache: what the cross-request state cache saves, p50s and the warm/cold ratio)."""
+    (--state-cache: what the cross-request state cache saves, p50s and the warm/cold ratio; per dtype of --dtype)."""
     from rlcd.bench.serve import run_serve_bench
     from rlcd.run import find_export
 
     path = run_path(run, run_alias)
     find_export(path)
+    dtypes = [x.strip() for x in dtype.split(",") if x.strip()]
+    if not dtypes or (len(dtypes) > 1 and not state_cache):
+        raise typer.BadParameter("one of auto, float32, bfloat16 (a comma-separated list goes with --state-cache)",
+                                 param_hint="--dtype")
+    where = {}
+    for d in dtypes:
+        p = placement(device, d, run=path)
+        if p.dtype in where:
+            raise typer.BadParameter(f"{dtype}: {p.dtype} given twice", param_hint="--dtype")
+        where[p.dtype] = p
     if state_cache:
         from rlcd.bench.state_cache import run_state_cache_bench
         from rlcd.predict import Predictor
@@ -254,11 +267,12 @@ def serve(
             raise typer.BadParameter("comma-separated integers, e.g. 1,2", param_hint="--threads") from None
         if not thread_t or min(thread_t) < 1:
             raise typer.BadParameter("at least one thread count, each >= 1", param_hint="--threads")
-        res = run_state_cache_bench(Predictor.from_run(path, placement=placement(device, dtype)), threads=thread_t,
-                                    repeats=repeats, state_tokens=state_tokens, seed=seed)
+        predictors = {d: Predictor.from_run(path, placement=p) for d, p in where.items()}
+        res = run_state_cache_bench(predictors if len(predictors) > 1 else next(iter(predictors.values())),
+                                    threads=thread_t, repeats=repeats, state_tokens=state_tokens, seed=seed)
         _save("serve-state-cache", json_out, res, ("--threads", threads, "1,2"),
               ("--repeats", repeats, 5), ("--state-tokens", state_tokens, 250), ("--seed", seed, 0),
-              ("--device", device, "auto"), ("--dtype", dtype, DType.auto), command="serve",
+              ("--device", device, "auto"), ("--dtype", dtype, "auto"), command="serve",
               positional=(path, "--state-cache"))
         return
     try:
@@ -268,10 +282,10 @@ def serve(
         raise typer.BadParameter("--sizes and --levels are comma-separated integers, e.g. 1,5,50") from None
     summary = run_serve_bench(path, requests=requests, levels=level_t, malformed=malformed, sizes=size_t, seed=seed,
                               port=port, window_ms=window_ms, timeout=timeout, total_timeout=total_timeout,
-                              placement=placement(device, dtype))
+                              placement=next(iter(where.values())))
     _save("serve", json_out, summary, ("--requests", requests, 96), ("--levels", levels, "1,4,16,64"),
           ("--malformed", malformed, 0.10), ("--sizes", sizes, "1,5,50"), ("--window-ms", window_ms, None),
-          ("--seed", seed, 0), ("--device", device, "auto"), ("--dtype", dtype, DType.auto), positional=(path,))
+          ("--seed", seed, 0), ("--device", device, "auto"), ("--dtype", dtype, "auto"), positional=(path,))
     if summary["c5xx"] or summary["crashes"]:
         raise typer.Exit(1)
 
