@@ -190,6 +190,7 @@ def test_the_gate_passes_records_and_refuses(run, monkeypatch):
     assert r["nll"]["delta"] == pytest.approx(r["nll"]["bfloat16"] - r["nll"]["float32"])
     assert r["nll"]["delta_95"][0] <= r["nll"]["delta"] <= r["nll"]["delta_95"][1]
     assert 0 < r["max_abs_dp"] <= 0.1
+    assert len(r["flipped"]) == r["flips"] and all(0 <= f["margin"] <= 2 * f["dp"] for f in r["flipped"])
     assert parity_verdict(run)[0] is False
     from rlcd.device import resolve_placement
 
@@ -300,3 +301,19 @@ def test_state_cache_bench_takes_a_dtype_list(run, tmp_path):
     user_error(["bench", "serve", run, "--state-cache", "--dtype", "float32,float32", "--device", "cpu"],
                contains="float32 given twice")
     user_error(["bench", "serve", run, "--state-cache", "--dtype", "float16"], contains="--dtype 'float16'")
+
+
+def test_cut_bench_by_dtype_ratios():
+    """`rlcd bench cut --dtype float32,bfloat16`: updates/s of the later dtype over the first's, per update kind."""
+    from rlcd.cli.bench import cut_by_dtype
+
+    def res(a: float, k4: float) -> dict:
+        u = lambda v: {"updates_per_s": v}  # noqa: E731
+        return {"model": "m", "all_layers": {"row": u(a), "case": u(2 * a)}, "per_k": {"4": {"row": u(k4),
+                                                                                            "case": u(3 * k4)}}}
+
+    out = cut_by_dtype({"float32": res(0.1, 0.8), "bfloat16": res(0.25, 1.2)})
+    assert out["dtypes"] == ["float32", "bfloat16"] and out["by_dtype"]["bfloat16"]["model"] == "m"
+    assert out["speedup"]["bfloat16"] == pytest.approx({"all_layers.row": 2.5, "all_layers.case": 2.5,
+                                                        "per_k.4.row": 1.5, "per_k.4.case": 1.5})
+    user_error(["bench", "cut", "--model", "tiny", "--dtype", "float32,float32"], contains="float32 given twice")

@@ -66,6 +66,24 @@ def parity_verdict(run: str | Path, precision: str = "bfloat16") -> tuple[bool, 
     return True, f"its {precision} parity passed ({counts})"
 
 
+def flipped_rows(records: list, reference: list, candidate: list, temperatures: dict) -> list[dict]:
+    """The rows whose decision flipped, each with the reference's top-two margin p(1) - p(2) (a near tie flips at a
+    small |dp|): what a reader of the record needs to judge the flips."""
+    import numpy as np
+
+    from rlcd import metrics as M
+
+    out = []
+    for r, a, b in zip(records, reference, candidate):
+        t = float(temperatures.get(r.question.type, 1.0))
+        p, q = M.softmax(np.asarray(a, dtype=np.float64), t), M.softmax(np.asarray(b, dtype=np.float64), t)
+        if int(np.argmax(p)) != int(np.argmax(q)):
+            top = np.sort(p)[::-1]
+            out.append({"id": r.id, "type": r.question.type, "k": len(p), "margin": float(top[0] - top[1]),
+                        "dp": float(np.max(np.abs(p - q)))})
+    return out
+
+
 def check_precision(run: Any, precision: str = "bfloat16", *, max_flips: float | None = None,
                     say: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Score the run's test split in float32 and in `precision` on the CPU, write the record, refuse above the bound.
@@ -97,6 +115,7 @@ def check_precision(run: Any, precision: str = "bfloat16", *, max_flips: float |
         del model
     report = compare(parity_rows(records), logits["float32"], logits[precision], meta["temperatures"],
                      names=("float32", precision))
+    report["flipped"] = flipped_rows(records, logits["float32"], logits[precision], meta["temperatures"])
     passed = report["flip_rate"] <= max_flips
     doc = {
         "format": FORMAT, "precision": precision, "device": "cpu", "cpu": {"bf16_units": units, "detected": why},
