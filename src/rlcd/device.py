@@ -7,13 +7,21 @@ candidate scorer always stays float32 (`DecisionModel` keeps its head in FP32 wh
 backbone dtype). The resolved placement is recorded in every output (evaluation.json meta,
 /v1/models, bench JSON), so a number always says where it was measured. torch is imported lazily:
 `rlcd --help` must not pay for it.
+
+**bfloat16 on the CPU.** `--dtype bfloat16` runs a CPU backbone in bf16 whatever the CPU. `auto` on
+the CPU picks bf16 only for a run given as `run=` (serving, predicting) when both hold: the CPU has
+bf16 units (`cpu_bf16_units`: AMX-BF16 or AVX512-BF16 on x86, FEAT_BF16 on arm64; without them bf16
+matmuls are emulated, measured 6x slower than fp32 on AVX2), and the run's bf16 parity record
+(`rlcd export RUN --precision bfloat16`, `rlcd.precision`) exists, matches its export and passed.
+Otherwise float32; the reason is the Placement's `reason` (the startup line, /v1/models).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rlcd.errors import DeviceError
@@ -29,6 +37,7 @@ class Placement:
 
     device: str
     dtype: str
+    reason: str = field(default="", compare=False)  # why `auto` chose this dtype (empty when asked for)
 
     @property
     def torch_device(self) -> Any:
@@ -47,10 +56,75 @@ class Placement:
         return self.device.startswith("cuda")
 
     def to_dict(self) -> dict[str, str]:
-        return {"device": self.device, "dtype": self.dtype}
+        return {"device": self.device, "dtype": self.dtype, **({"reason": self.reason} if self.reason else {})}
 
     def __str__(self) -> str:
-        return f"{self.device} {self.dtype}"
+        return f"{self.device} {self.dtype}" + (f" ({self.reason})" if self.reason else "")
+
+
+# x86: AMX-BF16 tiles or AVX512-BF16 (vdpbf16ps); arm64: FEAT_BF16 ("bf16" in /proc/cpuinfo Features)
+BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_bf16_units(cpuinfo: str | None = None) -> tuple[bool, str]:
+    """(has bf16 units, what says so) for this machine's CPU.
+
+    Reads the `flags` (x86) or `Features` (arm64) line of `cpuinfo` (default: /proc/cpuinfo); where there is
+    none (not Linux), torch's own CPU probe (`torch.cpu._is_avx512_bf16_supported`, `_is_amx_tile_supported`).
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = CPUINFO.read_text(errors="replace")
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            flags = set(value.split())
+            found = [f for f in BF16_FLAGS if f in flags]
+            if found:
+                return True, f"the CPU has bf16 units ({', '.join(found)})"
+            return False, "the CPU has no bf16 units (no amx_bf16 / avx512_bf16 / bf16 flag)"
+    import torch
+
+    probe = getattr(torch, "cpu", None)
+    try:
+        amx, avx = bool(probe._is_amx_tile_supported()), bool(probe._is_avx512_bf16_supported())
+    except AttributeError:
+        return False, "the CPU's bf16 units are unknown (no CPU flags, no torch probe)"
+    if amx or avx:
+        return True, f"the CPU has bf16 units ({'amx' if amx else 'avx512_bf16'}, torch's probe)"
+    return False, "the CPU has no bf16 units (torch's probe)"
+
+
+_said: set[str] = set()
+
+
+def _say_once(msg: str) -> None:
+    """An AVX2-only CPU staying float32 under `auto` is said once a process, not at every load."""
+    if msg not in _said:
+        _said.add(msg)
+        import logging
+
+        logging.getLogger(__name__).info("%s", msg)
+
+
+def cpu_auto_dtype(run: str | Path | None) -> tuple[str, str]:
+    """(dtype, reason) that `--dtype auto` means on the CPU for `run` (module docstring)."""
+    if run is None:
+        return "float32", ""
+    units, why = cpu_bf16_units()
+    if not units:
+        reason = f"auto: float32, {why}"
+        _say_once(f"device: {reason}; bfloat16 would be emulated (slower); --dtype bfloat16 forces it")
+        return "float32", reason
+    from rlcd.precision import parity_verdict
+
+    ok, verdict = parity_verdict(run)
+    if not ok:
+        return "float32", f"auto: float32, {why} but {verdict}"
+    return "bfloat16", f"auto: bfloat16, {why} and {verdict}"
 
 
 def _cuda_count() -> int:
@@ -60,10 +134,11 @@ def _cuda_count() -> int:
 
 
 def resolve_placement(device: str | None = "auto", dtype: str | None = "auto", *,
-                      local_rank: int | None = None) -> Placement:
+                      local_rank: int | None = None, run: str | Path | None = None) -> Placement:
     """`--device` / `--dtype` -> a Placement, or a one-line `DeviceError` naming the fix.
 
-    `local_rank` (under torchrun) maps `auto` and `cuda` to `cuda:<local_rank>`.
+    `local_rank` (under torchrun) maps `auto` and `cuda` to `cuda:<local_rank>`. `run`: the run (or export)
+    a model is served from; with it `auto` on the CPU may mean bfloat16 (`cpu_auto_dtype`).
     """
     device = (device or "auto").strip().lower()
     dtype = (dtype or "auto").strip().lower()
@@ -85,9 +160,13 @@ def resolve_placement(device: str | None = "auto", dtype: str | None = "auto", *
         index = int(device.split(":")[1])
         if index >= n:
             raise DeviceError(f"--device {device}: this machine has {n} CUDA device(s) (cuda:0..cuda:{n - 1})")
+    reason = ""
     if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    return Placement(device, dtype)
+        if device.startswith("cuda"):
+            dtype = "bfloat16"
+        else:
+            dtype, reason = cpu_auto_dtype(run)
+    return Placement(device, dtype, reason)
 
 
 def describe(placement: Placement) -> str:
@@ -97,4 +176,5 @@ def describe(placement: Placement) -> str:
         import torch
 
         name = f" ({torch.cuda.get_device_name(placement.torch_device)})"
-    return f"device {placement.device}{name}, backbone {placement.dtype}, scorer float32"
+    why = f" ({placement.reason})" if placement.reason else ""
+    return f"device {placement.device}{name}, backbone {placement.dtype}, scorer float32{why}"

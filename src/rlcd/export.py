@@ -111,5 +111,6 @@ def load_export(path: Path, *, placement: Placement | None = None, backbone=None
     model.load_trainable_state_dict(load_file(str(export_dir / "trainable.safetensors"), device=placement.device))
     model.merge()
     model.eval()
+    model.placement_reason = placement.reason
     log.info("model: ready in %.1f s", time.perf_counter() - t0)
     return model, meta

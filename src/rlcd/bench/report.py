@@ -70,7 +70,9 @@ HEADLINE = {
             *(f"per_k.{k}.{f}" for k in (1, 2, 4, 8)
               for f in ("row.updates_per_s", "row_ratio", "case.updates_per_s", "case_ratio", "live_row_ratio",
                         "goal_ratio", "row_tokens_per_s", "bytes_per_row_token")),
-            "storage.float32_max_abs_dlogit", "storage.bfloat16_max_abs_dlogit"),
+            "storage.float32_max_abs_dlogit", "storage.bfloat16_max_abs_dlogit", "dtypes",
+            *(f"by_dtype.{d}.{k}.updates_per_s" for d in ("float32", "bfloat16")
+              for k in ("all_layers.row", "all_layers.case", "per_k.4.row", "per_k.4.case"))),
     "serve": ("model", "requests_per_level", "window_ms", "batching_speedup_c16", "p50_ratio_c1", "c5xx", "crashes",
               "unexpected", "peak_rss_mib",
               *(f"model_batching.{z}.gain" for z in (1, 5, 50)),
@@ -81,6 +83,10 @@ HEADLINE = {
                 for k in ("rows_per_s", "scoring_rows_per_s", "rows_per_cpu_s", "peak_rss_mib")),
               "measured_scaling.ray_2_over_ray_1", "projection.label", "projection.rows_per_cpu_s_per_actor",
               *(f"projection.rows_per_s.{n}" for n in (1, 2, 4, 8, 16))),
+    "serve-state-cache": ("model", "dtypes", *(f"by_dtype.{d}.p50_ms.{t}.{k}" for d in ("float32", "bfloat16")
+                                                for t in (1, 2) for k in ("cold_1q_off", "warm_1q")),
+                          *(f"speedup.bfloat16.{t}.{k}" for t in (1, 2) for k in ("cold_1q_off", "warm_1q")),
+                          *(f"by_dtype.{d}.cache.bytes" for d in ("float32", "bfloat16"))),
     "fuzz-server": ("requests", "operations", "c5xx", "distinct_failures", "status_counts", "server_problems.key",
                     "server_problems.open", "rounds", "seconds", "schemathesis"),
     "gpu": ("mode", "model.params_total", "matmul.tflops", "train.tokens_per_s", "train.examples_per_s", "train.mfu",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from .pipeline import request_of
 from .prefix import make_questions, make_state
@@ -72,7 +72,11 @@ def run_state_cache_bench(predictor: Any, *, threads: tuple[int, ...] = (1, 2), 
                           scenarios: tuple[str, ...] = SCENARIOS) -> dict:
     """The scenarios of the module docstring on `predictor`'s model; returns the p50s, ratios and the suffix
     breakdown of the five questions. `threads`: torch thread counts, interleaved per repeat; `scenarios`: the
-    ones to run (a ratio is given when both its scenarios ran)."""
+    ones to run (a ratio is given when both its scenarios ran).
+
+    `predictor` may be a mapping {label: Predictor} (`--dtype float32,bfloat16`: one model per dtype): every
+    repeat then runs every label at every thread count in turn, and the result holds each label's result under
+    `by_dtype` and, per thread count and scenario, `speedup` = p50 of the first label / p50 of each other."""
     import torch
 
     unknown = [x for x in scenarios if x not in SCENARIOS]
@@ -82,56 +86,86 @@ def run_state_cache_bench(predictor: Any, *, threads: tuple[int, ...] = (1, 2), 
 
     from ..predict import Predictor
 
-    model = predictor.model
-    on = Predictor(model, predictor.meta, name=predictor.name, limits=predictor.limits, state_cache_mb=1024)
-    off = Predictor(model, predictor.meta, name=predictor.name, limits=predictor.limits, state_cache_mb=0)
+    many = isinstance(predictor, Mapping)
+    labelled = dict(predictor) if many else {"": predictor}
+    pairs = {k: (Predictor(p.model, p.meta, name=p.name, limits=p.limits, state_cache_mb=1024),
+                 Predictor(p.model, p.meta, name=p.name, limits=p.limits, state_cache_mb=0))
+             for k, p in labelled.items()}
     five = request_of("x", 5, seed)["questions"]
     qids = list(five)
     one = {q: {"x": five[q]} for q in qids}
-    encoder = model.encoder
-    times: dict[str, dict[int, list[float]]] = {s: {t: [] for t in threads} for s in scenarios}
+    first = next(iter(labelled.values())).model
+    times = {k: {s: {t: [] for t in threads} for s in scenarios} for k in labelled}
     old_threads = torch.get_num_threads()
     counter = [0]
 
     def state() -> str:  # a new state each time, the same length: "cold" is always cold
         counter[0] += 1
-        return make_state(model.tokenizer, state_tokens, seed * 1_000_003 + counter[0])
+        return make_state(first.tokenizer, state_tokens, seed * 1_000_003 + counter[0])
 
     def req(s: str, qs: dict) -> dict:
         return {"state": s, "questions": qs}
 
     try:
         for r in range(repeats + 1):  # the first round warms kernels and allocator: not recorded
-            for t in threads:
-                torch.set_num_threads(t)
-                got: dict[str, float] = {}
-                if "cold_1q_off" in scenarios:
-                    got["cold_1q_off"] = _timed(lambda: off.predict(req(state(), one[qids[0]])))
-                s = state()
-                if "cold_1q" in scenarios:
-                    got["cold_1q"] = _timed(lambda: on.predict(req(s, one[qids[0]])))
-                if "warm_1q" in scenarios:
-                    if "cold_1q" not in scenarios:
-                        on.predict(req(s, one[qids[0]]))  # the state stored, untimed
-                    got["warm_1q"] = _timed(lambda: on.predict(req(s, one[qids[1]])))
-                if "one_request_5q" in scenarios:
-                    got["one_request_5q"] = _timed(lambda: on.predict(req(state(), five)))
-                s = state()
-                if "five_requests_off" in scenarios:
-                    got["five_requests_off"] = _timed(lambda: [off.predict(req(s, one[q])) for q in qids])
-                s = state()
-                if "five_requests_on" in scenarios:
-                    got["five_requests_on"] = _timed(lambda: [on.predict(req(s, one[q])) for q in qids])
-                if r:
-                    for k, v in got.items():
-                        times[k][t].append(v)
+            for k, (on, off) in pairs.items():
+                for t in threads:
+                    torch.set_num_threads(t)
+                    got: dict[str, float] = {}
+                    if "cold_1q_off" in scenarios:
+                        got["cold_1q_off"] = _timed(lambda: off.predict(req(state(), one[qids[0]])))
+                    s = state()
+                    if "cold_1q" in scenarios:
+                        got["cold_1q"] = _timed(lambda: on.predict(req(s, one[qids[0]])))
+                    if "warm_1q" in scenarios:
+                        if "cold_1q" not in scenarios:
+                            on.predict(req(s, one[qids[0]]))  # the state stored, untimed
+                        got["warm_1q"] = _timed(lambda: on.predict(req(s, one[qids[1]])))
+                    if "one_request_5q" in scenarios:
+                        got["one_request_5q"] = _timed(lambda: on.predict(req(state(), five)))
+                    s = state()
+                    if "five_requests_off" in scenarios:
+                        got["five_requests_off"] = _timed(lambda: [off.predict(req(s, one[q])) for q in qids])
+                    s = state()
+                    if "five_requests_on" in scenarios:
+                        got["five_requests_on"] = _timed(lambda: [on.predict(req(s, one[q])) for q in qids])
+                    if r:
+                        for name, v in got.items():
+                            times[k][name][t].append(v)
     finally:
         torch.set_num_threads(old_threads)
-    sample = on.model.prepare_case(state(), [make_questions(5, seed)[0]]).rows[0]
-    out: dict[str, Any] = {"model": predictor.name, "placement": getattr(model, "placement", None),
+    results = {}
+    for k, (on, _) in pairs.items():
+        if many:
+            say(f"  dtype {k}:")
+        results[k] = _summary(on, labelled[k].name, times[k], threads=threads, repeats=repeats,
+                              state_tokens=state_tokens, seed=seed, sample_state=state(), say=say,
+                              scenarios=scenarios)
+    if not many:
+        return results[""]
+    labels = list(labelled)
+    base = labels[0]
+    out: dict[str, Any] = {"model": results[base]["model"], "dtypes": labels, "threads": list(threads),
+                           "repeats": repeats, "state_tokens": state_tokens, "by_dtype": results, "speedup": {}}
+    for other in labels[1:]:
+        out["speedup"][other] = {str(t): {sc: results[base]["p50_ms"][str(t)][sc] / results[other]["p50_ms"][str(t)][sc]
+                                          for sc in scenarios} for t in threads}
+        for t in threads:
+            sp = out["speedup"][other][str(t)]
+            say(f"  threads={t}: {base} p50 / {other} p50: " + ", ".join(f"{sc} {v:.2f}x" for sc, v in sp.items()))
+    return out
+
+
+def _summary(on: Any, name: str, times: dict, *, threads: tuple[int, ...], repeats: int, state_tokens: int,
+             seed: int, sample_state: str, say: Callable[[str], None], scenarios: tuple[str, ...] = SCENARIOS) -> dict:
+    model = on.model
+    sample = model.prepare_case(sample_state, [make_questions(5, seed)[0]]).rows[0]
+    qids = list(request_of("x", 5, seed)["questions"])
+    out: dict[str, Any] = {"model": name, "placement": getattr(model, "placement", None),
                            "state_tokens": state_tokens, "prefix_tokens": sample.prefix_len, "repeats": repeats,
                            "threads": list(threads), "p50_ms": {}, "ratios": {},
-                           "suffixes": {q: suffix_breakdown(encoder, m) for q, m in zip(qids, make_questions(5, seed))},
+                           "suffixes": {q: suffix_breakdown(model.encoder, m)
+                                        for q, m in zip(qids, make_questions(5, seed))},
                            "cache": on.state_cache_stats()}
     for t in threads:
         p50 = {k: statistics.median(times[k][t]) for k in scenarios}

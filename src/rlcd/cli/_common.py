@@ -11,7 +11,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 DEVICE_HELP = "where the model runs: auto (CUDA when visible, else CPU), cpu, cuda, cuda:N"
-DTYPE_HELP = "backbone dtype (the scorer stays float32): auto = bfloat16 on CUDA, float32 on CPU"
+DTYPE_HELP = ("backbone dtype (the scorer stays float32): auto = bfloat16 on CUDA, float32 on CPU (serving a run: "
+              "bfloat16 when the CPU has bf16 units and `rlcd export RUN --precision bfloat16` passed)")
 
 
 class DType(str, Enum):
@@ -53,11 +54,12 @@ def check_order_votes(n: int) -> int:
     return n
 
 
-def placement(device: str, dtype: DType | str) -> Any:
-    """The device policy (`rlcd.device.resolve_placement`); a bad value is a one-line DeviceError."""
+def placement(device: str, dtype: DType | str, *, run: Path | None = None) -> Any:
+    """The device policy (`rlcd.device.resolve_placement`); a bad value is a one-line DeviceError. `run`: the run
+    served (its bf16 parity record lets `auto` choose bfloat16 on a CPU with bf16 units)."""
     from rlcd.device import resolve_placement
 
-    return resolve_placement(device, dtype.value if isinstance(dtype, DType) else dtype)
+    return resolve_placement(device, dtype.value if isinstance(dtype, DType) else dtype, run=run)
 
 
 def run_path(arg: Optional[Path], alias: Optional[Path], *, what: str = "RUN") -> Path:

@@ -190,7 +190,10 @@ def cut(
     threads: Annotated[Optional[int], typer.Option(help="torch threads (default: torch's)")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the result JSON (bench format) here")] = None,
     device: DeviceOpt = "cpu",
-    dtype: DTypeOpt = DType.auto,
+    dtype: Annotated[str, typer.Option(
+        "--dtype", metavar="auto|float32|bfloat16[,...]",
+        help="backbone dtype (LoRA, scorer and optimizer state stay float32); a comma-separated list "
+             "(float32,bfloat16) runs the whole bench once per dtype, in turn, and adds the updates/s ratios")] = "auto",
 ) -> None:
     """Top-K-layer LoRA on the cut-state cache vs LoRA on every layer: updates/s (rows and cases), cut extraction
     tokens/s, cache size, bfloat16 vs float32 storage error."""
@@ -205,13 +208,41 @@ def cut(
         raise typer.BadParameter("--ks is comma-separated integers, e.g. 1,2,4,8", param_hint="--ks") from None
     if not k_t or min(k_t) < 1:
         raise typer.BadParameter("--ks needs at least one K, each >= 1", param_hint="--ks")
+    where = {}
+    for d in [x.strip() for x in dtype.split(",") if x.strip()] or ["auto"]:
+        p = placement(device, d)
+        if p.dtype in where:
+            raise typer.BadParameter(f"{dtype}: {p.dtype} given twice", param_hint="--dtype")
+        where[p.dtype] = p
     _threads(threads)
-    res = run_cut_bench(model, ks=k_t, cases=cases, updates=updates, all_updates=all_updates, batch_size=batch_size,
-                        grad_accum=grad_accum, placement=placement(device, dtype), threads=threads, say=echo)
+    runs = {d: run_cut_bench(model, ks=k_t, cases=cases, updates=updates, all_updates=all_updates,
+                             batch_size=batch_size, grad_accum=grad_accum, placement=p, threads=threads, say=echo)
+            for d, p in where.items()}
+    res = next(iter(runs.values())) if len(runs) == 1 else cut_by_dtype(runs)
+    if len(runs) > 1:
+        for d, sp in res["speedup"].items():
+            echo(f"cut: {d} updates/s over {res['dtypes'][0]}'s: " + ", ".join(f"{k} {v:.2f}x" for k, v in sp.items()))
     _save("cut", json_out, res, ("--model", model, None), ("--ks", ks, "1,2,4,8"), ("--cases", cases, 8),
           ("--updates", updates, 2), ("--all-updates", all_updates, 1), ("--batch-size", batch_size, 8),
           ("--grad-accum", grad_accum, 1), ("--threads", threads, None), ("--device", device, "cpu"),
-          ("--dtype", dtype, DType.auto))
+          ("--dtype", dtype, "auto"))
+
+
+def cut_by_dtype(runs: dict) -> dict:
+    """`rlcd bench cut --dtype a,b`: each dtype's result, and per update kind the updates/s of each later dtype over
+    the first's (the runs are sequential, not interleaved: the machine's load drifts between them)."""
+    labels = list(runs)
+    first = runs[labels[0]]
+
+    def rates(r: dict) -> dict:
+        out = {f"all_layers.{by}": r["all_layers"][by]["updates_per_s"] for by in ("row", "case")}
+        out.update({f"per_k.{k}.{by}": v[by]["updates_per_s"] for k, v in r["per_k"].items() for by in ("row", "case")})
+        return out
+
+    base = rates(first)
+    return {"model": first["model"], "dtypes": labels, "order": "sequential, in the order of dtypes",
+            "by_dtype": runs, "updates_per_s": {d: rates(r) for d, r in runs.items()},
+            "speedup": {d: {k: v / base[k] for k, v in rates(runs[d]).items()} for d in labels[1:]}}
 
 
 @app.command("serve")
@@ -238,15 +269,28 @@ def serve(
         help="--state-cache: the scenarios to run, comma-separated (default all; e.g. cold_1q_off,cold_1q,warm_1q)")
     ] = None,
     device: DeviceOpt = "auto",
-    dtype: DTypeOpt = DType.auto,
+    dtype: Annotated[str, typer.Option(
+        "--dtype", metavar="auto|float32|bfloat16[,...]",
+        help="backbone dtype (the scorer stays float32); with --state-cache a comma-separated list "
+             "(float32,bfloat16) is measured interleaved, one model per dtype")] = "auto",
 ) -> None:
     """Loopback load on the server at several concurrencies, batching on and off: decisions/s, p50/p95/p99, 4xx/5xx
-    (--state-cache: what the cross-request state cache saves, p50s and the warm/cold ratio)."""
+    (--state-cache: what the cross-request state cache saves, p50s and the warm/cold ratio; per dtype of --dtype)."""
     from rlcd.bench.serve import run_serve_bench
     from rlcd.run import find_export
 
     path = run_path(run, run_alias)
     find_export(path)
+    dtypes = [x.strip() for x in dtype.split(",") if x.strip()]
+    if not dtypes or (len(dtypes) > 1 and not state_cache):
+        raise typer.BadParameter("one of auto, float32, bfloat16 (a comma-separated list goes with --state-cache)",
+                                 param_hint="--dtype")
+    where = {}
+    for d in dtypes:
+        p = placement(device, d, run=path)
+        if p.dtype in where:
+            raise typer.BadParameter(f"{dtype}: {p.dtype} given twice", param_hint="--dtype")
+        where[p.dtype] = p
     if state_cache:
         from rlcd.bench.state_cache import run_state_cache_bench
         from rlcd.predict import Predictor
@@ -262,11 +306,13 @@ def serve(
         chosen = tuple(x.strip() for x in (scenarios or ",".join(SCENARIOS)).split(",") if x.strip())
         if not chosen or any(x not in SCENARIOS for x in chosen):
             raise typer.BadParameter(f"comma-separated, from {','.join(SCENARIOS)}", param_hint="--scenarios")
-        res = run_state_cache_bench(Predictor.from_run(path, placement=placement(device, dtype)), threads=thread_t,
-                                    repeats=repeats, state_tokens=state_tokens, seed=seed, scenarios=chosen)
+        predictors = {d: Predictor.from_run(path, placement=p) for d, p in where.items()}
+        res = run_state_cache_bench(predictors if len(predictors) > 1 else next(iter(predictors.values())),
+                                    threads=thread_t, repeats=repeats, state_tokens=state_tokens, seed=seed,
+                                    scenarios=chosen)
         _save("serve-state-cache", json_out, res, ("--threads", threads, "1,2"), ("--scenarios", scenarios, None),
               ("--repeats", repeats, 5), ("--state-tokens", state_tokens, 250), ("--seed", seed, 0),
-              ("--device", device, "auto"), ("--dtype", dtype, DType.auto), command="serve",
+              ("--device", device, "auto"), ("--dtype", dtype, "auto"), command="serve",
               positional=(path, "--state-cache"))
         return
     try:
@@ -276,10 +322,10 @@ def serve(
         raise typer.BadParameter("--sizes and --levels are comma-separated integers, e.g. 1,5,50") from None
     summary = run_serve_bench(path, requests=requests, levels=level_t, malformed=malformed, sizes=size_t, seed=seed,
                               port=port, window_ms=window_ms, timeout=timeout, total_timeout=total_timeout,
-                              placement=placement(device, dtype))
+                              placement=next(iter(where.values())))
     _save("serve", json_out, summary, ("--requests", requests, 96), ("--levels", levels, "1,4,16,64"),
           ("--malformed", malformed, 0.10), ("--sizes", sizes, "1,5,50"), ("--window-ms", window_ms, None),
-          ("--seed", seed, 0), ("--device", device, "auto"), ("--dtype", dtype, DType.auto), positional=(path,))
+          ("--seed", seed, 0), ("--device", device, "auto"), ("--dtype", dtype, "auto"), positional=(path,))
     if summary["c5xx"] or summary["crashes"]:
         raise typer.Exit(1)
 

@@ -180,6 +180,10 @@ class Format(str, Enum):
     onnx = "onnx"
 
 
+class Precision(str, Enum):
+    bfloat16 = "bfloat16"
+
+
 class Quantize(str, Enum):
     int8 = "int8"
     int8_dynamic = "int8-dynamic"
@@ -195,9 +199,14 @@ def export(run: RunArg = None,
                "--quantize", help="with --format onnx: int8 = weight-only blockwise int8 (Q8_0-like); int8-dynamic = "
                                   "onnxruntime's dynamic quantization; shipped only if it passes the gate")] = None,
            max_flips: Annotated[Optional[float], typer.Option(
-               "--max-flips", metavar="FRACTION", help="with --format onnx: the most test decisions the export may flip "
-                                                       "against torch (default 0.005 = 0.5%); above it nothing is "
-                                                       "exported and the command exits 1", show_default=False)] = None,
+               "--max-flips", metavar="FRACTION", help="with --format onnx or --precision: the most test decisions the "
+                                                       "export may flip against torch float32 (default 0.005 = 0.5%); "
+                                                       "above it the command exits 1", show_default=False)] = None,
+           precision: Annotated[Optional[Precision], typer.Option(
+               "--precision", help="also score the test split on the CPU with the backbone in float32 and in this "
+                                   "precision and record the parity in export/precision-bfloat16.json; `--dtype auto` "
+                                   "serves bf16 on a CPU with bf16 units only once this gate passed",
+               show_default=False)] = None,
            ) -> None:
     """Write export/ (rlcd's predictor) and export/hf/ (transformers: pipeline("decision", trust_remote_code=True)),
     or with --format onnx the portable export into --out.
@@ -205,11 +214,16 @@ def export(run: RunArg = None,
     Uses the best checkpoint and the temperatures `rlcd calibrate` / `rlcd evaluate` stored; runs on the CPU
     in float32 (what `rlcd predict` serves). --format onnx starts from export/ (run `rlcd export RUN` first), scores
     the run's test split with torch and with onnxruntime, and writes DIR only when the decisions agree (manifest.json
-    records the parity; `rlcd serve --export DIR` serves it without torch).
+    records the parity; `rlcd serve --export DIR` serves it without torch). --precision bfloat16 then scores the
+    test split on the CPU with the backbone in float32 and in bfloat16 and records flips, max |dp| and the NLL delta
+    in export/precision-bfloat16.json (exit 1 above --max-flips); `--dtype auto` serves bf16 only after it passed.
     """
     from rlcd.cli._common import run_path
 
     path = run_path(run, None)
+    if format is Format.onnx and precision is not None:
+        raise typer.BadParameter("--precision goes with the torch export (--format hf), not --format onnx",
+                                 param_hint="--precision")
     if format is Format.onnx:
         if out is None:
             raise typer.BadParameter("--format onnx needs --out DIR (the directory to write)", param_hint="--out")
@@ -220,9 +234,14 @@ def export(run: RunArg = None,
                     max_flips=MAX_FLIPS if max_flips is None else max_flips, say=echo)
         typer.echo(str(out))
         return
-    for name, value in (("--out", out), ("--quantize", quantize), ("--max-flips", max_flips)):
+    for name, value in (("--out", out), ("--quantize", quantize),
+                        ("--max-flips", max_flips if precision is None else None)):
         if value is not None:
-            raise typer.BadParameter(f"{name} goes with --format onnx", param_hint=name)
+            raise typer.BadParameter(f"{name} goes with --format onnx" + (" or --precision" if name == "--max-flips"
+                                                                          else ""), param_hint=name)
+    if max_flips is not None and not 0.0 <= max_flips <= 1.0:
+        raise typer.BadParameter(f"{max_flips}: a fraction of the test rows in [0, 1] (0.005 = 0.5%)",
+                                 param_hint="--max-flips")
     from rlcd.evaluate import export_run
     from rlcd.run import Run
 
@@ -230,8 +249,18 @@ def export(run: RunArg = None,
     from rlcd.report.notes import result_notes
 
     r = Run.open(path)
+    if precision is not None:  # the gate's test rows, before anything is written
+        from rlcd.portable.exporter import test_records
+
+        test_records(r)
     out_dir = export_run(r)
     meta = {**read_export_meta(r.export_dir), "run": str(r.root), "training_progress": r.training_progress()}
     for note in result_notes(meta):
         typer.echo(f"note: {note}", err=True)
+    if precision is not None:
+        from rlcd.precision import check_precision
+        from rlcd.progress import echo
+
+        with r.lock("export --precision"):
+            check_precision(r, precision.value, max_flips=max_flips, say=echo)
     typer.echo(str(out_dir))

@@ -210,7 +210,8 @@ def predict(
         return
     from rlcd.predict import Predictor
 
-    predictor = Predictor.from_run(path, placement=placement(device, dtype), lazy=True,  # loaded only if needed
+    where = placement(device, dtype, run=path)
+    predictor = Predictor.from_run(path, placement=where, lazy=True,  # loaded only if needed
                                    state_cache_mb=state_cache_mb, order_votes=order_votes,
                                    canonical=not as_asked, vote_combine=vote_combine.value)
     echo_json(predictor.predict(req, img))
@@ -314,7 +315,8 @@ def serve(
     batching = BatchingConfig(window_ms=batch_window_ms, max_batch_questions=max_batch_questions,
                               max_batch_tokens=max_batch_tokens, max_queue=max_queue, timeout_s=request_timeout)
     run_server(path, host=host, port=port, image_root=image_root,
-               placement=None if export is not None else placement(device, dtype), portable=export is not None,
+               placement=None if export is not None else placement(device, dtype, run=path),
+               portable=export is not None,
                served_model_name=served_model_name, strict_model=strict_model, batching=batching, workers=workers,
                api_key=api_key, quiet=quiet, access_log=(access_log or AccessLog.text).value, thresholds=thresholds,
                state_cache_mb=state_cache_mb, order_votes=order_votes, threads=threads, canonical=not as_asked,

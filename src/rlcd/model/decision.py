@@ -228,7 +228,9 @@ class DecisionModel(nn.Module):
     def placement(self) -> dict[str, str]:
         """Where the model runs: {"device": "cuda:0", "dtype": "bfloat16"} (the backbone's; the scorer is FP32)."""
         dtype = next(self.backbone.parameters()).dtype
-        return {"device": str(self.device), "dtype": str(dtype).replace("torch.", "")}
+        why = getattr(self, "placement_reason", "")  # why `--dtype auto` chose it (rlcd.device), set at load
+        return {"device": str(self.device), "dtype": str(dtype).replace("torch.", ""),
+                **({"reason": why} if why else {})}
 
     def train(self, mode: bool = True) -> "DecisionModel":
         super().train(mode)

@@ -30,8 +30,10 @@ def _interval(x: np.ndarray) -> list[float]:
 
 
 def compare(rows: Sequence[Mapping[str, Any]], reference: Sequence[Sequence[float]], candidate: Sequence[Sequence[float]],
-            temperatures: Mapping[str, float], *, resamples: int = RESAMPLES, seed: int = 0) -> dict[str, Any]:
-    """`rows`: per row its `type`, `target` and `case_id` (or `id`); `reference` / `candidate`: raw logits per row."""
+            temperatures: Mapping[str, float], *, resamples: int = RESAMPLES, seed: int = 0,
+            names: tuple[str, str] = ("torch", "onnx")) -> dict[str, Any]:
+    """`rows`: per row its `type`, `target` and `case_id` (or `id`); `reference` / `candidate`: raw logits per row;
+    `names`: the keys the two sides' NLL, ECE and accuracy are reported under (reference first)."""
     if not rows or len(rows) != len(reference) or len(rows) != len(candidate):
         raise ValueError(f"need one reference and one candidate logit vector per row ({len(rows)} rows)")
     n = len(rows)
@@ -59,14 +61,15 @@ def compare(rows: Sequence[Mapping[str, Any]], reference: Sequence[Sequence[floa
         d_nll[r] = nll[1, idx].mean() - nll[0, idx].mean()
         d_ece[r] = (M.calibration_error(conf[1, idx], correct[1, idx])
                     - M.calibration_error(conf[0, idx], correct[0, idx]))
+    a, b = names
     return {
         "rows": n, "cases": n_groups, "flips": int(flips.sum()), "flip_rate": float(flips.mean()),
         "max_abs_dp": float(dp.max()), "mean_abs_dp": float(dp.mean()),
-        "nll": {"torch": float(nll[0].mean()), "onnx": float(nll[1].mean()),
+        "nll": {a: float(nll[0].mean()), b: float(nll[1].mean()),
                 "delta": float(nll[1].mean() - nll[0].mean()), "delta_95": _interval(d_nll)},
-        "ece": {"torch": float(ece[0]), "onnx": float(ece[1]), "delta": float(ece[1] - ece[0]),
+        "ece": {a: float(ece[0]), b: float(ece[1]), "delta": float(ece[1] - ece[0]),
                 "delta_95": _interval(d_ece)},
-        "accuracy": {"torch": float(correct[0].mean()), "onnx": float(correct[1].mean())},
+        "accuracy": {a: float(correct[0].mean()), b: float(correct[1].mean())},
         "bootstrap": {"resamples": resamples, "seed": seed, "unit": "case"},
     }
 

@@ -119,6 +119,20 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
                    objective_fn=objective_fn, head_peak=(config.get("init") or {}).get("head_lr_peak"))
 
 
+def precision_deviation(placement: Placement) -> dict | None:
+    """The record of a bfloat16 backbone on the CPU, where the pinned default is float32 (None otherwise).
+
+    What runs in bf16 and what stays fp32 is the GPU path's: the frozen backbone weights and activations in
+    bfloat16; LoRA adapters (peft keeps them float32 over a bf16 base), the scorer, the master weights and
+    AdamW's state float32; the recipe's numbers unchanged."""
+    if placement.device != "cpu" or placement.dtype != "bfloat16":
+        return None
+    return {"device": "cpu", "dtype": "bfloat16", "default": "float32",
+            "float32": ["lora", "head", "optimizer_state"],
+            "note": "bfloat16 backbone on the CPU, a deviation from the float32 CPU default; LoRA, the scorer "
+                    "and the optimizer state stay float32"}
+
+
 def _rank0_first(d: Dist, build: Callable[[bool], Any]) -> Any:
     """`build(main)` on rank 0 (which extracts a missing cache), then, past a barrier, on the other ranks
     (which find it complete)."""
@@ -255,6 +269,9 @@ def setup(run_dir: Path, *, held: contextlib.ExitStack, data_dir: Path | None = 
              _new_start(run, d, data_dir=data_dir, model=model, recipe=recipe, steps=steps, model_seed=model_seed,
                         device=device, dtype=dtype, log=log, init=init))
     config, loaded, fingerprint = start.config, start.loaded, {}
+    deviation = precision_deviation(start.placement)
+    if deviation is not None:  # recorded in config.json (never silent); a resume in float32 keeps the record
+        config["precision_deviation"] = deviation
 
     def load_weights(model) -> None:
         if loaded is not None:
@@ -273,6 +290,8 @@ def setup(run_dir: Path, *, held: contextlib.ExitStack, data_dir: Path | None = 
             print_fn(notice)
         if start.source is not None and loaded is None:
             print_fn(init_head_notice(config["init"], r))
+        if deviation is not None:
+            print_fn(f"train: {deviation['note']} (config.json precision_deviation)")
         print_fn(f"train: {run.root} on {describe(start.placement)}, {d.world} process(es), "
                  f"{r.grad_accum // d.world} x {r.batch_size} examples per process per update")
     state = TrainState()

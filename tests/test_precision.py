@@ -1,0 +1,319 @@
+"""bfloat16 on the CPU: the capability detection (mocked for both kinds of CPU), what `--dtype auto` picks, the
+parity gate (`rlcd export RUN --precision bfloat16`), bf16 against fp32 on a tiny model, and bf16 training."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import synth_processed, user_error
+
+# /proc/cpuinfo lines of the two kinds of CPU (trimmed): AMD EPYC (Zen 4) and Intel Sapphire Rapids have bf16
+# units, a Haswell-class server only AVX2; arm64 names FEAT_BF16 "bf16" in Features
+EPYC = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
+SPR = "processor\t: 0\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_tile amx_int8 avx512_vnni\n"
+AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c\n"
+ARM_BF16 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+ARM = "processor\t: 0\nFeatures\t: fp asimd crc32\n"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny-llama export with a test split (as the ONNX gate's tests build it)."""
+    from _tiny_export import make_tiny_export
+
+    base = tmp_path_factory.mktemp("precision")
+    data = synth_processed(base / "data", 120, 3)
+    run = make_tiny_export(base / "run", model_spec="tiny-llama")
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["data_dir"] = str(data)
+    (run / "config.json").write_text(json.dumps(cfg))
+    return run
+
+
+@pytest.mark.parametrize("text,has,flag", [(EPYC, True, "avx512_bf16"), (SPR, True, "amx_bf16"), (AVX2, False, None),
+                                           (ARM_BF16, True, "bf16"), (ARM, False, None)])
+def test_detection_reads_the_cpu_flags(text, has, flag):
+    from rlcd.device import cpu_bf16_units
+
+    found, why = cpu_bf16_units(text)
+    assert found is has
+    assert (flag in why) if has else ("no bf16 units" in why)
+
+
+def test_detection_without_cpu_flags_asks_torch(monkeypatch):
+    from rlcd import device
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert device.cpu_bf16_units("") == (True, "the CPU has bf16 units (avx512_bf16, torch's probe)")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert device.cpu_bf16_units("")[0] is False
+    monkeypatch.setattr(device, "CPUINFO", Path("/nonexistent/cpuinfo"))  # not Linux: the probe again
+    assert device.cpu_bf16_units()[0] is False
+
+
+def _cpu(monkeypatch, text: str) -> None:
+    """This machine as the CPU `text` describes (no GPU)."""
+    from rlcd import device
+
+    monkeypatch.setattr(device, "_cuda_count", lambda: 0)
+    monkeypatch.setattr(device, "cpu_bf16_units", lambda cpuinfo=None: device.__dict__["_real_units"](text))
+
+
+@pytest.fixture(autouse=True)
+def _keep_real_detection(monkeypatch):
+    from rlcd import device
+
+    monkeypatch.setitem(device.__dict__, "_real_units", device.cpu_bf16_units)
+    monkeypatch.setattr(device, "_said", set())
+
+
+def _pass_gate(run, monkeypatch, bound: float = 0.5):
+    from rlcd.precision import check_precision
+
+    return check_precision(run, max_flips=bound)
+
+
+def test_auto_on_an_avx2_cpu_stays_float32_and_says_so_once(run, monkeypatch, caplog):
+    from rlcd.device import resolve_placement
+
+    _cpu(monkeypatch, AVX2)
+    with caplog.at_level(logging.INFO, logger="rlcd.device"):
+        first = resolve_placement("auto", "auto", run=run)
+        again = resolve_placement("cpu", "auto", run=run)
+    assert first.dtype == again.dtype == "float32"
+    assert first.reason.startswith("auto: float32, the CPU has no bf16 units")
+    said = [r.getMessage() for r in caplog.records if "bf16 units" in r.getMessage()]
+    assert len(said) == 1 and "--dtype bfloat16 forces it" in said[0]
+    forced = resolve_placement("cpu", "bfloat16", run=run)  # asked for: given, whatever the CPU
+    assert (forced.dtype, forced.reason) == ("bfloat16", "")
+    assert resolve_placement("cpu", "float32", run=run).reason == ""
+
+
+def test_auto_picks_bf16_only_with_the_units_and_a_passed_record(run, monkeypatch):
+    from rlcd.device import Placement, resolve_placement
+    from rlcd.precision import record_path
+
+    _cpu(monkeypatch, EPYC)
+    record_path(run).unlink(missing_ok=True)
+    p = resolve_placement("auto", "auto", run=run)
+    assert p.dtype == "float32" and "no bfloat16 parity record" in p.reason
+    assert resolve_placement("auto", "auto").dtype == "float32"  # no run (training, evaluation): float32
+    doc = _pass_gate(run, monkeypatch)
+    p = resolve_placement("auto", "auto", run=run)
+    assert p.dtype == "bfloat16" and p.reason == (f"auto: bfloat16, the CPU has bf16 units (avx512_bf16) and its "
+                                                  f"bfloat16 parity passed ({doc['result']['flips']}/"
+                                                  f"{doc['result']['rows']} test decisions flipped)")
+    assert str(p).startswith("cpu bfloat16 (auto: bfloat16") and p.to_dict()["reason"] == p.reason
+    assert Placement(**p.to_dict()) == p  # the serve workers' config round trip
+    _cpu(monkeypatch, AVX2)  # the same run on a CPU without the units
+    assert resolve_placement("auto", "auto", run=run).dtype == "float32"
+    # a record of another export (re-exported since) is not this export's
+    _cpu(monkeypatch, EPYC)
+    path = record_path(run)
+    stale = json.loads(path.read_text())
+    stale["export"]["checkpoint_sha256"] = "0" * 64
+    path.write_text(json.dumps(stale))
+    p = resolve_placement("auto", "auto", run=run)
+    assert p.dtype == "float32" and "measured another export" in p.reason
+    path.unlink()
+
+
+def test_bf16_backbone_against_fp32_within_tolerance(run):
+    """bf16 keeps 8 significand bits (relative rounding 2**-9 = 0.2% per op). Through the tiny decoder and the
+    fp32 scorer the logits move by at most 5% of the largest logit magnitude over the rows and the temperature-scaled
+    probabilities by at most 0.1 (measured: 0.16 against a largest |logit| of 6.1, max |dp| 0.06); the scorer and
+    readout stay fp32."""
+    from rlcd.data.io import load_split
+    from rlcd.device import Placement
+    from rlcd.export import load_export
+    from rlcd.model.case_scoring import score_records
+
+    records = load_split(json.loads((run / "config.json").read_text())["data_dir"], "test")[:24]
+    out, models = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        models[dtype], meta = load_export(run, placement=Placement("cpu", dtype))
+        out[dtype] = score_records(models[dtype], records)
+    m16 = models["bfloat16"]
+    assert {p.dtype for p in m16.backbone.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in m16.head.parameters()} | {m16.head.mu_d.dtype} == {torch.float32}
+    assert m16.placement == {"device": "cpu", "dtype": "bfloat16"}
+    dp, moved = [], []
+    scale = max(float(a.abs().max()) for a in out["float32"])
+    for r, a, b in zip(records, out["float32"], out["bfloat16"]):
+        assert a.dtype == b.dtype == torch.float32
+        a64, b64 = a.double().numpy(), b.double().numpy()
+        moved.append(np.max(np.abs(a64 - b64)))
+        t = meta["temperatures"][r.question.type]
+        pa, pb = np.exp(a64 / t - np.logaddexp.reduce(a64 / t)), np.exp(b64 / t - np.logaddexp.reduce(b64 / t))
+        dp.append(np.max(np.abs(pa - pb)))
+    assert 0 < max(moved) <= 0.05 * scale
+    assert 0 < max(dp) <= 0.1  # bf16 moved something (it ran in bf16), within the bound
+    # the state cache holds the backbone's states: bf16 ones take half the bytes of fp32 ones
+    from rlcd.predict import Predictor
+
+    req = {"state": "Order 77: the parcel is late.", "questions": {
+        "late": {"type": "noul", "instructions": "Is it late?"},
+        "team": {"type": "choice", "instructions": "Which team?", "criteria": ["billing", "shipping"]}}}
+    sizes = {}
+    for dtype, model in models.items():
+        pred = Predictor(model, meta, state_cache_mb=64)
+        pred.predict(req)
+        sizes[dtype] = pred.state_cache.stats()["bytes"]
+    assert sizes["float32"] > 0 and sizes["bfloat16"] * 2 == sizes["float32"]
+
+
+def test_the_gate_passes_records_and_refuses(run, monkeypatch):
+    """A random tiny model's decisions are near ties: bf16 flips some of them (13/72 here), so the default bound
+    (0.5%) refuses it and a loose one passes; both write the record `--dtype auto` reads."""
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+    from rlcd.precision import parity_verdict, record_path
+
+    _cpu(monkeypatch, EPYC)
+    res = CliRunner().invoke(app, ["export", str(run), "--precision", "bfloat16"])
+    assert res.exit_code == 1, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("rlcd: error:")]
+    assert len(lines) == 1 and "bfloat16 backbone fails the parity gate (--max-flips 0.50%)" in lines[0], res.stderr
+    assert "Traceback" not in res.output
+    doc = json.loads(record_path(run).read_text())
+    r = doc["result"]
+    assert doc["passed"] is False and doc["max_flips"] == 0.005 and r["rows"] == 72 and r["flips"] > 0.005 * 72
+    assert set(r["nll"]) == {"float32", "bfloat16", "delta", "delta_95"}
+    assert r["nll"]["delta"] == pytest.approx(r["nll"]["bfloat16"] - r["nll"]["float32"])
+    assert r["nll"]["delta_95"][0] <= r["nll"]["delta"] <= r["nll"]["delta_95"][1]
+    assert 0 < r["max_abs_dp"] <= 0.1
+    assert len(r["flipped"]) == r["flips"] and all(0 <= f["margin"] <= 2 * f["dp"] for f in r["flipped"])
+    assert parity_verdict(run)[0] is False
+    from rlcd.device import resolve_placement
+
+    p = resolve_placement("auto", "auto", run=run)
+    assert p.dtype == "float32" and "parity gate refused" in p.reason
+    res = CliRunner().invoke(app, ["export", str(run), "--precision", "bfloat16", "--max-flips", "0.5"])
+    assert res.exit_code == 0, res.output
+    doc2 = json.loads(record_path(run).read_text())
+    assert doc2["passed"] is True and doc2["result"]["flips"] == r["flips"]  # the same scoring, another bound
+    assert doc2["export"] == {k: json.loads((run / "export" / "model.json").read_text())[k]
+                              for k in ("checkpoint_sha256", "backbone_fingerprint", "selected_step")}
+    assert parity_verdict(run)[0] is True
+    record_path(run).unlink()
+
+
+def test_precision_mistakes_are_one_line_and_write_nothing(run, tmp_path):
+    from rlcd.precision import record_path
+
+    before = sorted(p.name for p in (run / "export").iterdir())
+    user_error(["export", run, "--precision", "float16"], contains="--precision")
+    user_error(["export", run, "--precision", "bfloat16", "--max-flips", "2"], contains="a fraction of the test rows")
+    user_error(["export", run, "--format", "onnx", "--out", tmp_path / "o", "--precision", "bfloat16"],
+               contains="--precision goes with the torch export")
+    user_error(["export", run, "--max-flips", "0.1"], contains="--max-flips goes with --format onnx or --precision")
+    assert sorted(p.name for p in (run / "export").iterdir()) == before and not record_path(run).exists()
+    assert not (tmp_path / "o").exists()
+
+
+def test_predictor_states_the_placement_and_its_reason(run, monkeypatch, caplog):
+    from rlcd.device import resolve_placement
+    from rlcd.predict import Predictor
+
+    _cpu(monkeypatch, EPYC)
+    _pass_gate(run, monkeypatch)
+    where = resolve_placement("cpu", "auto", run=run)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="rlcd.export"):
+        info = Predictor.from_run(run, placement=where).info()
+    assert info["placement"] == {"device": "cpu", "dtype": "bfloat16", "reason": where.reason}
+    start = [r.getMessage() for r in caplog.records if "loading export" in r.getMessage()]
+    assert len(start) == 1 and start[0].endswith(f"onto cpu bfloat16 ({where.reason})")
+    from rlcd.precision import record_path
+
+    record_path(run).unlink()
+
+
+def _train(base: Path, dtype: str) -> Path:
+    from rlcd.recipe import Recipe
+    from rlcd.train import train
+
+    torch.set_num_threads(1)
+    data = synth_processed(base, 40, seed=11)
+    recipe = Recipe(steps=2, lr_head=5e-3, head_only=False, log_every=1, eval_every=2, checkpoint_every=2,
+                    diagnostics_every=2)
+    train(base / "run", data_dir=data, model="tiny-llama", recipe=recipe, progress=False, device="cpu", dtype=dtype)
+    return base / "run"
+
+
+def test_bf16_training_keeps_lora_head_and_optimizer_in_fp32_and_says_so(tmp_path):
+    """bf16 frozen weights with fp32 LoRA (peft keeps adapters fp32 over a bf16 base), fp32 scorer, fp32 AdamW state;
+    the first two losses within 2% of the fp32 run's (the same sampled batches, bf16 activations)."""
+    from rlcd import checkpoint as ckpt
+
+    runs = {dtype: _train(tmp_path / dtype, dtype) for dtype in ("float32", "bfloat16")}
+    cfg = {d: json.loads((r / "config.json").read_text()) for d, r in runs.items()}
+    assert "precision_deviation" not in cfg["float32"]
+    dev = cfg["bfloat16"]["precision_deviation"]
+    assert dev["dtype"] == "bfloat16" and dev["default"] == "float32" and dev["device"] == "cpu"
+    loaded = ckpt.load(runs["bfloat16"] / "checkpoints" / "last")
+    weights = loaded["weights"]
+    assert any("lora_" in k for k in weights) and {t.dtype for t in weights.values()} == {torch.float32}
+    states = [t for s in loaded["optimizer"]["state"].values() for t in s.values()
+              if isinstance(t, torch.Tensor) and t.dim() > 0]
+    assert states and {t.dtype for t in states} == {torch.float32}
+    losses = {}
+    for d, r in runs.items():
+        rows = [json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()]
+        losses[d] = [x["loss"] for x in rows if x["event"] == "train"]
+    assert len(losses["bfloat16"]) == 2 and losses["bfloat16"] != losses["float32"]
+    np.testing.assert_allclose(losses["bfloat16"], losses["float32"], rtol=0.02)
+
+
+def test_state_cache_bench_takes_a_dtype_list(run, tmp_path):
+    """`rlcd bench serve RUN --state-cache --dtype float32,bfloat16`: one model per dtype, interleaved; the speedup
+    is the float32 p50 over the bfloat16 one, and a bf16 state takes half the bytes (no timing asserted)."""
+    from typer.testing import CliRunner
+
+    from rlcd.bench.state_cache import SCENARIOS
+    from rlcd.cli import app
+
+    out = tmp_path / "sc.json"
+    res = CliRunner().invoke(app, ["bench", "serve", str(run), "--state-cache", "--dtype", "float32,bfloat16",
+                                   "--device", "cpu", "--threads", "1", "--repeats", "1", "--state-tokens", "40",
+                                   "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rec = json.loads(out.read_text())
+    assert "--dtype float32,bfloat16" in rec["command"]
+    r = rec["results"]
+    assert r["dtypes"] == ["float32", "bfloat16"]
+    by = r["by_dtype"]
+    assert [by[d]["placement"]["dtype"] for d in r["dtypes"]] == ["float32", "bfloat16"]
+    for sc in SCENARIOS:
+        assert r["speedup"]["bfloat16"]["1"][sc] == pytest.approx(by["float32"]["p50_ms"]["1"][sc]
+                                                                  / by["bfloat16"]["p50_ms"]["1"][sc])
+    c32, c16 = by["float32"]["cache"], by["bfloat16"]["cache"]
+    assert c32["entries"] == c16["entries"] > 0 and c16["bytes"] < c32["bytes"]
+    user_error(["bench", "serve", run, "--dtype", "float32,bfloat16"], contains="goes with --state-cache")
+    user_error(["bench", "serve", run, "--state-cache", "--dtype", "float32,float32", "--device", "cpu"],
+               contains="float32 given twice")
+    user_error(["bench", "serve", run, "--state-cache", "--dtype", "float16"], contains="--dtype 'float16'")
+
+
+def test_cut_bench_by_dtype_ratios():
+    """`rlcd bench cut --dtype float32,bfloat16`: updates/s of the later dtype over the first's, per update kind."""
+    from rlcd.cli.bench import cut_by_dtype
+
+    def res(a: float, k4: float) -> dict:
+        u = lambda v: {"updates_per_s": v}  # noqa: E731
+        return {"model": "m", "all_layers": {"row": u(a), "case": u(2 * a)}, "per_k": {"4": {"row": u(k4),
+                                                                                            "case": u(3 * k4)}}}
+
+    out = cut_by_dtype({"float32": res(0.1, 0.8), "bfloat16": res(0.25, 1.2)})
+    assert out["dtypes"] == ["float32", "bfloat16"] and out["by_dtype"]["bfloat16"]["model"] == "m"
+    assert out["speedup"]["bfloat16"] == pytest.approx({"all_layers.row": 2.5, "all_layers.case": 2.5,
+                                                        "per_k.4.row": 1.5, "per_k.4.case": 1.5})
+    user_error(["bench", "cut", "--model", "tiny", "--dtype", "float32,float32"], contains="float32 given twice")
