@@ -48,7 +48,7 @@ def evaluated(run):
 def predictor(run, evaluated):
     from rlcd.predict import Predictor
 
-    return Predictor.from_run(run)
+    return Predictor.from_run(run, canonical=False)  # as asked: the stored predictions score rows as trained
 
 
 def test_resume_on_a_text_decoder_matches_an_uninterrupted_run(run, data_dir, tmp_path):

@@ -119,7 +119,7 @@ def cpu_auto_dtype(run: str | Path | None) -> tuple[str, str]:
         reason = f"auto: float32, {why}"
         _say_once(f"device: {reason}; bfloat16 would be emulated (slower); --dtype bfloat16 forces it")
         return "float32", reason
-    from rlcd.precision import parity_verdict
+    from rlcd.precision_record import parity_verdict
 
     ok, verdict = parity_verdict(run)
     if not ok:
