@@ -24,20 +24,13 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from rlcd.files import fsync_dir as _fsync_dir  # a module name the killed-write test replaces
 from rlcd.files import pid_alive, plain_mode
 
 WEIGHTS = "trainable.safetensors"
 OPTIMIZER = "optimizer.pt"
 RNG = "rng.pt"
 STATE = "state.json"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fsync_file(path: Path) -> None:

@@ -52,7 +52,7 @@ import torch
 
 from rlcd.data.sampling import ORDERS_SCHEME, orders_of, with_fixed_order
 from rlcd.errors import OptionError
-from rlcd.files import plain_mode
+from rlcd.files import pid_alive, plain_mode
 from rlcd.model.collate import RowLabels
 from rlcd.schema import TYPE_ID, Record
 
@@ -418,19 +418,9 @@ def remove_dead_tmp(root: Path) -> None:
             pid = int(d.name.rsplit("-", 2)[1])
         except (IndexError, ValueError):
             pid = -1
-        if pid > 0 and pid != os.getpid() and _alive(pid):
+        if pid > 0 and pid != os.getpid() and pid_alive(pid):
             continue
         shutil.rmtree(d, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def fsync_files(d: Path) -> None:

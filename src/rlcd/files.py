@@ -53,4 +53,13 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-__all__ = ["pid_alive", "plain_mode", "umask"]
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so a rename into it survives a crash (atomic checkpoints, batch parts)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+__all__ = ["fsync_dir", "pid_alive", "plain_mode", "umask"]

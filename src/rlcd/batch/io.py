@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from rlcd.errors import OptionError, UserError
+from rlcd.files import fsync_dir
 
 PARTS_SUFFIX, REJECTS_SUFFIX = ".parts", ".rejects.jsonl"
 JOB = "job.json"
@@ -193,14 +194,6 @@ def scan_split(data: Path, split: str, *, skip_through: int = 0, seen: set[str] 
 
 
 # ---------------------------------------------------------------------------------------------- output
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_atomic(path: Path, lines: Iterable[str]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
@@ -209,7 +202,7 @@ def _write_atomic(path: Path, lines: Iterable[str]) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def parts_dir(output: Path) -> Path:
@@ -296,7 +289,7 @@ class PartWriter:
             tmp.mkdir()
             _write_atomic(tmp / JOB, [json.dumps(self.job, indent=2, sort_keys=True)])
             os.replace(tmp, self.parts)
-            _fsync_dir(self.parts.parent)
+            fsync_dir(self.parts.parent)
 
     def commit(self, outcomes: list[Outcome]) -> None:
         """One part: `outcomes` (consecutive rows after those committed), sorted by line, written atomically."""
@@ -328,7 +321,7 @@ class PartWriter:
         else:
             self._write_parquet(answers)
         shutil.rmtree(self.parts)
-        _fsync_dir(self.output.parent)
+        fsync_dir(self.output.parent)
 
     def _write_parquet(self, answers: Iterator[Outcome], chunk: int = 4096) -> None:
         import pyarrow as pa
