@@ -89,6 +89,19 @@ def make_tiny_export(run_dir: Path, *, seed: int = SEED, model_spec: str = MODEL
     return run_dir
 
 
+def make_tiny_export_with_test_split(base: Path) -> Path:
+    """A tiny-llama export whose config names a synthesised processed data dir (120 cases, seed 3): what the
+    parity gates (ONNX, bf16) score their test split on."""
+    from conftest import synth_processed
+
+    data = synth_processed(Path(base) / "data", 120, 3)
+    run = make_tiny_export(Path(base) / "run", model_spec="tiny-llama")
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["data_dir"] = str(data)
+    (run / "config.json").write_text(json.dumps(cfg))
+    return run
+
+
 _RUNS: dict[str, Path] = {}
 _PREDICTORS: dict[str, object] = {}
 

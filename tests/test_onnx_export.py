@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
-from conftest import synth_processed, user_error  # noqa: E402
+from conftest import user_error  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 REQUEST = {
@@ -39,15 +39,9 @@ REQUEST = {
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from _tiny_export import make_tiny_export
+    from _tiny_export import make_tiny_export_with_test_split
 
-    base = tmp_path_factory.mktemp("portable")
-    data = synth_processed(base / "data", 120, 3)
-    run = make_tiny_export(base / "run", model_spec="tiny-llama")
-    cfg = json.loads((run / "config.json").read_text())
-    cfg["data_dir"] = str(data)
-    (run / "config.json").write_text(json.dumps(cfg))
-    return run
+    return make_tiny_export_with_test_split(tmp_path_factory.mktemp("portable"))
 
 
 @pytest.fixture(scope="module")

@@ -25,15 +25,9 @@ ARM = "processor\t: 0\nFeatures\t: fp asimd crc32\n"
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A tiny-llama export with a test split (as the ONNX gate's tests build it)."""
-    from _tiny_export import make_tiny_export
+    from _tiny_export import make_tiny_export_with_test_split
 
-    base = tmp_path_factory.mktemp("precision")
-    data = synth_processed(base / "data", 120, 3)
-    run = make_tiny_export(base / "run", model_spec="tiny-llama")
-    cfg = json.loads((run / "config.json").read_text())
-    cfg["data_dir"] = str(data)
-    (run / "config.json").write_text(json.dumps(cfg))
-    return run
+    return make_tiny_export_with_test_split(tmp_path_factory.mktemp("precision"))
 
 
 @pytest.mark.parametrize("text,has,flag", [(EPYC, True, "avx512_bf16"), (SPR, True, "amx_bf16"), (AVX2, False, None),

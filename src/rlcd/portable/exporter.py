@@ -118,18 +118,12 @@ def test_records(run: Run) -> list:
 # ---------------------------------------------------------------------------------------- writing
 def remove_dead_temps(out: Path) -> None:
     """Remove `.tmp-<out>-<pid>` directories of exports whose process is gone (killed before its cleanup)."""
+    from rlcd.files import pid_alive
+
     for tmp in out.parent.glob(f".tmp-{out.name}-*"):
         pid = tmp.name.rsplit("-", 1)[-1]
-        if not pid.isdigit():
-            continue
-        try:
-            if int(pid) != os.getpid():
-                os.kill(int(pid), 0)
-                continue  # a live export writes there
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
+        if not pid.isdigit() or (int(pid) != os.getpid() and pid_alive(int(pid))):
+            continue  # not ours to judge, or a live export writes there
         shutil.rmtree(tmp, ignore_errors=True)
 
 
