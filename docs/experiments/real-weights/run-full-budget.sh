@@ -10,7 +10,7 @@
 # From the repo root:  nohup bash docs/experiments/real-weights/run-full-budget.sh > runs/rw6/run.log 2>&1 &
 # UNTIL=features stops after the caches, UNTIL=control after the matched control, UNTIL=arms before the compares; a re-run
 # skips what is done and resumes an unfinished run. DEVICE=cuda runs every stage on the GPU (still float32); MODEL, CASES
-# and STEPS shrink it for a dry run (MODEL=tiny CASES=12 STEPS=8); CUT_STATES=0 with UNTIL=control skips the cut-state
+# and STEPS shrink it for a dry run (MODEL=tiny K=2 CASES=12 STEPS=8: the tiny model has 4 layers); CUT_STATES=0 with UNTIL=control skips the cut-state
 # cache the head-only runs do not need. ARMS names the arms to train after the head (default "control top$K"; the GPU
 # machine, given the head run trained here, runs ARMS=top4 FEATURES=0: no head-only feature cache, which only the
 # head-only runs read).

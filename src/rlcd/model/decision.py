@@ -159,11 +159,13 @@ class DecisionModel(nn.Module):
         model = backbone.model
         freeze_all(model)
         self.num_layers = self.family.num_layers(model)
-        if lora_layers is not None and not 1 <= int(lora_layers) <= self.num_layers:
+        if lora_layers is not None and not 1 <= int(lora_layers) < self.num_layers:
             from ..errors import OptionError
 
+            # K = every layer leaves nothing frozen below the cut to cache: that is plain LoRA on every layer
             raise OptionError(f"lora_layers={lora_layers}: this backbone has {self.num_layers} decoder layers; give "
-                              f"1..{self.num_layers} (or none for LoRA on every layer)")
+                              f"1..{self.num_layers - 1} (top layers with LoRA above a frozen cut), or none for LoRA "
+                              f"on every layer")
         # the first decoder layer with LoRA; everything below it is frozen (None: LoRA on every layer)
         self.cut_layer = self.num_layers - int(lora_layers) if lora_layers is not None else None
         self.lora_config: dict | None = None
