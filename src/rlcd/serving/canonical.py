@@ -114,6 +114,15 @@ def canonical_questions(questions: Sequence[Question]) -> list[Canonical]:
     return [canonical(q) for q in questions]
 
 
+def asked_forms(questions: Sequence[Question], on: bool = True) -> tuple[list[Canonical] | None, list[Question]]:
+    """(canonical forms, the questions the model is asked): with `on`, each question's `canonical` form and its
+    `asked` question; else (None, the questions as sent) -- `rlcd serve --as-asked`."""
+    if not on:
+        return None, list(questions)
+    canon = canonical_questions(questions)
+    return canon, [c.asked for c in canon]
+
+
 def answer_logits(c: Canonical, logits: Any, temperatures: Mapping[str, float]) -> tuple[Any, float]:
     """(logits, temperature) over the caller's options whose softmax(logits / temperature) is the mapped-back
     answer: ``p_caller[i] = p[source[i]] / shares[i]``, with ``p = softmax(logits / T_asked)`` the asked
@@ -139,4 +148,5 @@ def answer_logits(c: Canonical, logits: Any, temperatures: Mapping[str, float]) 
     return np.log(p[src]) - np.log(np.asarray(c.shares, dtype=np.float64)), 1.0
 
 
-__all__ = ["Canonical", "YES_NO_MEANINGS", "answer_logits", "as_noul", "canonical", "canonical_questions", "yes_no"]
+__all__ = ["Canonical", "YES_NO_MEANINGS", "answer_logits", "as_noul", "asked_forms",
+           "canonical", "canonical_questions", "yes_no"]

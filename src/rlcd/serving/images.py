@@ -170,3 +170,21 @@ def load_image_spec(field: str, spec: Any, image_root: Path | None, limits: Limi
         path = resolve_image_path(value, image_root, field=f"{field}.{key}")
         return open_image(path, field=f"{field}.{key}", max_pixels=limits.max_image_pixels)
     return decode_base64_image(value, field=f"{field}.{key}", max_pixels=limits.max_image_pixels)
+
+
+def request_image(parsed: Any, image: Any = None, *, takes_images: bool, limits: Limits,
+                  image_root: Path | None = None, parts: Mapping[str, bytes] | None = None) -> Any:
+    """The one image a parsed request (`serving.request.ParsedRequest`) is about, decoded, or None: `image` passed
+    beside the request (a path, bytes or PIL image; refused when the request carries one too, or the model reads
+    no images), else the request's own (`load_image_spec`: its `image`, an asset or a multipart part)."""
+    if image is not None:
+        if parsed.images:
+            raise PredictError(parsed.images[0][0], "the request carries an image and another was passed "
+                                                    "beside it; this model reads one image per request")
+        if not takes_images:
+            raise PredictError("image", "this model's backbone is text-only (it reads no images); send text only")
+        return open_image(image, max_pixels=limits.max_image_pixels)
+    if parsed.images:
+        field, spec = parsed.images[0]
+        return load_image_spec(field, spec, image_root, limits, parts)
+    return None

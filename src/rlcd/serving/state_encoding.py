@@ -1,0 +1,116 @@
+"""State encoding: a request's questions tokenised into one case, and the state cache that lets a later request
+about the same state skip its prefix.
+
+All questions of a request are one case (`DecisionModel.prepare_case`): the shared prefix (chat-template head,
+image, state) runs once, the image is encoded once, the question suffixes run batched. A voted question's other
+orders (`rlcd.order_votes`: `vote_plan`, `asked`) are more rows of the same case, after the scored questions,
+question by question: more suffixes on the same prefix. A tokenising error (`RecordError`) becomes a
+`PredictError` naming the request's field and question (`from_record_error`; a row over the token limit is 413).
+
+The state cache (`rlcd.model.state_cache`, `state_cache_mb`, default 256 MiB, 0 turns it off): the decoder state
+of each state's prefix is kept, LRU bounded in bytes, so a later request about the same state and image runs only
+its questions. Keys are the exact prefix token ids and the image's pixel digest (computed in `encode`, off the
+model thread), scoped by `cache_scope` (the model's fingerprint and info, the prompt frame, LoRA and merge state,
+the placement, the parameters' version counters): another model, frame, LoRA state or image never hits. The scope
+is computed at every model call (`StateEncoder.cache_kw`, under the scoring lock), so a weight changed in place
+between two calls moves it. `usage.input_tokens` does not depend on the cache: a hit skips the prefix's forward,
+not its count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any, Mapping, Sequence
+
+from rlcd.order_votes import asked, vote_plan
+from rlcd.schema import Question, RecordError
+from rlcd.serving.errors import PredictError
+
+DEFAULT_STATE_CACHE_MB = 256  # MiB; a 250-token SmolLM2-135M state takes 12.5 MiB in float32 (docs/SERVING.md)
+
+
+def state_cache_bytes(mb: float) -> int:
+    """`state_cache_mb` (mebibytes, 0 = off) in bytes; a negative, non-finite or non-number value is a ValueError."""
+    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not math.isfinite(mb) or mb < 0:
+        raise ValueError(f"state_cache_mb must be a number >= 0 (0 turns the state cache off), got {mb!r}")
+    return int(mb * (1 << 20))
+
+
+def cache_scope(model: Any, meta: Mapping[str, Any]) -> str:
+    """The state cache's scope for `model` as it is now: a digest of the export's identity (backbone spec and
+    fingerprint, checkpoint sha256, recipe), the model's `info` (prompt frame and version, LoRA config and
+    merge state, head), its placement, and its parameters' count and in-place version counters (a weight
+    loaded or changed in place moves them). Any change gives a new scope, so old entries are never hit."""
+    params = list(model.parameters()) if hasattr(model, "parameters") else []
+    ident = {"meta": {k: meta.get(k) for k in ("model", "model_seed", "backbone_fingerprint", "checkpoint_sha256",
+                                              "recipe")},
+             "info": getattr(model, "info", None), "placement": getattr(model, "placement", None),
+             "params": [len(params), sum(p._version for p in params)], "object": id(model)}
+    return hashlib.blake2b(json.dumps(ident, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
+
+
+def from_record_error(e: RecordError, qids: Sequence[str]) -> PredictError:
+    """A tokenising error of the row of question `e.row` as the request's error: the field as a path into the
+    request (`questions.<qid>.<field>`, `state`, `image`, `request`), 413 for a row over the token limit, else 422."""
+    field = e.field
+    qid = e.row if e.row in qids else None
+    status = 413 if field == "tokens" else 422
+    if field in ("state", "image"):
+        return PredictError(field, e.rule, question=qid, status=status)
+    if qid is None:
+        return PredictError("request" if field == "tokens" else f"request.{field}", e.rule, status=status)
+    if field == "tokens":  # the whole rendered row is too long
+        return PredictError(f"questions.{qid}", e.rule, question=qid, status=status)
+    field = field[len("question."):] if field.startswith("question.") else field
+    return PredictError(f"questions.{qid}.{field}", e.rule, question=qid, status=status)
+
+
+class StateEncoder:
+    """Owns the state cache of one served model and turns a request's questions into its case.
+
+    `meta`: the export's metadata (part of the cache scope). The cache's tensors need torch only when a state is
+    stored: a portable (ONNX) Predictor, whose model keeps no state, never imports it."""
+
+    def __init__(self, meta: Mapping[str, Any], state_cache_mb: float = DEFAULT_STATE_CACHE_MB):
+        from rlcd.model.state_cache import StateCache
+
+        self.cache = StateCache(state_cache_bytes(state_cache_mb))
+        self.meta = meta
+
+    def encode(self, model: Any, state: Any, questions: Sequence[Question], qids: Sequence[str], image: Any = None,
+               *, max_tokens: int, order_votes: int = 1) -> tuple[Any, list[list[list[int]]] | None]:
+        """(case, votes): `questions` (each with more than one option; `qids` their ids) tokenised by `model` into
+        one case with their vote orders' rows (`order_votes` N; votes None when nothing is voted), and the image's
+        cache key set when the cache is on. Raises PredictError (`from_record_error`)."""
+        votes = vote_plan(questions, order_votes)
+        # every row names its question, so an error in a vote order's row names it too
+        ids = list(qids) + [qid for qid, orders in zip(qids, votes or []) for _ in orders[1:]]
+        try:
+            case = model.prepare_case(state, asked(questions, votes), image, ids, max_tokens=max_tokens)
+        except RecordError as e:
+            raise from_record_error(e, list(qids)) from None
+        if self.cache.enabled and getattr(case, "pixel_values", None) is not None:
+            from rlcd.model.state_cache import image_digest
+
+            case.image_digest = image_digest(case.pixel_values, case.grid)  # here, off the model thread
+        return case, votes
+
+    def cache_kw(self, model: Any) -> dict[str, Any]:
+        """`score_cases`' state-cache argument (call it under the scoring lock): the cache scoped to `model` as it
+        is now; {} when the cache is off."""
+        if not self.cache.enabled:
+            return {}
+        return {"state_cache": self.cache.scoped(cache_scope(model, self.meta))}
+
+    def stats(self) -> dict[str, int]:
+        """The cache's counters (`StateCache.stats`)."""
+        return self.cache.stats()
+
+    def clear(self) -> None:
+        """Drop every cached state (the counters stay)."""
+        self.cache.clear()
+
+
+__all__ = ["DEFAULT_STATE_CACHE_MB", "StateEncoder", "cache_scope", "from_record_error", "state_cache_bytes"]
