@@ -39,8 +39,9 @@
 #     bash docs/experiments/real-weights/run-full-budget.sh
 #   OUT=/tmp/bbdry DOCS=/tmp/bbdry/docs REF=tiny-llama BACKBONES="tiny-llama tiny qwen2.5-coder-0.5b" \
 #     QWEN_GGUF=tiny-toy STEPS=8 bash docs/experiments/real-weights/run-backbones.sh
-# (measured 2026-12-05: 8 min 10 s on this 2-core machine at load 3.4-4.8, at low priority beside another experiment)
-set -euo pipefail
+# (measured 2026-12-05: both commands 4 min 58 s from an empty OUT on this 2-core machine, load 2.0-3.3, low priority)
+set -eEuo pipefail
+trap 'echo "run-backbones: stopped at line $LINENO (exit $?): see the last stamp and the log of its stage" >&2' ERR
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/rw6}
 DOCS=${DOCS:-docs/experiments/real-weights/backbones}
