@@ -6,15 +6,19 @@
 #   top4-bf16   --dtype bfloat16  (a recorded precision_deviation; builds and reads a bfloat16 cut-state cache)
 # Both are evaluated in float32 at the weights their 400th update left (`--checkpoint last`: a short arm's dev
 # selection may keep the init, which would compare the head with itself), so the difference is the training's;
-# then compared paired by case on the dev split (raw NLL, per type) and the test split (calibrated NLL). Seconds per update come from each train log.
+# then compared paired by case on the dev split (raw NLL, per type) and the test split (calibrated NLL). Updates per second come from each train log.
 # From the repo root, after `UNTIL=control bash docs/experiments/real-weights/run-full-budget.sh`:
 #   bash docs/experiments/real-weights/run-bf16.sh > runs/rw6/bf16.log 2>&1
-# STEPS shrinks it (the committed numbers are STEPS=400).
+# STEPS shrinks it (the committed numbers are STEPS=400). DTYPES picks the arms (default both, one after the other);
+# the committed run trained them side by side, one thread each, so each met the same neighbour load:
+#   DTYPES=float32 THREADS=1 bash ... > runs/rw6/bf16-fp32.log 2>&1 &  DTYPES=bfloat16 THREADS=1 bash ... > runs/rw6/bf16-bf16.log 2>&1 &
+# and the compare runs when both arms are evaluated (a re-run with both done only compares).
 set -euo pipefail
 RLCD=${RLCD:-".venv/bin/rlcd"}
 OUT=${OUT:-runs/rw6}
 STEPS=${STEPS:-400}
 K=${K:-4}
+DTYPES=${DTYPES:-"float32 bfloat16"}
 THREADS=${THREADS:-2}
 MODEL=${MODEL:-smollm2-135m}
 RES=${RES:-docs/experiments/real-weights/bf16}
@@ -23,7 +27,7 @@ stamp() { echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg) :: $
 mkdir -p "$RES"
 ARM=(--seed 0 --init "$OUT/head" --objective ce --steps "$STEPS" --recipe lr_head=0.0005 --recipe select_by=nll
      --recipe lora_layers=$K --recipe batch_by=case --recipe lr_lora=0.001)
-for dt in float32 bfloat16; do
+for dt in $DTYPES; do
   run="$OUT/top4-${dt/float32/fp32}"; run="${run/bfloat16/bf16}"
   if [ ! -f "$run/eval/evaluation.json" ]; then
     if [ -f "$run/config.json" ]; then
@@ -41,6 +45,9 @@ for dt in float32 bfloat16; do
   gzip -c "$run/metrics.jsonl" > "$RES/$(basename "$run").metrics.jsonl.gz"
   gzip -c "$run/eval/evaluation.json" > "$RES/$(basename "$run").evaluation.json.gz"
   cp "$run.train.json" "$RES/$(basename "$run").train.json"
+done
+for arm in top4-fp32 top4-bf16; do
+  [ -f "$OUT/$arm/eval/evaluation.json" ] || { stamp "no compare yet: $OUT/$arm is not evaluated"; exit 0; }
 done
 stamp compare
 for split in dev test; do
