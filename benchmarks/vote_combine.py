@@ -35,6 +35,12 @@ def _row_nll(row: dict, t: float) -> float:
     return float(-(np.asarray(row["target"], dtype=np.float64) * logp).sum())
 
 
+def _error(message: str) -> int:
+    """A mistake on the command line: one line on stderr, exit status 2, nothing written."""
+    print(f"vote_combine.py: error: {message}", file=sys.stderr)
+    return 2
+
+
 @contextmanager
 def memo_rows():
     """`DecisionModel.score_cases` with its rows' logits kept: a row met again (same token ids, same image) is not
@@ -86,7 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     from rlcd.evaluate import evaluate_run
     from rlcd.order_votes import COMBINES
 
-    votes = [int(x) for x in args.votes.split(",")]
+    try:
+        votes = [int(x) for x in args.votes.split(",")]
+    except ValueError:
+        return _error(f"--votes {args.votes!r}: give vote counts separated by commas, e.g. 2,4")
+    if not (args.run / "config.json").is_file():
+        return _error(f"{args.run}: not a run directory (no config.json); give a trained and evaluated run")
     if args.threads:
         import torch
 
