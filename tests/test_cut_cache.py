@@ -163,7 +163,7 @@ def test_lora_layers_mistakes_are_one_line_and_write_nothing(tmp_path, data_dir)
     user_error(base + ["--recipe", "lora_layers=0"], contains="lora_layers must be none")
     user_error(base + ["--recipe", "lora_layers=9"], contains="this backbone has 4 decoder layers")
     user_error(base + ["--recipe", "lora_layers=4"], contains="give 1..3")  # all 4: nothing frozen below the cut
-    user_error(["features", data, "--model", "tiny-toy", "--cut", "4"], contains="this backbone has 4 decoder layers")
+    user_error(["features", data, "--model", "tiny-toy", "--cut", "4"], contains="--cut 4: this backbone has 4 decoder layers")
     user_error(base + ["--recipe", "lora_layers=2", "--recipe", "head_only=true"], contains="head-only run trains no LoRA")
     assert not (tmp_path / "r").exists() and not cache_root(data).exists()
     ro = tmp_path / "ro"

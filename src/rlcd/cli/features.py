@@ -36,6 +36,7 @@ def features(
     import time
 
     from rlcd.cli._common import placement as resolve
+    from rlcd.errors import OptionError
     from rlcd.features import ensure_features
     from rlcd.model.backbone import check_backbone_spec
     from rlcd.model.build import build_model
@@ -50,8 +51,11 @@ def features(
         raise typer.BadParameter(f"{cut}: K is the number of top decoder layers with LoRA, 1 or more", param_hint="--cut")
     if storage not in ("float32", "bfloat16"):
         raise typer.BadParameter(f"{storage!r}: float32 or bfloat16", param_hint="--storage")
-    m = build_model({"model": model, "model_seed": model_seed, "recipe": {"lora_layers": cut}},
-                    device=where.torch_device, dtype=where.torch_dtype)
+    try:
+        m = build_model({"model": model, "model_seed": model_seed, "recipe": {"lora_layers": cut}},
+                        device=where.torch_device, dtype=where.torch_dtype)
+    except OptionError as e:  # the layer count is known only once the backbone is built: say it of --cut
+        raise OptionError(str(e).replace(f"lora_layers={cut}", f"--cut {cut}", 1)) from None
     if cut is not None:
         from rlcd.cut_cache import ensure_cut_states
 
