@@ -150,6 +150,25 @@ def test_a_resumed_cut_state_extraction_publishes_the_uninterrupted_bytes(tmp_pa
     kid = key_id(cut_key(m, data_dir))
     got = _resume_equals_uninterrupted(tmp_path, data_dir, commits, ensure, "cut states", f".partial-cut-{kid}")
     assert got.manifest["bytes"] == sum(p.stat().st_size for p in got.root.iterdir() if p.name != "manifest.json")
+    # the chunks' offsets and segment numbers were shifted right: the last case of train (in the last chunk) reads
+    # back the states of a direct forward
+    from rlcd.data.io import load_split
+    from rlcd.features import cache_entries, entries_by_case
+
+    data = got.root.parents[1]
+    entries = cache_entries("train", load_split(data, "train"))
+    last = entries_by_case(entries)[-1]
+    case = m.case_inputs_from_records([entries[j][0] for j in last], image_root=data)
+    ((prefix, rows),) = m.case_cut_states([case], m.cut_layer)
+    for j, row in zip(last, rows):
+        e = got.entries["train"][(entries[j][0].id, entries[j][1])]
+        for seg, want in ((e[3], row), (e[2], prefix)):
+            if want is None:
+                assert seg == -1
+                continue
+            states, pos = got._segment("train", seg)
+            torch.testing.assert_close(states, want[0].float(), atol=1e-5, rtol=1e-5)
+            assert torch.equal(pos, want[1].to(torch.int32))
 
 
 def test_another_key_never_reads_nor_removes_the_partial(tmp_path, data_dir, commits):

@@ -6,7 +6,8 @@ then runs only the K layers above it (`rlcd.model.cut_forward`). Same discipline
 
     DATA/features/cut-<KEY>/
       manifest.json        {"key", "key_id", "complete": true, "splits": {split: {entries, segments, tokens}},
-                            "storage", "hidden", "positions", "bytes", "row_tokens", "seconds", ...}
+                            "storage", "hidden", "positions", "bytes", "row_tokens", "seconds" (summed over
+                            its attempts), "attempts", ...}
       <split>.states.bin   [T, H] raw, row-major, in the storage dtype (float32; bfloat16 as its uint16 bits)
       <split>.pos.bin      [T, P] int32 per-token positions (P = 1 for a text decoder, 3 for Qwen3.5's M-RoPE)
       <split>.index.json   {"segments": [[offset, length], ...], "entries": [[id, order, prefix | -1, suffix,
@@ -22,6 +23,10 @@ KEY = sha256 of {cut_version, backbone, a digest of every weight the states depe
 tower, the layers below the cut; not the layers above, which LoRA and its merge change), the prompt frame,
 the four split files' sha256, the compute dtype, the storage dtype, ORDERS_SCHEME, the cut and the layer count}.
 Written under a temporary name and renamed into place; an incomplete directory or another key is never read.
+Resumable like the feature cache (`rlcd.partial`): chunks of 8 calls committed to
+`DATA/features/.partial-cut-<KEY_ID>/` (`<split>-<chunk>.states.bin`, `.pos.bin`, `.index.json` with offsets
+and segment numbers from the chunk's start); the split's files are the chunks' files end to end, renumbered, so
+a resumed cache is byte for byte an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from rlcd import features as _features
 from rlcd.data.sampling import ORDERS_SCHEME
 from rlcd.features import (building, cache_entries, cache_root, check_writable, each_split, entries_by_case,
                            key_id, publish, read_manifest, resumed, split_records)
@@ -224,11 +230,10 @@ def extract_split(model, records: Sequence[Record], collator, split: str, out: P
     prefix | -1, suffix, decision_pos, [marker_pos, ...]], ...]} with the chunk's own segment numbers); the split's
     files are then the chunks' files end to end, offsets and segment numbers shifted: the bytes one pass writes.
     """
-    from rlcd.features import ROWS_PER_CALL
     from rlcd.partial import chunk_digest, chunk_entries, plan_chunks
 
     entries = cache_entries(split, records)
-    chunks = plan_chunks(entries_by_case(entries), rows_per_call or ROWS_PER_CALL)
+    chunks = plan_chunks(entries_by_case(entries), rows_per_call or _features.ROWS_PER_CALL)
     digests = [chunk_digest(c, entries) for c in chunks]
     todo = [i for i, d in enumerate(digests) if not partial.has(split, i, d, _CHUNK_SUFFIXES)]
     done = len(entries) - sum(len(chunk_entries(chunks[i])) for i in todo)
@@ -320,7 +325,7 @@ def ensure_cut_states(model, data_dir: Path, *, storage: str = "float32", progre
     recs = split_records(data_dir, records)
     splits: dict[str, dict] = {}
     collator = model.collator(image_root=data_dir)
-    with Partial(root, final.name, key).held(say, "cut states") as partial:
+    with Partial(root, final.name, key, _features.ROWS_PER_CALL).held(say, "cut states") as partial:
         again = CutCache.load(final, key)
         if again is not None:  # published by the extraction this one waited for
             partial.remove()

@@ -7,7 +7,8 @@ once and shared by every run whose key matches -- the pattern of `datasets`' fin
 everything the content depends on, so a match is a proof and a mismatch a rebuild.
 
     DATA/features/<KEY>/
-      manifest.json          {"key": {...}, "key_id", "complete": true, "splits": {split: n_entries}, ...}
+      manifest.json          {"key": {...}, "key_id", "complete": true, "splits": {split: n_entries}, "seconds"
+                             (extraction seconds summed over its attempts), "attempts", ...}
       <split>.safetensors    h_dec [N, H], h_cand [C, H] (all candidates, row after row), cand_start [N],
                              k [N], n_tokens [N]  (N entries: one per row, n_orders(K) per train choice row)
       <split>.index.json     [[id, order], ...] in entry order
@@ -18,9 +19,16 @@ nothing), the prompt frame, the four split files' sha256, the dtype, ORDERS_SCHE
 from a cut-state cache (the layers above its cut run on stored states: they differ from a full forward's by
 ~1e-4) -- `from_cut_states` {cut, storage}; no such field: the full backbone ran}. A cache built before that
 field existed whose manifest says it came from cut states is never read (nor re-keyed). The directory is
-written under a temporary name and renamed into place as the last step, so a killed extraction leaves
-only a `.tmp-*` directory that no reader opens (and the next extraction removes); a directory whose
+written under a temporary name and renamed into place as the last step, so a killed extraction publishes
+nothing that a reader opens (its `.tmp-*` directory is removed by the next extraction); a directory whose
 manifest does not say `complete` or whose key differs is never read.
+
+Extraction is resumable (`rlcd.partial`): the calls of a split are grouped in chunks of 8, each committed
+(fsync'd, renamed into place) to `DATA/features/.partial-<KEY_ID>/` as `<split>-<chunk>.safetensors`
+(h_dec, h_cand, k, n_tokens of the chunk's entries) and listed in its `progress.json`. A later extraction
+of the same key -- after a kill, Ctrl-C, a full disk -- computes only the chunks not listed there, assembles
+each split from the chunks' files, and publishes the bytes an uninterrupted extraction publishes; the
+partial is then removed. Another key never reads it; a second extraction of the same key waits on its lock.
 
 Choice rows: the candidate features depend on the option order, so a train choice row is cached in
 balanced fixed orders (`rlcd.data.sampling.fixed_order`, the identity among them): all K! orders for
@@ -354,7 +362,8 @@ def extract_split(model, records: Sequence[Record], collator, split: str, *, row
             with safe_open(str(path), framework="pt") as f:
                 return {**{name: f.get_tensor(name) for name in names}, "hidden": f.get_slice("h_dec").get_shape()[1]}
         except Exception as e:  # noqa: BLE001 - a chunk that cannot be read: name it
-            raise RuntimeError(f"feature chunk {path} cannot be read ({e}); delete {partial.dir} and extract again") from None
+            raise RuntimeError(f"feature chunk {path} cannot be read ({e}); delete {partial.dir} and extract "
+                               "again") from None
 
     hidden = int(model.head.hidden)
     js = [torch.tensor(chunk_entries(c), dtype=torch.long) for c in chunks]
@@ -426,7 +435,7 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
     check_writable(root)
     recs = split_records(data_dir, records)
     collator = model.collator(image_root=data_dir)
-    with Partial(root, kid, key).held(say, "features") as partial:
+    with Partial(root, kid, key, ROWS_PER_CALL).held(say, "features") as partial:
         again = FeatureCache.load(final, key)
         if again is not None:  # published by the extraction this one waited for
             partial.remove()

@@ -6,8 +6,8 @@ of the same key computes only the chunks it does not find there:
 
     DATA/features/.partial-<NAME>/       NAME: the published directory's name (<KEY_ID>, cut-<KEY_ID>)
       lock                             flock'ed by the one extraction writing here; holds its pid
-      progress.json                    {"key", "name", "chunk_calls", "done": {split: {chunk: {"entries",
-                                        "digest"}}}, "seconds", "attempts"}
+      progress.json                    {"key", "name", "chunk_calls", "rows_per_call", "done": {split: {chunk:
+                                        {"entries", "digest"}}}, "seconds", "attempts", "updated"}
       <split>-<chunk:05d>.<suffix>     one chunk's files (the cache decides which)
 
 A chunk is `CHUNK_CALLS` consecutive extraction calls of one split (`plan_chunks`): whole cases packed
@@ -24,9 +24,11 @@ holds it and waits (it then usually finds the first one's published cache). The 
 its cache is published. A partial of another key is never read nor removed silently: the extraction names
 them (`others`) so they can be resumed with their own key, or deleted by hand.
 
-Chunk size: 8 calls of at most 64 entries (<= 512 entries unless one case alone has more than 64): about a
-minute of CPU work per chunk on a 0.5B backbone, so a kill loses about a minute, while the chunk count (about
-200 for a 100k-entry cache) and the fsync per chunk stay negligible.
+Chunk size: 8 calls of at most 64 entries (<= 512 entries unless one case alone has more than 64). Whole calls,
+so chunking changes no batch; 512 entries, so a kill loses little: issue 54's derived-forms cut cache (~105,700
+entries, several CPU hours, as reported there, not measured here) is ~210 chunks of a minute or two each,
+while ~210 small files and fsyncs cost nothing next to that. The feature chunks are also what bounds memory: a
+split is assembled into preallocated tensors one chunk file at a time.
 """
 
 from __future__ import annotations
@@ -92,8 +94,8 @@ def _write_durably(path: Path, text: str) -> None:
 class Partial:
     """The partial directory of the cache `name` (its published directory's name) with key `key` under `root`."""
 
-    def __init__(self, root: Path, name: str, key: dict[str, Any]):
-        self.root, self.name, self.key = Path(root), name, key
+    def __init__(self, root: Path, name: str, key: dict[str, Any], rows_per_call: int):
+        self.root, self.name, self.key, self.rows_per_call = Path(root), name, key, int(rows_per_call)
         self.dir = self.root / f"{PREFIX}{name}"
         self.state: dict[str, Any] = self._fresh()
         self._fd: int | None = None
@@ -101,8 +103,8 @@ class Partial:
         self._before = 0.0
 
     def _fresh(self) -> dict[str, Any]:
-        return {"key": self.key, "name": self.name, "chunk_calls": CHUNK_CALLS, "done": {}, "seconds": 0.0,
-                "attempts": 0}
+        return {"key": self.key, "name": self.name, "chunk_calls": CHUNK_CALLS, "rows_per_call": self.rows_per_call,
+                "done": {}, "seconds": 0.0, "attempts": 0}
 
     # -- the lock ------------------------------------------------------------------------------
 
@@ -156,14 +158,15 @@ class Partial:
     # -- progress ------------------------------------------------------------------------------
 
     def begin(self) -> None:
-        """Read what earlier attempts finished (a progress file of another key or chunk size is ignored and its
+        """Read what earlier attempts finished (a progress file of another key or chunk layout is ignored and its
         chunks removed), count this attempt and start its clock. Call with the lock held."""
         try:
             state = json.loads((self.dir / PROGRESS).read_text())
         except (OSError, ValueError):
             state = None
         if not (isinstance(state, dict) and state.get("key") == self.key and state.get("name") == self.name
-                and state.get("chunk_calls") == CHUNK_CALLS and isinstance(state.get("done"), dict)):
+                and state.get("chunk_calls") == CHUNK_CALLS and state.get("rows_per_call") == self.rows_per_call
+                and isinstance(state.get("done"), dict)):
             if state is not None or any(self.dir.iterdir()):
                 for f in self.dir.iterdir():
                     if f.name != LOCK:
