@@ -45,7 +45,7 @@ from rlcd import features as _features
 from rlcd.data.sampling import ORDERS_SCHEME
 from rlcd.features import (building, cache_entries, cache_root, check_writable, each_split, entries_by_case,
                            key_id, publish, read_manifest, resumed, split_records)
-from rlcd.partial import Partial, drop_finished
+from rlcd.partial import Partial, chunk_digest, chunk_entries, drop_finished, plan_chunks
 from rlcd.schema import TYPE_ID, Record
 
 CUT_VERSION = 1
@@ -230,8 +230,6 @@ def extract_split(model, records: Sequence[Record], collator, split: str, out: P
     prefix | -1, suffix, decision_pos, [marker_pos, ...]], ...]} with the chunk's own segment numbers); the split's
     files are then the chunks' files end to end, offsets and segment numbers shifted: the bytes one pass writes.
     """
-    from rlcd.partial import chunk_digest, chunk_entries, plan_chunks
-
     entries = cache_entries(split, records)
     chunks = plan_chunks(entries_by_case(entries), rows_per_call or _features.ROWS_PER_CALL)
     digests = [chunk_digest(c, entries) for c in chunks]

@@ -62,6 +62,7 @@ from rlcd.data.sampling import ORDERS_SCHEME, orders_of, with_fixed_order
 from rlcd.errors import OptionError
 from rlcd.files import pid_alive, plain_mode
 from rlcd.model.collate import RowLabels
+from rlcd.partial import Partial, chunk_digest, chunk_entries, drop_finished, plan_chunks
 from rlcd.schema import TYPE_ID, Record
 
 FEATURE_VERSION = 1
@@ -289,8 +290,6 @@ def extract_split(model, records: Sequence[Record], collator, split: str, *, row
     and the split is assembled from its files (one split in memory plus one chunk). Without it the chunks stay in
     memory. Either way the tensors are those of one pass over the same calls.
     """
-    from rlcd.partial import chunk_digest, chunk_entries, plan_chunks
-
     entries = cache_entries(split, records)
     n = len(entries)
     was = model.training
@@ -411,8 +410,6 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
     (`rlcd.cut_cache.find_cut_states(any_cut=True)`), or a function that looks one up, called only when
     extraction is needed: extraction then runs only the layers above its cut."""
     from safetensors.torch import save_file
-
-    from rlcd.partial import Partial, drop_finished
 
     say = say or (lambda _: None)
     data_dir = Path(data_dir)
