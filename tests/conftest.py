@@ -75,8 +75,8 @@ def fresh_data(tmp_path, data_dir):
 
 def killed_extraction(data, module: str, ensure: str, recipe: dict):
     """Run `module.ensure(build_model(tiny-toy with `recipe`), data)` in a process SIGKILLed when it starts
-    extracting the dev split; asserts the kill, that it left its temp dir, and that it published nothing.
-    Returns the cache root."""
+    extracting the dev split; asserts the kill, that it left its temp dir and a partial directory holding the
+    train split's chunks (`rlcd.partial`), and that it published nothing. Returns the cache root."""
     import subprocess
     import sys
     from pathlib import Path
@@ -101,5 +101,9 @@ def killed_extraction(data, module: str, ensure: str, recipe: dict):
     assert proc.returncode == -9, proc.stderr[-2000:]
     root = cache_root(data)
     assert [p.name for p in root.iterdir() if p.name.startswith(".tmp-")], "the killed writer left its temp dir"
+    import json
+
+    partials = [p for p in root.iterdir() if p.name.startswith(".partial-")]
+    assert len(partials) == 1 and list(json.loads((partials[0] / "progress.json").read_text())["done"]) == ["train"]
     assert not [p for p in root.iterdir() if not p.name.startswith(".")], "nothing was published"
     return root

@@ -108,8 +108,14 @@ def test_a_killed_extraction_leaves_nothing_a_later_run_reads(tmp_path, data_dir
     root = killed_extraction(data, "rlcd.cut_cache", "ensure_cut_states", {"lora_layers": 2})
     m = _model()
     assert find_cut_states(m, data) is None
-    assert ensure_cut_states(m, data, progress=False).manifest["complete"]
-    assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")], "the dead temp dir was removed"
+    said = []
+    built = ensure_cut_states(m, data, progress=False, say=said.append)
+    assert built.manifest["complete"] and built.manifest["attempts"] == 2
+    splits = built.manifest["splits"]
+    train, total = splits["train"]["entries"], sum(s["entries"] for s in splits.values())
+    assert [s for s in said if s.endswith(f": {train} of {total} entries already extracted")], said
+    assert not [p for p in root.iterdir() if p.name.startswith((".tmp-", ".partial-"))], \
+        "the dead temp dir was removed, the train split's chunks resumed, the partial removed once published"
 
 
 def _train(run, data, steps=4, **kw):

@@ -103,9 +103,13 @@ def test_a_killed_extraction_leaves_nothing_a_later_run_reads(tmp_path, data_dir
     root = killed_extraction(data, "rlcd.features", "ensure_features", {})
     m = _model()
     assert find_features(m, data) is None
-    built = ensure_features(m, data, progress=False)
-    assert built.manifest["complete"]
-    assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")], "the dead temp dir was removed"
+    said = []
+    built = ensure_features(m, data, progress=False, say=said.append)
+    assert built.manifest["complete"] and built.manifest["attempts"] == 2
+    train, total = built.manifest["splits"]["train"], sum(built.manifest["splits"].values())
+    assert [s for s in said if s.endswith(f": {train} of {total} entries already extracted")], said
+    assert not [p for p in root.iterdir() if p.name.startswith((".tmp-", ".partial-"))], \
+        "the dead temp dir was removed, the train split's chunks resumed, the partial removed once published"
 
 
 def test_head_only_resume_is_bit_exact(tmp_path, data_dir):

@@ -6,7 +6,8 @@ then runs only the K layers above it (`rlcd.model.cut_forward`). Same discipline
 
     DATA/features/cut-<KEY>/
       manifest.json        {"key", "key_id", "complete": true, "splits": {split: {entries, segments, tokens}},
-                            "storage", "hidden", "positions", "bytes", "row_tokens", "seconds", ...}
+                            "storage", "hidden", "positions", "bytes", "row_tokens", "seconds" (summed over
+                            its attempts), "attempts", ...}
       <split>.states.bin   [T, H] raw, row-major, in the storage dtype (float32; bfloat16 as its uint16 bits)
       <split>.pos.bin      [T, P] int32 per-token positions (P = 1 for a text decoder, 3 for Qwen3.5's M-RoPE)
       <split>.index.json   {"segments": [[offset, length], ...], "entries": [[id, order, prefix | -1, suffix,
@@ -22,12 +23,17 @@ KEY = sha256 of {cut_version, backbone, a digest of every weight the states depe
 tower, the layers below the cut; not the layers above, which LoRA and its merge change), the prompt frame,
 the four split files' sha256, the compute dtype, the storage dtype, ORDERS_SCHEME, the cut and the layer count}.
 Written under a temporary name and renamed into place; an incomplete directory or another key is never read.
+Resumable like the feature cache (`rlcd.partial`): chunks of 8 calls committed to
+`DATA/features/.partial-cut-<KEY_ID>/` (`<split>-<chunk>.states.bin`, `.pos.bin`, `.index.json` with offsets
+and segment numbers from the chunk's start); the split's files are the chunks' files end to end, renumbered, so
+a resumed cache is byte for byte an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -35,9 +41,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from rlcd import features as _features
 from rlcd.data.sampling import ORDERS_SCHEME
-from rlcd.features import (building, cache_entries, cache_root, each_split, entries_by_case, key_id, publish,
-                           read_manifest)
+from rlcd.features import (building, cache_entries, cache_root, check_writable, each_split, entries_by_case,
+                           key_id, publish, read_manifest, resumed, split_records)
+from rlcd.partial import Partial, chunk_digest, chunk_entries, drop_finished, plan_chunks
 from rlcd.schema import TYPE_ID, Record
 
 CUT_VERSION = 1
@@ -207,48 +215,79 @@ class CutCache:
 # extraction
 
 
+_CHUNK_SUFFIXES = ("states.bin", "pos.bin", "index.json")
+
+
 @torch.no_grad()
-def extract_split(model, records: Sequence[Record], collator, split: str, out: Path, *, storage: str = "float32",
-                  rows_per_call: int = 64, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Write one split's states, positions and index under `out`; returns {entries, segments, tokens}."""
+def extract_split(model, records: Sequence[Record], collator, split: str, out: Path, *, partial,
+                  storage: str = "float32", rows_per_call: int | None = None,
+                  progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Write one split's states, positions and index under `out`; returns {entries, segments, tokens, row_tokens}.
+
+    The calls are grouped in chunks (`rlcd.partial.plan_chunks`); each chunk not yet in `partial` (a locked
+    `rlcd.partial.Partial`) is computed and committed there as `<split>-<chunk>.states.bin`, `.pos.bin` and
+    `.index.json` ({"segments": [[offset, length], ...] from the chunk's start, "rows": [[entry, id, order,
+    prefix | -1, suffix, decision_pos, [marker_pos, ...]], ...]} with the chunk's own segment numbers); the split's
+    files are then the chunks' files end to end, offsets and segment numbers shifted: the bytes one pass writes.
+    """
     entries = cache_entries(split, records)
-    groups = entries_by_case(entries)
+    chunks = plan_chunks(entries_by_case(entries), rows_per_call or _features.ROWS_PER_CALL)
+    digests = [chunk_digest(c, entries) for c in chunks]
+    todo = [i for i, d in enumerate(digests) if not partial.has(split, i, d, _CHUNK_SUFFIXES)]
+    done = len(entries) - sum(len(chunk_entries(chunks[i])) for i in todo)
+    if done and progress:
+        progress(done)
     was = model.training
     model.eval()
-    segments: list[list[int]] = []
-    index: list[list[Any]] = [None] * len(entries)  # type: ignore[list-item]
-    offset, done = 0, 0
-    with open(out / f"{split}.states.bin", "wb") as fs, open(out / f"{split}.pos.bin", "wb") as fp:
-        def write(states: torch.Tensor, pos: torch.Tensor) -> int:
-            nonlocal offset
-            fs.write(_to_storage(states, storage).tobytes())
-            fp.write(pos.to(torch.int32).numpy().tobytes())
-            segments.append([offset, int(states.shape[0])])
-            offset += int(states.shape[0])
-            return len(segments) - 1
+    for i in todo:
+        segments: list[list[int]] = []
+        rows: list[list[Any]] = []
+        offset = 0
+        with open(partial.tmp(split, i, "states.bin"), "wb") as fs, open(partial.tmp(split, i, "pos.bin"), "wb") as fp:
+            def write(states: torch.Tensor, pos: torch.Tensor) -> int:
+                nonlocal offset
+                fs.write(_to_storage(states, storage).tobytes())
+                fp.write(pos.to(torch.int32).numpy().tobytes())
+                segments.append([offset, int(states.shape[0])])
+                offset += int(states.shape[0])
+                return len(segments) - 1
 
-        def flush(call: list[list[int]]) -> None:
-            nonlocal done
-            cases = [model.case_inputs_from_records([entries[j][0] for j in g], image_root=collator.image_root)
-                     for g in call]
-            for g, case, (prefix, rows) in zip(call, cases, model.case_cut_states(cases, model.cut_layer)):
-                p = write(*prefix) if prefix is not None else -1
-                for j, enc, row in zip(g, case.rows, rows):
-                    rec, order = entries[j]
-                    index[j] = [rec.id, order, p, write(*row), enc.decision_pos, list(enc.marker_pos)]
-            done += sum(len(g) for g in call)
-            if progress:
-                progress(done)
-
-        call: list[list[int]] = []
-        for g in groups:
-            if call and sum(len(x) for x in call) + len(g) > rows_per_call:
-                flush(call)
-                call = []
-            call.append(g)
-        if call:
-            flush(call)
+            for call in chunks[i]:
+                cases = [model.case_inputs_from_records([entries[j][0] for j in g], image_root=collator.image_root)
+                         for g in call]
+                for g, case, (prefix, states) in zip(call, cases, model.case_cut_states(cases, model.cut_layer)):
+                    p = write(*prefix) if prefix is not None else -1
+                    for j, enc, row in zip(g, case.rows, states):
+                        rec, order = entries[j]
+                        rows.append([j, rec.id, order, p, write(*row), enc.decision_pos, list(enc.marker_pos)])
+                done += sum(len(g) for g in call)
+                if progress:
+                    progress(done)
+        partial.tmp(split, i, "index.json").write_text(json.dumps({"segments": segments, "rows": rows}))
+        partial.commit(split, i, digests[i], len(rows), _CHUNK_SUFFIXES)
     model.train(was)
+    segments, index = [], [None] * len(entries)
+    offset = 0
+    row_bytes = int(model.head.hidden) * (2 if storage == "bfloat16" else 4)
+    pos_bytes = _n_positions(model) * 4
+    with open(out / f"{split}.states.bin", "wb") as fs, open(out / f"{split}.pos.bin", "wb") as fp:
+        for i in range(len(chunks)):
+            part = json.loads(partial.file(split, i, "index.json").read_text())
+            base = len(segments)
+            segments.extend([off + offset, n] for off, n in part["segments"])
+            for j, rid, order, p, sfx, dpos, marker in part["rows"]:
+                index[j] = [rid, order, p + base if p >= 0 else -1, sfx + base, dpos, marker]
+            tokens = sum(n for _, n in part["segments"])
+            for suffix, f, width in (("states.bin", fs, row_bytes), ("pos.bin", fp, pos_bytes)):
+                path = partial.file(split, i, suffix)
+                if path.stat().st_size != tokens * width:
+                    raise RuntimeError(f"cut-state chunk {path} does not hold its {tokens} tokens; delete "
+                                       f"{partial.dir} and extract again")
+                with open(path, "rb") as src:
+                    shutil.copyfileobj(src, f, 1 << 24)
+            offset += tokens
+    if any(e is None for e in index):
+        raise RuntimeError(f"the cut-state chunks of {split} in {partial.dir} do not cover its entries")
     (out / f"{split}.index.json").write_text(json.dumps({"segments": segments, "entries": index}))
     return {"entries": len(index), "segments": len(segments), "tokens": offset,
             "row_tokens": sum(segments[e[3]][1] + (segments[e[2]][1] if e[2] >= 0 else 0) for e in index)}
@@ -262,7 +301,8 @@ def ensure_cut_states(model, data_dir: Path, *, storage: str = "float32", progre
                       say: Callable[[str], None] | None = None,
                       records: dict[str, list[Record]] | None = None) -> CutCache:
     """The cut-state cache of `model` (its `cut_layer`) over `data_dir`: loaded when a complete one with the
-    same key exists, else extracted (all four splits) and published atomically."""
+    same key exists, else extracted (all four splits) and published atomically; resumable like
+    `rlcd.features.ensure_features` (chunks in `DATA/features/.partial-cut-<KEY_ID>/`, `rlcd.partial`)."""
     from rlcd.errors import OptionError
 
     if model.cut_layer is None:
@@ -273,32 +313,46 @@ def ensure_cut_states(model, data_dir: Path, *, storage: str = "float32", progre
     data_dir = Path(data_dir)
     key = cut_key(model, data_dir, storage)
     final = _root(data_dir, key)
+    root = cache_root(data_dir)
     found = CutCache.load(final, key)
     if found is not None:
+        drop_finished(root, final.name)
         say(f"cut states: reusing {final} ({found.nbytes / 2**20:.1f} MiB)")
         return found
-    t0 = time.perf_counter()
+    check_writable(root)
+    recs = split_records(data_dir, records)
     splits: dict[str, dict] = {}
     collator = model.collator(image_root=data_dir)
-    with building(cache_root(data_dir), final) as tmp:
-        for split, recs, bar in each_split(data_dir, records, "cut states", progress):
-            with bar:
-                splits[split] = extract_split(model, recs, collator, split, tmp, storage=storage, progress=bar.update)
-        seconds = time.perf_counter() - t0
-        nbytes = sum(f.stat().st_size for f in tmp.iterdir())
-        manifest = {"key": key, "key_id": key_id(key), "complete": True, "splits": splits, "storage": storage,
-                    "hidden": int(model.head.hidden), "positions": _n_positions(model), "bytes": nbytes,
-                    "row_tokens": sum(s["row_tokens"] for s in splits.values()),
-                    "stored_tokens": sum(s["tokens"] for s in splits.values()), "seconds": round(seconds, 3),
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        publish(tmp, final, manifest)
+    with Partial(root, final.name, key, _features.ROWS_PER_CALL).held(say, "cut states") as partial:
+        again = CutCache.load(final, key)
+        if again is not None:  # published by the extraction this one waited for
+            partial.remove()
+            say(f"cut states: reusing {final}")
+            return again
+        partial.begin()
+        resumed(partial, recs, "cut states", say)
+        with building(root, final) as tmp:
+            for split, split_recs, bar in each_split(recs, "cut states", progress, partial):
+                with bar:
+                    splits[split] = extract_split(model, split_recs, collator, split, tmp, partial=partial,
+                                                  storage=storage, progress=bar.update)
+            seconds = partial.seconds()
+            nbytes = sum(f.stat().st_size for f in tmp.iterdir())
+            manifest = {"key": key, "key_id": key_id(key), "complete": True, "splits": splits, "storage": storage,
+                        "hidden": int(model.head.hidden), "positions": _n_positions(model), "bytes": nbytes,
+                        "row_tokens": sum(s["row_tokens"] for s in splits.values()),
+                        "stored_tokens": sum(s["tokens"] for s in splits.values()), "seconds": round(seconds, 3),
+                        "attempts": partial.attempts, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            publish(tmp, final, manifest)
+        partial.remove()
     out = CutCache.load(final, key)
     if out is None:
         raise RuntimeError(f"cut-state cache {final} could not be read back after writing it")
     m = out.manifest
     say(f"cut states: layer {model.cut_layer} of {model.num_layers}, {sum(s['entries'] for s in splits.values())} "
         f"entries, {m['stored_tokens']} stored tokens for {m['row_tokens']} row tokens, {m['bytes'] / 2**20:.1f} MiB "
-        f"{storage}, in {seconds:.1f} s -> {final}")
+        f"{storage}, in {seconds:.1f} s" + (f" over {partial.attempts} attempts" if partial.attempts > 1 else "")
+        + f" -> {final}")
     return out
 
 

@@ -7,7 +7,8 @@ once and shared by every run whose key matches -- the pattern of `datasets`' fin
 everything the content depends on, so a match is a proof and a mismatch a rebuild.
 
     DATA/features/<KEY>/
-      manifest.json          {"key": {...}, "key_id", "complete": true, "splits": {split: n_entries}, ...}
+      manifest.json          {"key": {...}, "key_id", "complete": true, "splits": {split: n_entries}, "seconds"
+                             (extraction seconds summed over its attempts), "attempts", ...}
       <split>.safetensors    h_dec [N, H], h_cand [C, H] (all candidates, row after row), cand_start [N],
                              k [N], n_tokens [N]  (N entries: one per row, n_orders(K) per train choice row)
       <split>.index.json     [[id, order], ...] in entry order
@@ -18,9 +19,16 @@ nothing), the prompt frame, the four split files' sha256, the dtype, ORDERS_SCHE
 from a cut-state cache (the layers above its cut run on stored states: they differ from a full forward's by
 ~1e-4) -- `from_cut_states` {cut, storage}; no such field: the full backbone ran}. A cache built before that
 field existed whose manifest says it came from cut states is never read (nor re-keyed). The directory is
-written under a temporary name and renamed into place as the last step, so a killed extraction leaves
-only a `.tmp-*` directory that no reader opens (and the next extraction removes); a directory whose
+written under a temporary name and renamed into place as the last step, so a killed extraction publishes
+nothing that a reader opens (its `.tmp-*` directory is removed by the next extraction); a directory whose
 manifest does not say `complete` or whose key differs is never read.
+
+Extraction is resumable (`rlcd.partial`): the calls of a split are grouped in chunks of 8, each committed
+(fsync'd, renamed into place) to `DATA/features/.partial-<KEY_ID>/` as `<split>-<chunk>.safetensors`
+(h_dec, h_cand, k, n_tokens of the chunk's entries) and listed in its `progress.json`. A later extraction
+of the same key -- after a kill, Ctrl-C, a full disk -- computes only the chunks not listed there, assembles
+each split from the chunks' files, and publishes the bytes an uninterrupted extraction publishes; the
+partial is then removed. Another key never reads it; a second extraction of the same key waits on its lock.
 
 Choice rows: the candidate features depend on the option order, so a train choice row is cached in
 balanced fixed orders (`rlcd.data.sampling.fixed_order`, the identity among them): all K! orders for
@@ -54,6 +62,7 @@ from rlcd.data.sampling import ORDERS_SCHEME, orders_of, with_fixed_order
 from rlcd.errors import OptionError
 from rlcd.files import pid_alive, plain_mode
 from rlcd.model.collate import RowLabels
+from rlcd.partial import Partial, chunk_digest, chunk_entries, drop_finished, plan_chunks
 from rlcd.schema import TYPE_ID, Record
 
 FEATURE_VERSION = 1
@@ -259,80 +268,123 @@ def entries_by_case(entries: list[tuple[Record, int]]) -> list[list[int]]:
     return list(cases.values())
 
 
+ROWS_PER_CALL = 64
+_CHUNK_SUFFIX = ("safetensors",)
+
+
 @torch.no_grad()
-def extract_split(model, records: Sequence[Record], collator, split: str, *, rows_per_call: int = 64,
+def extract_split(model, records: Sequence[Record], collator, split: str, *, rows_per_call: int | None = None,
                   progress: Callable[[int], None] | None = None, shared: bool = True,
-                  lora_off: bool = True, cut_states=None) -> tuple[dict[str, torch.Tensor], list]:
+                  lora_off: bool = True, cut_states=None, partial=None) -> tuple[dict[str, torch.Tensor], list]:
     """The tensors and index of one split: every entry's (h_dec, h_cand) from the frozen backbone.
 
     Rows of one case (one state) share a prefix forward (`model.case_features`) when the model has it;
     otherwise (or `shared=False`, the per-row reference of `rlcd bench features`) full rows are run,
-    `rows_per_call` at a time. A zero LoRA is switched off unless `lora_off=False` (what the bench compares).
-    `cut_states`: a `rlcd.cut_cache.CutCache` this model matches below its cut: only the layers above it run
-    (the same features to float noise, at a fraction of the cost).
+    `rows_per_call` (default ROWS_PER_CALL) at a time. A zero LoRA is switched off unless `lora_off=False`
+    (what the bench compares). `cut_states`: a `rlcd.cut_cache.CutCache` this model matches below its cut: only
+    the layers above it run (the same features to float noise, at a fraction of the cost).
+
+    The calls are grouped in chunks (`rlcd.partial.plan_chunks`). `partial`: a locked `rlcd.partial.Partial`:
+    chunks it holds are read back instead of computed, each computed one is committed to it as
+    `<split>-<chunk>.safetensors` (h_dec [n, H], h_cand [c, H], k [n], n_tokens [n] in the chunk's entry order),
+    and the split is assembled from its files (one split in memory plus one chunk). Without it the chunks stay in
+    memory. Either way the tensors are those of one pass over the same calls.
     """
     entries = cache_entries(split, records)
     n = len(entries)
-    h_dec: list[torch.Tensor | None] = [None] * n
-    h_cand: list[torch.Tensor | None] = [None] * n
-    n_tok = [0] * n
     was = model.training
     model.eval()
-    done = 0
     shared = getattr(model, "case_features", None) if shared and cut_states is None else None
     groups = entries_by_case(entries) if shared is not None else [[j] for j in range(n)]
-    call: list[list[int]] = []
+    chunks = plan_chunks(groups, rows_per_call or ROWS_PER_CALL)
+    digests = [chunk_digest(c, entries) for c in chunks]
+    todo = [i for i, d in enumerate(digests) if partial is None or not partial.has(split, i, d, _CHUNK_SUFFIX)]
+    done = n - sum(len(chunk_entries(chunks[i])) for i in todo)
+    if done and progress:
+        progress(done)
+    kept: dict[int, dict[str, torch.Tensor]] = {}
 
-    def flush(call: list[list[int]]) -> None:
-        nonlocal done
-        if not call:
-            return
+    def features_of(call: list[list[int]]) -> list[tuple[int, torch.Tensor, torch.Tensor, int]]:
+        """(entry, h_dec [H], h_cand [k, H], row tokens) of every entry of one call."""
+        out = []
         if cut_states is not None:
             flat = [j for g in call for j in g]
             batch = cut_states.batch(split, [entries[j][0] for j in flat], [entries[j][1] for j in flat])
             d, cand = model.features(batch)
             for b, j in enumerate(flat):
                 k = entries[j][0].question.k
-                h_dec[j], h_cand[j] = d[b].float().cpu(), cand[b, :k].float().cpu()
-                n_tok[j] = int(batch.suffixes[b][0].shape[0]) + (
-                    int(batch.prefixes[batch.prefix_of[b]][0].shape[0]) if batch.prefix_of[b] is not None else 0)
+                out.append((j, d[b].float().cpu(), cand[b, :k].float().cpu(),
+                            int(batch.suffixes[b][0].shape[0]) + (int(batch.prefixes[batch.prefix_of[b]][0].shape[0])
+                                                                  if batch.prefix_of[b] is not None else 0)))
         elif shared is not None:
             cases = [model.case_inputs_from_records([entries[j][0] for j in g], image_root=collator.image_root) for g in call]
             for g, c, feats in zip(call, cases, shared(cases)):
                 for j, row, (d, cand) in zip(g, c.rows, feats):
-                    h_dec[j], h_cand[j], n_tok[j] = d.float().cpu(), cand.float().cpu(), len(row)
+                    out.append((j, d.float().cpu(), cand.float().cpu(), len(row)))
         else:
             flat = [j for g in call for j in g]
             batch = collator([entries[j][0] for j in flat])
             d, cand = model.features(batch)
             for b, j in enumerate(flat):
                 k = entries[j][0].question.k
-                h_dec[j], h_cand[j] = d[b].float().cpu(), cand[b, :k].float().cpu()
-                n_tok[j] = int(batch.attention_mask[b].sum())
-        done += sum(len(g) for g in call)
-        if progress:
-            progress(done)
+                out.append((j, d[b].float().cpu(), cand[b, :k].float().cpu(), int(batch.attention_mask[b].sum())))
+        return out
 
     with _zero_lora_off(model) if lora_off else contextlib.nullcontext():
-        for g in groups:
-            if call and sum(len(x) for x in call) + len(g) > rows_per_call:
-                flush(call)
-                call = []
-            call.append(g)
-        flush(call)
+        for i in todo:
+            rows = []
+            for call in chunks[i]:
+                rows.extend(features_of(call))
+                done += sum(len(g) for g in call)
+                if progress:
+                    progress(done)
+            t = {"h_dec": torch.stack([r[1] for r in rows]), "h_cand": torch.cat([r[2] for r in rows]),
+                 "k": torch.tensor([r[2].shape[0] for r in rows], dtype=torch.long),
+                 "n_tokens": torch.tensor([r[3] for r in rows], dtype=torch.long)}
+            if partial is None:
+                kept[i] = t
+                continue
+            from safetensors.torch import save_file
+
+            save_file(t, str(partial.tmp(split, i, "safetensors")))
+            partial.commit(split, i, digests[i], len(rows), _CHUNK_SUFFIX)
     model.train(was)
-    ks = [c.shape[0] for c in h_cand]  # type: ignore[union-attr]
-    starts = [0]
-    for k in ks[:-1]:
-        starts.append(starts[-1] + k)
+
+    def chunk(i: int, names: tuple[str, ...]) -> dict[str, Any]:
+        """Tensors `names` of chunk `i` (and "hidden": its feature width)."""
+        if partial is None:
+            return {**kept[i], "hidden": kept[i]["h_dec"].shape[1]}
+        from safetensors import safe_open
+
+        path = partial.file(split, i, "safetensors")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return {**{name: f.get_tensor(name) for name in names}, "hidden": f.get_slice("h_dec").get_shape()[1]}
+        except Exception as e:  # noqa: BLE001 - a chunk that cannot be read: name it
+            raise RuntimeError(f"feature chunk {path} cannot be read ({e}); delete {partial.dir} and extract "
+                               "again") from None
+
     hidden = int(model.head.hidden)
-    tensors = {
-        "h_dec": torch.stack(h_dec) if n else torch.zeros((0, hidden)),  # type: ignore[arg-type]
-        "h_cand": torch.cat(h_cand) if n else torch.zeros((0, hidden)),  # type: ignore[arg-type]
-        "cand_start": torch.tensor(starts if n else [], dtype=torch.long),
-        "k": torch.tensor(ks, dtype=torch.long),
-        "n_tokens": torch.tensor(n_tok, dtype=torch.long),
-    }
+    js = [torch.tensor(chunk_entries(c), dtype=torch.long) for c in chunks]
+    ks = torch.zeros(n, dtype=torch.long)
+    for i in range(len(chunks)):
+        meta = chunk(i, ("k",))
+        ks[js[i]] = meta["k"]
+        hidden = int(meta["hidden"])
+    starts = torch.cumsum(ks, 0) - ks
+    tensors = {"h_dec": torch.zeros((n, hidden)), "h_cand": torch.zeros((int(ks.sum()), hidden)),
+               "cand_start": starts, "k": ks, "n_tokens": torch.zeros(n, dtype=torch.long)}
+    for i in range(len(chunks)):
+        t = chunk(i, ("h_dec", "h_cand", "n_tokens"))
+        if t["h_dec"].shape != (len(js[i]), hidden) or t["h_cand"].shape[0] != int(ks[js[i]].sum()):
+            raise RuntimeError(f"feature chunk {i} of {split} does not hold its entries "
+                               f"({tuple(t['h_dec'].shape)}, {tuple(t['h_cand'].shape)})")
+        tensors["h_dec"][js[i]] = t["h_dec"]
+        tensors["n_tokens"][js[i]] = t["n_tokens"]
+        rows = torch.cat([torch.arange(int(starts[j]), int(starts[j] + ks[j])) for j in js[i]]) if len(js[i]) else \
+            torch.zeros(0, dtype=torch.long)
+        tensors["h_cand"][rows] = t["h_cand"]
+        kept.pop(i, None)
     return tensors, [[r.id, o] for r, o in entries]
 
 
@@ -350,10 +402,13 @@ def check_writable(root: Path) -> None:
 def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callable[[str], None] | None = None,
                     records: dict[str, list[Record]] | None = None, cut_states=None) -> FeatureCache:
     """The cache of `model`'s frozen features over `data_dir`: loaded when a complete one with the same key
-    exists, else extracted (all four splits) and published atomically. Partial `.tmp-*` directories of
-    killed extractions are removed first (an extraction in progress elsewhere keeps its own). `cut_states`:
-    a cut-state cache this model matches (`rlcd.cut_cache.find_cut_states(any_cut=True)`), or a function that
-    looks one up, called only when extraction is needed: extraction then runs only the layers above its cut."""
+    exists, else extracted (all four splits) and published atomically. The extraction is resumable: its chunks
+    are committed to `DATA/features/.partial-<KEY_ID>/` (`rlcd.partial`), a later call with the same key computes
+    only the missing ones, and the directory is removed once the cache is published; a second extraction of the
+    same key waits for the first. Dead `.tmp-*` directories of killed publications are removed first (an
+    extraction in progress elsewhere keeps its own). `cut_states`: a cut-state cache this model matches
+    (`rlcd.cut_cache.find_cut_states(any_cut=True)`), or a function that looks one up, called only when
+    extraction is needed: extraction then runs only the layers above its cut."""
     from safetensors.torch import save_file
 
     say = say or (lambda _: None)
@@ -362,6 +417,7 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
     root = cache_root(data_dir)
     found = FeatureCache.load(root / key_id(key), key) or _derived(key, root)
     if found is not None:
+        drop_finished(root, found.root.name)
         say(f"features: reusing {found.root}" + (f" (computed from the cut states at layer {found.key['from_cut_states']['cut']})"
                                                  if "from_cut_states" in found.key else ""))
         return found
@@ -373,29 +429,42 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
             f"{model.num_layers - 1} run)")
     kid = key_id(key)
     final = root / kid
-    t0 = time.perf_counter()
-    counts, tokens = {}, 0
+    check_writable(root)
+    recs = split_records(data_dir, records)
     collator = model.collator(image_root=data_dir)
-    with building(root, final) as tmp:
-        for split, recs, bar in each_split(data_dir, records, "features", progress):
-            with bar:
-                tensors, index = extract_split(model, recs, collator, split, progress=bar.update,
-                                               cut_states=cut_states)
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / f"{split}.safetensors"))
-            plain_mode(tmp / f"{split}.safetensors")  # safetensors writes 600 (rlcd.files)
-            (tmp / f"{split}.index.json").write_text(json.dumps(index))
-            counts[split] = len(index)
-            tokens += int(tensors["n_tokens"].sum())
-        seconds = time.perf_counter() - t0
-        manifest = {"key": key, "key_id": kid, "complete": True, "splits": counts, "row_tokens": tokens,
-                    "seconds": round(seconds, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "shared_prefix": hasattr(model, "case_features"),
-                    "from_cut_states": str(cut_states.root) if cut_states is not None else None}
-        publish(tmp, final, manifest)
+    with Partial(root, kid, key, ROWS_PER_CALL).held(say, "features") as partial:
+        again = FeatureCache.load(final, key)
+        if again is not None:  # published by the extraction this one waited for
+            partial.remove()
+            say(f"features: reusing {final}")
+            return again
+        partial.begin()
+        resumed(partial, recs, "features", say)
+        counts, tokens = {}, 0
+        with building(root, final) as tmp:
+            for split, split_recs, bar in each_split(recs, "features", progress, partial):
+                with bar:
+                    tensors, index = extract_split(model, split_recs, collator, split, progress=bar.update,
+                                                   cut_states=cut_states, partial=partial)
+                save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / f"{split}.safetensors"))
+                plain_mode(tmp / f"{split}.safetensors")  # safetensors writes 600 (rlcd.files)
+                (tmp / f"{split}.index.json").write_text(json.dumps(index))
+                counts[split] = len(index)
+                tokens += int(tensors["n_tokens"].sum())
+                del tensors
+            seconds = partial.seconds()
+            manifest = {"key": key, "key_id": kid, "complete": True, "splits": counts, "row_tokens": tokens,
+                        "seconds": round(seconds, 3), "attempts": partial.attempts,
+                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        "shared_prefix": hasattr(model, "case_features"),
+                        "from_cut_states": str(cut_states.root) if cut_states is not None else None}
+            publish(tmp, final, manifest)
+        partial.remove()
     out = FeatureCache.load(final, key)
     if out is None:
         raise RuntimeError(f"feature cache {final} could not be read back after writing it")
-    say(f"features: {sum(counts.values())} entries ({tokens} row tokens) in {seconds:.1f} s -> {final}")
+    say(f"features: {sum(counts.values())} entries ({tokens} row tokens) in {seconds:.1f} s"
+        + (f" over {partial.attempts} attempts" if partial.attempts > 1 else "") + f" -> {final}")
     return out
 
 
@@ -429,18 +498,42 @@ def fsync_files(d: Path) -> None:
             os.fsync(fh.fileno())
 
 
-def each_split(data_dir: Path, records: dict[str, list[Record]] | None, what: str, progress: bool):
-    """(split, its records, its progress bar, not yet entered) for the four splits in order: `records[split]`
-    when given, else the data directory's file (no file: no rows)."""
+def split_records(data_dir: Path, records: dict[str, list[Record]] | None) -> dict[str, list[Record]]:
+    """The records of the four splits: `records[split]` when given, else the data directory's file (no file: no
+    rows)."""
     from rlcd.data.io import load_split
-    from rlcd.progress import Progress
 
+    out = {}
     for split in SPLITS:
         recs = (records or {}).get(split)
         if recs is None:
             recs = load_split(data_dir, split) if (data_dir / f"{split}.jsonl").is_file() else []
-        n = len(cache_entries(split, recs))
-        yield split, recs, Progress(f"{what} {split}", n, unit="rows", enabled=progress and n > 0)
+        out[split] = recs
+    return out
+
+
+def each_split(recs: dict[str, list[Record]], what: str, progress: bool, partial=None):
+    """(split, its records, its progress bar, not yet entered) for the four splits in order; a bar starts at the
+    entries `partial` (`rlcd.partial.Partial`) already holds."""
+    from rlcd.progress import Progress
+
+    for split in SPLITS:
+        n = len(cache_entries(split, recs[split]))
+        start = min(n, partial.entries_done(split)) if partial is not None else 0
+        yield split, recs[split], Progress(f"{what} {split}", n, unit="rows", start=start, enabled=progress and n > 0)
+
+
+def resumed(partial, recs: dict[str, list[Record]], what: str, say: Callable[[str], None]) -> None:
+    """Say what an earlier attempt left in `partial` (resumed from there), and which partials of other keys are
+    kept beside it (never read for this key, never removed silently)."""
+    done = partial.entries_done()
+    if done:
+        total = sum(len(cache_entries(s, r)) for s, r in recs.items())
+        say(f"{what}: resuming {partial.dir}: {done} of {total} entries already extracted")
+    others = partial.others()
+    if others:
+        say(f"{what}: {len(others)} partial extraction(s) of other keys kept in {partial.root} "
+            f"({', '.join(d.name for d in others)}): resumed by an extraction with their key, else delete them")
 
 
 def read_manifest(root: Path, key: dict | None = None) -> dict | None:

@@ -31,7 +31,8 @@ def features(
     builds it on first need too (from a cut-state cache of the same backbone when DATA has one: only the
     layers above its cut run). With `--cut K`: the hidden states of every token entering the top K
     decoder layers, which every `--recipe lora_layers=K` run over DATA reuses (DATA/features/cut-KEY/).
-    Prints the cache directory, its counts, size and time (JSON) on stdout.
+    A killed extraction resumes: run the same command again (its finished chunks are in
+    DATA/features/.partial-*). Prints the cache directory, its counts, size and time (JSON) on stdout.
     """
     import time
 
@@ -64,7 +65,7 @@ def features(
         echo_json({"cut_states": str(cs.root), "key_id": mf["key_id"], "cut_layer": m.cut_layer,
                    "layers": m.num_layers, "entries": {s: v["entries"] for s, v in mf["splits"].items()},
                    "stored_tokens": mf["stored_tokens"], "row_tokens": mf["row_tokens"], "bytes": mf["bytes"],
-                   "storage": mf["storage"], "extract_seconds": mf["seconds"],
+                   "storage": mf["storage"], "extract_seconds": mf["seconds"], "attempts": mf.get("attempts", 1),
                    "seconds": round(time.perf_counter() - t0, 3)})
         return
     from rlcd.cut_cache import find_cut_states
@@ -74,4 +75,5 @@ def features(
                             cut_states=lambda: find_cut_states(m, data_dir, any_cut=True))
     echo_json({"features": str(cache.root), "key_id": cache.manifest["key_id"], "entries": cache.manifest["splits"],
                "row_tokens": cache.manifest["row_tokens"], "extract_seconds": cache.manifest["seconds"],
+               "attempts": cache.manifest.get("attempts", 1),
                "seconds": round(time.perf_counter() - t0, 3)})
