@@ -282,3 +282,24 @@ def test_cut_features_on_cuda_equal_the_cpu(tmp_path, data_dir, batch_by):
     assert d.device.type == "cuda"
     torch.testing.assert_close(d.cpu(), d_cpu, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(c.cpu(), c_cpu, rtol=1e-4, atol=1e-4)
+
+
+def test_the_features_json_says_when_only_the_layers_above_a_cut_ran(tmp_path, data_dir):
+    """`rlcd features`' JSON is what experiment tables read an extraction's cost from: a cache made from cut states
+    ran only the layers above the cut, so its `extract_seconds` are not a whole backbone pass and it says so."""
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    def features(data, *extra):
+        res = CliRunner().invoke(app, ["features", str(data), "--model", "tiny-toy", *extra])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.stdout[res.stdout.index("{"):])
+
+    full = features(fresh_data(tmp_path / "a", data_dir))
+    assert full["from_cut_states"] is None and full["extract_seconds"] > 0
+    data = fresh_data(tmp_path / "b", data_dir)
+    features(data, "--cut", "2")
+    derived = features(data)
+    assert derived["from_cut_states"] == {"cut": 2, "storage": "float32"}
+    assert derived["key_id"] != full["key_id"] and derived["entries"] == full["entries"]

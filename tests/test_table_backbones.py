@@ -65,3 +65,18 @@ def test_train_rate_sums_the_last_build_windows():
     assert got["updates"] == 40 and got["seconds"] == pytest.approx(10.0)
     assert got["updates_per_s"] == pytest.approx(4.0)
     assert tb.train_rate([{"event": "eval", "step": 0}]) is None
+
+
+def test_a_cache_made_from_cut_states_is_costed_by_a_whole_pass_of_the_same_entries(tmp_path):
+    """Features made from cut states ran only the layers above the cut: their seconds are not a backbone's cost. The
+    table takes NAME.full-features.json instead, only when it is a whole pass over the same entries, else none."""
+    full = json.loads((FULL / "features.json").read_text())
+    from_cut = {**full, "extract_seconds": full["extract_seconds"] / 3, "from_cut_states": {"cut": 26, "storage": "float32"}}
+    whole = {**full, "from_cut_states": None}
+    assert tb.whole_pass(tmp_path, "s", whole) == whole, "a whole pass is its own record"
+    assert tb.whole_pass(tmp_path, "s", from_cut) is None, "no whole-pass record: no cost"
+    (tmp_path / "s.full-features.json").write_text(json.dumps(full))
+    got = tb.whole_pass(tmp_path, "s", from_cut)
+    assert got["extract_seconds"] == full["extract_seconds"] and got["source"] == "s.full-features.json"
+    (tmp_path / "s.full-features.json").write_text(json.dumps({**full, "row_tokens": full["row_tokens"] + 1}))
+    assert tb.whole_pass(tmp_path, "s", from_cut) is None, "another set of rows is not this cache's cost"

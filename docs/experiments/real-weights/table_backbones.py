@@ -71,6 +71,18 @@ def train_rate(rows: list[dict]) -> dict | None:
     return {"updates": updates, "seconds": seconds, "updates_per_s": updates / seconds} if seconds > 0 else None
 
 
+def whole_pass(d: Path, n: str, f: dict | None) -> dict | None:
+    """The extraction record that measured a whole backbone pass over the benchmark. A cache made from cut states
+    (`from_cut_states` in `rlcd features`' JSON) ran only the layers above the cut: its seconds are not that, so the
+    record is `NAME.full-features.json` (an earlier whole-backbone extraction of the same entries), else none."""
+    if f is None or not f.get("from_cut_states"):
+        return f
+    full = read_json(d / f"{n}.full-features.json")
+    if full is None or full.get("from_cut_states") or full["entries"] != f["entries"] or full["row_tokens"] != f["row_tokens"]:
+        return None
+    return {**full, "source": f"{n}.full-features.json"}
+
+
 def names_of(d: Path) -> tuple[str, list[str], dict]:
     meta = read_json(d / "backbones.json") or {}
     ref = meta.get("ref", DEFAULT["ref"])
@@ -197,11 +209,12 @@ def main() -> None:
           "CE updates/s | head gap | vs ref: gap lowered [95% CI] | extra extraction h | nats per extra hour |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     cost = {}
-    rf = feats.get(ref)
+    passes = {n: whole_pass(d, n, feats.get(n)) for n in names}
+    rf = passes.get(ref)
     for n in names:
-        f = feats.get(n)
+        f = passes.get(n)
         h, c = runs[f"{n}-head"], runs[f"{n}-ce"]
-        rec = {"features": f, "head_train": h["train"], "ce_train": c["train"],
+        rec = {"features": f, "features_used": feats.get(n), "head_train": h["train"], "ce_train": c["train"],
                "head_gap": h["eval"] and h["eval"]["cal"]["overall"]["gap"]}
         vs = next((x for x in comps if x["a"] == f"{ref}-head" and x["b"] == f"{n}-head" and x["metric"] == "nll"
                    and x["type"] is None), None)
@@ -215,7 +228,9 @@ def main() -> None:
         rec["nats_per_extra_hour"] = per_h
         cost[n] = rec
         entries = sum(f["entries"].values()) if f else None
-        cells = ["not run"] * 4 if f is None else [
+        cells = (["not run"] * 4 if feats.get(n) is None else
+                 [f"{sum(feats[n]['entries'].values()):,}", f"{feats[n]['row_tokens']:,}",
+                  "from cut states, no whole pass recorded", "—"]) if f is None else [
             f"{entries:,}", f"{f['row_tokens']:,}", f"{f['extract_seconds']:,.0f}",
             f"{1000 * f['extract_seconds'] / entries:.1f}"]
         lowered = rec["gap_lowered"]
@@ -228,6 +243,10 @@ def main() -> None:
               + f" | {'—' if per_h is None else format(per_h, '+.4f')} |")
     print("\nnats per extra hour: the head-recipe gap lowered against the reference (paired), divided by the extra "
           "wall hours of feature extraction (the same thread count; '—' when it is not more expensive or not run).")
+    for n in names:
+        if passes.get(n) is not None and "source" in passes[n]:
+            print(f"{n}: its cache here was made from cut states (only the layers above the cut ran); the extraction "
+                  f"seconds are those of a whole-backbone extraction of the same entries, {passes[n]['source']}.")
     summary = {"ref": ref, "backbones": names, "meta": meta, "runs": runs, "compare": comps, "cost": cost}
     (d / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
 

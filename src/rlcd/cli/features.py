@@ -76,4 +76,7 @@ def features(
     echo_json({"features": str(cache.root), "key_id": cache.manifest["key_id"], "entries": cache.manifest["splits"],
                "row_tokens": cache.manifest["row_tokens"], "extract_seconds": cache.manifest["seconds"],
                "attempts": cache.manifest.get("attempts", 1),
+               # a cache made from cut states ran only the layers above the cut: its extract_seconds are not a
+               # whole backbone pass (the cut states' own seconds are in their manifest)
+               "from_cut_states": cache.key.get("from_cut_states"),
                "seconds": round(time.perf_counter() - t0, 3)})
