@@ -33,7 +33,9 @@ def wire(r: dict) -> dict:
 def count(predictor, requests: list[dict], cache_bytes: int, bytes_per_token: int) -> dict:
     lru: collections.OrderedDict = collections.OrderedDict()
     used, seen_rows = 0, set()
-    n = collections.Counter()
+    n = collections.Counter({k: 0 for k in ("requests", "questions", "rows", "row_tokens", "state_hits",
+                                            "prefix_tokens_run", "suffix_tokens", "repeat_rows",
+                                            "repeat_suffix_tokens")})
     for r in requests:
         prep = predictor.prepare(wire(r))
         n["requests"] += 1
