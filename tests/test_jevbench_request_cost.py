@@ -108,3 +108,12 @@ def test_timed_counts_each_backbone_call_and_puts_the_model_back(rc, model):
         assert r["score_s"] > 0 and r["bare_s"] > 0 and r["score_over_bare"] > 0
     assert second["cached_prefix"] in (0, _rows(p, REQUESTS[1])[0].prefix_len)
     assert out["median_score_over_bare"] > 0 and out["threads"] == 1
+
+
+def test_row_cache_ab_answers_alike_and_counts_the_repeated_rows(rc, model):
+    out = rc.row_cache_ab(_predictor(model), REQUESTS, 4)
+    # `late` asked again on A (another key) and the permuted `dept` on A (canonical form): two rows not run
+    assert out["rows"]["hits"] == 2 and out["rows"]["entries"] == 4 and out["rows"]["max_bytes"] == 4 << 20
+    assert out["max_probability_gap"] < 1e-4 and out["requests"] == 4
+    assert out["states_on"]["max_bytes"] == out["states_off"]["max_bytes"] > 0
+    assert out["score_s_on"] >= 0 and out["score_s_off"] > 0

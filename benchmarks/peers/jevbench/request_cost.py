@@ -13,7 +13,9 @@ does not hold it. `repeat_rows`: rows whose exact tokens a request about the sam
 `--time N`: the first N requests answered in process (`prepare`, `score`, `respond` timed; the state cache on as
 served) and, right after each, bare decoder forwards of the same shapes as the backbone calls `score` made (random
 ids, no cache): `score / bare` is what rlcd adds around the model, whatever else the machine is running at the
-time. One JSON object on stdout.
+time. `--row-cache N --row-cache-mb MB`: the first N requests sent in turn to two Predictors on the one loaded model,
+the row cache off and on (`rlcd serve --row-cache-mb`), each with its own state cache: their `score` times and the
+largest gap between their answers' probabilities. One JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -122,12 +124,39 @@ def timed(predictor, requests: list[dict]) -> dict:
             "threads": torch.get_num_threads()}
 
 
+def row_cache_ab(predictor, requests: list[dict], mb: float) -> dict:
+    import torch
+
+    from rlcd.predict import Predictor
+
+    off = Predictor(predictor.model, predictor.meta, name=predictor.name, canonical=predictor.canonical,
+                    state_cache_mb=predictor.state_cache_stats()["max_bytes"] / (1 << 20))
+    on = Predictor(predictor.model, predictor.meta, name=predictor.name, canonical=predictor.canonical,
+                   state_cache_mb=predictor.state_cache_stats()["max_bytes"] / (1 << 20), row_cache_mb=mb)
+    times, gap = {"off": 0.0, "on": 0.0}, 0.0
+    for r in requests:
+        got = {}
+        for name, p in (("off", off), ("on", on)):
+            prep = p.prepare(wire(r))
+            t = time.perf_counter()
+            got[name], _ = p.score(prep)
+            times[name] += time.perf_counter() - t
+        for a, b in zip(got["off"], got["on"]):
+            gap = max(gap, float((torch.softmax(a.double(), -1) - torch.softmax(b.double(), -1)).abs().max()))
+    return {"requests": len(requests), "row_cache_mb": mb, "score_s_off": round(times["off"], 1),
+            "score_s_on": round(times["on"], 1), "on_over_off": round(times["on"] / times["off"], 3),
+            "max_probability_gap": gap, "rows": on.row_cache_stats(), "states_on": on.state_cache_stats(),
+            "states_off": off.state_cache_stats()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("run", type=Path)
     ap.add_argument("requests", type=Path)
     ap.add_argument("--time", type=int, default=0, help="time the first N requests in process")
     ap.add_argument("--as-asked", action="store_true", help="canonical requests off (rlcd serve --as-asked)")
+    ap.add_argument("--row-cache", type=int, default=0, help="the first N requests with the row cache off and on")
+    ap.add_argument("--row-cache-mb", type=float, default=64.0, help="the row cache's size for --row-cache")
     ap.add_argument("--state-cache-mb", type=float, default=None, help="default: the server's")
     args = ap.parse_args()
     from rlcd.predict import DEFAULT_STATE_CACHE_MB, Predictor
@@ -145,6 +174,8 @@ def main() -> None:
     if args.time:
         predictor.clear_state_cache()
         out["timed"] = timed(predictor, requests[: args.time])
+    if args.row_cache:
+        out["row_cache"] = row_cache_ab(predictor, requests[: args.row_cache], args.row_cache_mb)
     print(json.dumps(out, indent=1))
 
 
