@@ -8,8 +8,9 @@ docstring and tests, shared by the server, `rlcd predict`, the batch scorer and 
 
 * `serving.canonical`       request canonicalisation: each question asked in one canonical form (`canonical`,
                             default on; `rlcd serve --as-asked` turns it off);
-* `serving.state_encoding`  the questions tokenised into one case (order votes as extra rows) and the state
-                            cache of each state's prefix (`state_cache_mb`, `state_cache_stats`);
+* `serving.state_encoding`  the questions tokenised into one case (order votes as extra rows), the state
+                            cache of each state's prefix (`state_cache_mb`, `state_cache_stats`) and the row
+                            cache of answered rows (`row_cache_mb`, `row_cache_stats`);
 * `serving.scoring`         the batched model call under the lock, one request's failure kept its own, order
                             votes combined (`order_votes`, `vote_combine`);
 * `serving.mapping`         logits -> the System One response: fixed answers, canonical answers mapped back to the
@@ -77,14 +78,14 @@ class Predictor:
     def __init__(self, model: Any, meta: Mapping[str, Any], *, name: str | None = None,
                  limits: Limits | None = None, strict_model: bool = False, loader: Any = None,
                  state_cache_mb: float = DEFAULT_STATE_CACHE_MB, order_votes: int = 1, canonical: bool = True,
-                 vote_combine: str = DEFAULT_COMBINE):
+                 vote_combine: str = DEFAULT_COMBINE, row_cache_mb: float = 0):
         self.temperatures = mapping.check_temperatures(meta)
         if model is None and loader is None:
             raise ValueError("a Predictor needs a model or a loader of one")
         self.order_votes, self.canonical = check_votes(order_votes), bool(canonical)
         self.vote_combine = check_combine(vote_combine)
         self.meta = dict(meta)
-        self.encoder = StateEncoder(self.meta, state_cache_mb)
+        self.encoder = StateEncoder(self.meta, state_cache_mb, row_cache_mb)
         self.scorer = Scorer(lambda: self.model, self.encoder.cache_kw)
         self._model, self._loader, self._loading = model, loader, threading.Lock()
         self.name = name or str(meta.get("model") or "rlcd")
@@ -119,7 +120,8 @@ class Predictor:
     def from_run(cls, path: str | Path, *, placement: Placement | None = None, name: str | None = None,
                  limits: Limits | None = None, strict_model: bool = False, lazy: bool = False,
                  state_cache_mb: float = DEFAULT_STATE_CACHE_MB, order_votes: int = 1,
-                 canonical: bool = True, vote_combine: str = DEFAULT_COMBINE) -> "Predictor":
+                 canonical: bool = True, vote_combine: str = DEFAULT_COMBINE,
+                 row_cache_mb: float = 0) -> "Predictor":
         """Load from a run dir (its `export/`) or an export dir (merged model, temperatures). `lazy`: read only
         the export's metadata now and load the model when a request first needs it (`rlcd predict`: a request
         whose every question has one option is answered without it)."""
@@ -128,7 +130,7 @@ class Predictor:
 
         kw = dict(name=name or _run_name(Path(path)), limits=limits, strict_model=strict_model,
                   state_cache_mb=state_cache_mb, order_votes=order_votes, canonical=canonical,
-                  vote_combine=vote_combine)
+                  vote_combine=vote_combine, row_cache_mb=row_cache_mb)
         if lazy:
             meta = read_export_meta(find_export(Path(path)))
             predictor = cls(None, meta, loader=lambda: load_export(Path(path), placement=placement)[0], **kw)
@@ -156,6 +158,7 @@ class Predictor:
                           "1 - E|level - argmax| / E_uniform|level - middle|; noul has none (its answer is P(true))",
             "placement": getattr(self._model, "placement", None), "order_votes": self.order_votes,
             "vote_combine": self.vote_combine, "canonical_requests": self.canonical,
+            "row_cache_mb": self.encoder.rows.max_bytes / (1 << 20),
         }
 
     def prepare(self, request: Any, image: Any = None, *, image_root: Path | None = None,
@@ -203,8 +206,13 @@ class Predictor:
         entries dropped for room), stores, too_large (states larger than the whole bound, never stored)."""
         return self.encoder.stats()
 
+    def row_cache_stats(self) -> dict[str, int]:
+        """The row cache's counters (`serving.state_encoding`: the features of answered rows), as
+        `state_cache_stats`: an entry is one row."""
+        return self.encoder.row_stats()
+
     def clear_state_cache(self) -> None:
-        """Drop every cached state (the counters stay)."""
+        """Drop every cached state and row (the counters stay)."""
         self.encoder.clear()
 
 

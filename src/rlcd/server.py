@@ -188,7 +188,8 @@ def app_from_env():
                                state_cache_mb=cfg.get("state_cache_mb", DEFAULT_STATE_CACHE_MB),
                                order_votes=int(cfg.get("order_votes", 1)), threads=cfg.get("threads"),
                                canonical=bool(cfg.get("canonical", True)),
-                               vote_combine=cfg.get("vote_combine", "logmean"))
+                               vote_combine=cfg.get("vote_combine", "logmean"),
+                               row_cache_mb=cfg.get("row_cache_mb", 0))
     return create_app(predictor, image_root=cfg.get("image_root"), limits=lim,
                       batching=BatchingConfig(**cfg["batching"]), api_key=os.environ.get(access.API_KEY_ENV) or None,
                       access_log=cfg.get("access_log") or None, thresholds=cfg.get("thresholds"))
@@ -203,6 +204,7 @@ def load_predictor(path: Path, *, portable: bool = False, placement: Any = None,
     if portable:
         from .portable.runtime import load_portable
 
+        kw.pop("row_cache_mb", None)  # its graph takes whole packed rows: no features to keep either
         return load_portable(path, threads=threads, **kw)
     if threads is not None:
         import torch
@@ -223,7 +225,7 @@ def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root
           api_key: str | None = None, quiet: bool = False, thresholds: Path | str | None = None,
           access_log: str = "text", state_cache_mb: float = DEFAULT_STATE_CACHE_MB, portable: bool = False,
           order_votes: int = 1, threads: int | None = None, canonical: bool = True, vote_combine: str = "logmean",
-          **limits: Any) -> None:
+          row_cache_mb: float = 0, **limits: Any) -> None:
     """Load `run`'s export and serve it with uvicorn until interrupted.
 
     `api_key`: required on /v1/* and /drain (binding a non-loopback host without one prints a warning).
@@ -236,6 +238,7 @@ def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root
     (`Predictor`; 1: off), combined by `vote_combine` ("logmean" or "mean", `rlcd.order_votes.combine`).
     `threads`: the model's CPU threads (`load_predictor`).
     `canonical`: canonical requests (`Predictor`, `rlcd.serving.canonical`; False: every question asked as sent).
+    `row_cache_mb`: each process's row cache of answered rows (`rlcd.serving.state_encoding`; 0, the default: off).
 
     `workers` > 1 runs that many uvicorn worker processes (uvicorn's own process manager), each with its
     own copy of the model: memory grows by one model per worker; throughput by up to one model's per
@@ -267,12 +270,14 @@ def serve(run: Path | str, host: str = "127.0.0.1", port: int = 8000, image_root
             "strict_model": strict_model, "portable": portable,
             "image_root": str(image_root) if image_root is not None else None, "state_cache_mb": state_cache_mb,
             "order_votes": order_votes, "threads": threads, "canonical": canonical, "vote_combine": vote_combine,
+            "row_cache_mb": row_cache_mb,
             "thresholds": str(Path(thresholds).resolve()) if thresholds is not None else None})
         uvicorn.run("rlcd.server:app_from_env", factory=True, workers=workers, **server_kw)
         return
     predictor = load_predictor(Path(run), portable=portable, limits=lim, placement=placement, name=served_model_name,
                                strict_model=strict_model, state_cache_mb=state_cache_mb, order_votes=order_votes,
-                               threads=threads, canonical=canonical, vote_combine=vote_combine)
+                               threads=threads, canonical=canonical, vote_combine=vote_combine,
+                               row_cache_mb=row_cache_mb)
     app = create_app(predictor, image_root=image_root, limits=lim, batching=batching, api_key=api_key,
                      access_log=fmt, thresholds=gates)
     uvicorn.run(app, **server_kw)

@@ -91,7 +91,7 @@ def main() -> None:
         "run": args.run,
         "serve_options": args.serve_options,
         "server": {k: models.get(k) for k in ("id", "backbone", "canonical_requests", "order_votes", "vote_combine",
-                                              "temperatures", "checkpoint_sha256", "placement")},
+                                              "row_cache_mb", "temperatures", "checkpoint_sha256", "placement")},
         "requests": report.result.get("requests"),
         "errors": len(report.result.get("errors") or []),
         "wall_seconds": round(wall, 1),

@@ -20,14 +20,21 @@ StateCacheOpt = Annotated[float, typer.Option(
          "only its questions; least recently used states go first; 0 turns it off (docs/SERVING.md)")]
 
 
-def check_state_cache_mb(value: float) -> float:
-    """A negative or non-finite --state-cache-mb is one line and exit 2 (before anything loads)."""
+RowCacheOpt = Annotated[float, typer.Option(
+    help="MiB of answered rows' features kept between requests, so a question asked again about the same state "
+         "(and image) runs no backbone forward; its answer is the first one's, equal to a fresh one up to float "
+         "noise, not bit for bit; 0 (the default) turns it off (docs/SERVING.md)")]
+
+
+def check_state_cache_mb(value: float, flag: str = "--state-cache-mb", what: str = "the state cache") -> float:
+    """A negative or non-finite --state-cache-mb (or --row-cache-mb) is one line and exit 2 (before anything
+    loads)."""
     import math
 
     from rlcd.errors import OptionError
 
     if not (math.isfinite(value) and value >= 0):
-        raise OptionError(f"--state-cache-mb {value:g}: give a size in MiB >= 0 (0 turns the state cache off)")
+        raise OptionError(f"{flag} {value:g}: give a size in MiB >= 0 (0 turns {what} off)")
     return value
 
 
@@ -255,6 +262,7 @@ def serve(
         help="thresholds.json that requests with \"x_gate\": true are gated with (default: RUN/eval/thresholds.json, "
              "written by `rlcd gate` / `rlcd evaluate`)", show_default=False)] = None,
     state_cache_mb: StateCacheOpt = STATE_CACHE_MB,
+    row_cache_mb: RowCacheOpt = 0.0,
     export: Annotated[Optional[Path], typer.Option(
         "--export", metavar="DIR", help="serve a portable ONNX export (`rlcd export RUN --format onnx --out DIR`) "
                                         "instead of a run: onnxruntime + tokenizers + numpy, no torch",
@@ -279,6 +287,7 @@ def serve(
     from rlcd.serving.batcher import BatchingConfig
 
     check_state_cache_mb(state_cache_mb)
+    check_state_cache_mb(row_cache_mb, "--row-cache-mb", "the row cache")
     check_order_votes(order_votes)
     if api_key is not None:
         try:
@@ -291,7 +300,8 @@ def serve(
     if export is not None:
         if run is not None or run_alias is not None:
             raise typer.BadParameter("give RUN or --export DIR, not both", param_hint="--export")
-        check_portable_options(device, dtype, state_cache_mb, given=lambda name: _given(ctx, name))
+        check_portable_options(device, dtype, state_cache_mb, given=lambda name: _given(ctx, name),
+                               row_cache_mb=row_cache_mb)
         from rlcd.portable.runtime import read_manifest, require_onnx
 
         read_manifest(export)  # one-line errors before binding
@@ -320,7 +330,8 @@ def serve(
                served_model_name=served_model_name, strict_model=strict_model, batching=batching, workers=workers,
                api_key=api_key, quiet=quiet, access_log=(access_log or AccessLog.text).value, thresholds=thresholds,
                state_cache_mb=state_cache_mb, order_votes=order_votes, threads=threads, canonical=not as_asked,
-               vote_combine=vote_combine.value, max_questions=max_questions, max_candidates=max_candidates,
+               vote_combine=vote_combine.value, row_cache_mb=row_cache_mb, max_questions=max_questions,
+               max_candidates=max_candidates,
                max_tokens=max_tokens,
                max_request_bytes=max_request_bytes, max_image_pixels=max_image_pixels)
 
@@ -335,7 +346,8 @@ def _given(ctx: Optional[typer.Context], name: str) -> bool:
     return source is not None and source not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
 
 
-def check_portable_options(device: str, dtype: DType | str, state_cache_mb: float, *, given) -> None:
+def check_portable_options(device: str, dtype: DType | str, state_cache_mb: float, *, given,
+                           row_cache_mb: float = 0) -> None:
     """`serve --export` runs onnxruntime on the CPU at the precision the export was written in, without a state
     cache: an option asking otherwise is refused in one line (exit 2) before anything loads, never ignored."""
     from rlcd.errors import OptionError
@@ -347,6 +359,9 @@ def check_portable_options(device: str, dtype: DType | str, state_cache_mb: floa
     if dtype != DType.auto.value:
         raise OptionError(f"--dtype {dtype}: a portable export's precision was fixed when it was written (manifest.json "
                           "graph.precision: float32 or int8, `rlcd export --quantize`); leave --dtype out")
+    if given("row_cache_mb") and row_cache_mb != 0:
+        raise OptionError(f"--row-cache-mb {row_cache_mb:g}: a portable export keeps no row features (its graph "
+                          "takes whole packed rows); leave --row-cache-mb out")
     if given("state_cache_mb") and state_cache_mb != 0:
         raise OptionError(f"--state-cache-mb {state_cache_mb:g}: a portable export keeps no decoder states (its "
                           "graph takes whole packed rows); leave --state-cache-mb out")

@@ -45,7 +45,7 @@ from .families.qwen35 import SUFFIX_CHUNK, mrope_positions  # noqa: F401 (mrope_
 from .head import CandidateScorer
 from .paths import CALL_OVERHEAD, sharing_pays
 from .prompt import DEFAULT_MAX_TOKENS, DEFAULT_NOUL, EncodedRow, PromptEncoder
-from .state_cache import PrefixState, image_digest, prefix_key, snapshot_row, stack_states
+from .state_cache import PrefixState, RowFeatures, image_digest, prefix_key, row_key, snapshot_row, stack_states
 
 LORA_DROPOUT = 0.0
 SHAPE_GRANULE = 16  # batched calls round their padded lengths up to this (right pads are never read)
@@ -96,6 +96,13 @@ class CaseInputs:
         if self.pixel_values is not None and self.image_digest is None:
             self.image_digest = image_digest(self.pixel_values, self.grid)
         return prefix_key(self.rows[0].ids[:cut], self.image_digest)
+
+    def row_key(self, row: EncodedRow, exact: bool = False) -> bytes:
+        """The row cache's key of one of this case's rows (`state_cache.row_key`; the image digest computed here if
+        need be)."""
+        if self.pixel_values is not None and self.image_digest is None:
+            self.image_digest = image_digest(self.pixel_values, self.grid)
+        return row_key(row.ids, self.image_digest, row.decision_pos, row.marker_pos, exact)
 
     @property
     def n_tokens(self) -> int:
@@ -432,7 +439,8 @@ class DecisionModel(nn.Module):
         return logits, usage
 
     def score_cases(self, cases: Sequence[CaseInputs], *, max_rows: int = 64, exact: bool = False,
-                    path: str = "auto", state_cache: Any = None) -> list[tuple[list[torch.Tensor], dict]]:
+                    path: str = "auto", state_cache: Any = None,
+                    row_cache: Any = None) -> list[tuple[list[torch.Tensor], dict]]:
         """Several requests in one go: `case_features` (prefixes in one left-padded forward, all question
         rows as suffix calls from that cache; or full forwards where the planner finds them cheaper),
         then the head on every row at once. Returns [(logits per question [k] float32 CPU, usage)].
@@ -442,10 +450,11 @@ class DecisionModel(nn.Module):
         at their initial zeros), positions are each request's own, and every suffix row reads its own
         request's cache row (`Family.select_cache_rows`). `state_cache` (a `ScopedStateCache`): prefixes
         stored by earlier calls are reused, new ones stored (`case_features_with_usage`); same logits up to
-        float noise.
+        float noise. `row_cache`: rows answered by earlier calls take their stored features and do not run
+        (`case_features_with_usage`); their logits are the earlier ones' up to the head's float noise.
         """
         feats, usages = self.case_features_with_usage(cases, max_rows=max_rows, exact=exact, path=path,
-                                                      state_cache=state_cache)
+                                                      state_cache=state_cache, row_cache=row_cache)
         flat = [f for fs in feats for f in fs]
         if not flat:
             return [([], u) for u in usages]
@@ -528,16 +537,33 @@ class DecisionModel(nn.Module):
         return out
 
     def case_features_with_usage(self, cases: Sequence[CaseInputs], *, max_rows: int = 64, exact: bool = False,
-                                 path: str = "auto", state_cache: Any = None
+                                 path: str = "auto", state_cache: Any = None, row_cache: Any = None
                                  ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], list[dict]]:
         """`case_features` plus per-case usage: {input_tokens (the request's tokens, its shared prefix once),
         prefix_tokens (0 on the full path), cached_tokens (the prefix tokens the state cache supplied, not
-        run), rows, full_tokens, image_tokens, calls (of the whole batch), batched_requests, path}.
+        run), cached_rows (rows the row cache supplied), rows, full_tokens, image_tokens, calls (of the whole
+        batch), batched_requests, path}.
 
         `state_cache` (a `state_cache.ScopedStateCache`, or None): prefixes are cut at the end of the state,
-        looked up there (a hit skips that prefix's forward and its image encoding) and stored after they run."""
+        looked up there (a hit skips that prefix's forward and its image encoding) and stored after they run.
+        `row_cache` (a `ScopedStateCache` of `state_cache.RowFeatures`, or None): rows answered before (the same
+        tokens, image and read positions) take their stored features and do not run; a case none of whose rows
+        runs runs nothing, not even its prefix. Usage and the plan stay what they are without it."""
         plan = self.plan_paths(cases, exact=exact, path=path, state_cut=state_cache is not None)
         feats: list[list[Any]] = [[None] * len(c.rows) for c in cases]
+        row_keys = [[None] * len(c.rows) for c in cases]
+        if row_cache is not None:
+            for c, ks, fs in zip(cases, row_keys, feats):
+                for j, r in enumerate(c.rows):
+                    ks[j] = c.row_key(r, exact)
+                    got = row_cache.get(ks[j])
+                    if got is not None:
+                        fs[j] = (got.h_dec, got.h_cand)
+        todo = [[j for j, f in enumerate(fs) if f is None] for fs in feats]
+        # what runs: each case's rows not answered before (a case as it is when all of them run)
+        run = [c if len(t) == len(c.rows) else CaseInputs([c.rows[j] for j in t], c.pixel_values, c.grid, c.n_img,
+                                                          c.image_digest) for c, t in zip(cases, todo)]
+        out = [fs if len(t) == len(fs) else [None] * len(t) for fs, t in zip(feats, todo)]
         keys: list[Any] = [None] * len(cases)
         warm: list[PrefixState | None] = [None] * len(cases)
         with torch.inference_mode():
@@ -558,23 +584,31 @@ class DecisionModel(nn.Module):
 
                 def keep(j: int, state: PrefixState) -> None:
                     state_cache.put(keys[pre[j]], state)
-            full = [i for i, cut in enumerate(plan) if cut is None and cases[i].rows]
+            full = [i for i, cut in enumerate(plan) if cut is None and cases[i].rows and todo[i]]
+            pre = [i for i in pre if todo[i]]  # `keep` reads it: the cases as passed below
             calls = 0
             if pre:
-                calls += self._prefix_features([cases[i] for i in pre], [plan[i] for i in pre],
-                                               [feats[i] for i in pre], max_rows=max_rows, exact=exact,
+                calls += self._prefix_features([run[i] for i in pre], [plan[i] for i in pre],
+                                               [out[i] for i in pre], max_rows=max_rows, exact=exact,
                                                warm=[warm[i] for i in pre], keep=keep)
             if full:
                 calls += self._full_features(
-                    [cases[i] for i in full], [feats[i] for i in full], max_rows=max_rows,
+                    [run[i] for i in full], [out[i] for i in full], max_rows=max_rows,
                     keep={j: (store[i], lambda state, i=i: state_cache.put(keys[i], state))
                           for j, i in enumerate(full) if i in store} or None)
+            for i, t in enumerate(todo):
+                for j, f in zip(t, out[i]):
+                    feats[i][j] = f
+                    if row_cache is not None:
+                        h_dec, h_cand = f[0].clone(), f[1].clone()  # their own storage: a view keeps its batch
+                        row_cache.put(row_keys[i][j], RowFeatures(h_dec, h_cand, h_dec.nbytes + h_cand.nbytes))
         usages = []
-        for c, cut, w in zip(cases, plan, warm):
+        for c, cut, w, t in zip(cases, plan, warm, todo):
             full_tokens = sum(len(r) for r in c.rows)
             p = cut or 0
             usages.append({"input_tokens": p + sum(len(r) - p for r in c.rows) if cut is not None else full_tokens,
-                           "prefix_tokens": p, "cached_tokens": p if w is not None else 0, "rows": len(c.rows),
+                           "prefix_tokens": p, "cached_tokens": p if w is not None else 0,
+                           "cached_rows": len(c.rows) - len(t), "rows": len(c.rows),
                            "full_tokens": full_tokens, "image_tokens": c.n_img, "calls": calls,
                            "batched_requests": len(cases), "path": "prefix" if cut is not None else "full"})
         return feats, usages

@@ -160,6 +160,27 @@ def image_digest(pixel_values: torch.Tensor | None, grid: torch.Tensor | None) -
     return h.hexdigest()
 
 
+@dataclass(frozen=True)
+class RowFeatures:
+    """One answered row's features as the decoder left them (`DecisionModel.case_features`): the decision
+    position's last hidden state [H] and the markers' [k, H], each its own copy; `nbytes` their bytes. What a row
+    cache holds: a later request with the same row about the same state and image runs only the head on it."""
+
+    h_dec: Any
+    h_cand: Any
+    nbytes: int
+
+
+def row_key(ids: Sequence[int], image: str | None, decision_pos: int, marker_pos: Sequence[int],
+            exact: bool = False) -> bytes:
+    """The key of an answered row within one scope: its whole token ids and the image digest (`prefix_key`), the
+    positions read (decision, markers) and the `exact` chunk grid it ran on."""
+    h = hashlib.blake2b(prefix_key(ids, image), digest_size=32)
+    h.update(b"row" + int(decision_pos).to_bytes(8, "little") + bytes([int(bool(exact))]))
+    h.update(b"".join(int(m).to_bytes(8, "little") for m in marker_pos))
+    return h.digest()
+
+
 def prefix_key(ids: Sequence[int], image: str | None) -> bytes:
     """The key of a prefix within one scope: its exact token ids and the image digest (or none)."""
     h = hashlib.blake2b(digest_size=32)
@@ -253,5 +274,5 @@ class ScopedStateCache:
         return self.cache.put((self.scope, key), state)
 
 
-__all__ = ["PrefixState", "ScopedStateCache", "StateCache", "image_digest", "prefix_key",
+__all__ = ["PrefixState", "RowFeatures", "ScopedStateCache", "StateCache", "image_digest", "prefix_key", "row_key",
            "snapshot_row", "stack_states", "SUPPORTED_LAYERS"]

@@ -15,6 +15,15 @@ the placement, the parameters' version counters): another model, frame, LoRA sta
 is computed at every model call (`StateEncoder.cache_kw`, under the scoring lock), so a weight changed in place
 between two calls moves it. `usage.input_tokens` does not depend on the cache: a hit skips the prefix's forward,
 not its count.
+
+The row cache (`row_cache_mb`, default 0: off; `rlcd serve --row-cache-mb N`): the features of every row answered
+(`state_cache.RowFeatures`: [1 + k] hidden states, 2.25 KiB each for SmolLM2-135M in float32), LRU bounded in
+bytes, same scope, keyed by the row's whole tokens, the image and the positions read (`state_cache.row_key`). A later request that asks a question already answered about the same state and image,
+word for word once rendered, runs only the head on it; a request whose every question was answered runs no backbone
+forward. JevBench re-sends a case's batch with a few questions rewritten: 74.6 % of jevbench-mini's rows repeat one
+(`benchmarks/peers/jevbench/README.md`). Its answers are the earlier ones, which equal the cache-off answers up to
+float noise (the row ran in another batch), not bit for bit as the state cache's lone requests do: hence off by
+default. Its usage is the request's, as with the state cache.
 """
 
 from __future__ import annotations
@@ -31,10 +40,11 @@ from rlcd.serving.errors import PredictError
 DEFAULT_STATE_CACHE_MB = 256  # MiB; a 250-token SmolLM2-135M state takes 12.5 MiB in float32 (docs/SERVING.md)
 
 
-def state_cache_bytes(mb: float) -> int:
-    """`state_cache_mb` (mebibytes, 0 = off) in bytes; a negative, non-finite or non-number value is a ValueError."""
+def state_cache_bytes(mb: float, name: str = "state_cache_mb", what: str = "the state cache") -> int:
+    """`state_cache_mb` (mebibytes, 0 = off) in bytes; a negative, non-finite or non-number value is a ValueError
+    (naming `name`: `row_cache_mb` for the row cache)."""
     if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not math.isfinite(mb) or mb < 0:
-        raise ValueError(f"state_cache_mb must be a number >= 0 (0 turns the state cache off), got {mb!r}")
+        raise ValueError(f"{name} must be a number >= 0 (0 turns {what} off), got {mb!r}")
     return int(mb * (1 << 20))
 
 
@@ -73,10 +83,12 @@ class StateEncoder:
     `meta`: the export's metadata (part of the cache scope). The cache's tensors need torch only when a state is
     stored: a portable (ONNX) Predictor, whose model keeps no state, never imports it."""
 
-    def __init__(self, meta: Mapping[str, Any], state_cache_mb: float = DEFAULT_STATE_CACHE_MB):
+    def __init__(self, meta: Mapping[str, Any], state_cache_mb: float = DEFAULT_STATE_CACHE_MB,
+                 row_cache_mb: float = 0):
         from rlcd.model.state_cache import StateCache
 
         self.cache = StateCache(state_cache_bytes(state_cache_mb))
+        self.rows = StateCache(state_cache_bytes(row_cache_mb, "row_cache_mb", "the row cache"))
         self.meta = meta
 
     def encode(self, model: Any, state: Any, questions: Sequence[Question], qids: Sequence[str], image: Any = None,
@@ -98,19 +110,29 @@ class StateEncoder:
         return case, votes
 
     def cache_kw(self, model: Any) -> dict[str, Any]:
-        """`score_cases`' state-cache argument (call it under the scoring lock): the cache scoped to `model` as it
-        is now; {} when the cache is off."""
-        if not self.cache.enabled:
+        """`score_cases`' cache arguments (call it under the scoring lock): the state cache and the row cache,
+        each scoped to `model` as it is now, those that are on; {} when both are off."""
+        if not (self.cache.enabled or self.rows.enabled):
             return {}
-        return {"state_cache": self.cache.scoped(cache_scope(model, self.meta))}
+        scope = cache_scope(model, self.meta)
+        kw = {"state_cache": self.cache.scoped(scope)} if self.cache.enabled else {}
+        if self.rows.enabled:
+            kw["row_cache"] = self.rows.scoped(scope)
+        return kw
 
     def stats(self) -> dict[str, int]:
         """The cache's counters (`StateCache.stats`)."""
         return self.cache.stats()
 
+    def row_stats(self) -> dict[str, int]:
+        """The row cache's counters (`StateCache.stats`: an entry is one row's features)."""
+        return self.rows.stats()
+
     def clear(self) -> None:
-        """Drop every cached state (the counters stay)."""
+        """Drop every cached state and row (the counters stay)."""
         self.cache.clear()
+        self.rows.clear()
 
 
-__all__ = ["DEFAULT_STATE_CACHE_MB", "StateEncoder", "cache_scope", "from_record_error", "state_cache_bytes"]
+__all__ = ["DEFAULT_STATE_CACHE_MB", "StateEncoder", "cache_scope", "from_record_error",
+           "state_cache_bytes"]
