@@ -25,6 +25,8 @@
 # the cache, recorded when it was built), head + ce per backbone ($OUT/bb-NAME-head, $OUT/bb-NAME-ce; REF's head is
 # $OUT/head), evaluate, compares ($OUT/bb-compare/), then the copy into $DOCS (config.json; metrics.jsonl and
 # evaluation.json gzipped; features JSON; compares; stamps) and table_backbones.py (tables + summary.json in $DOCS).
+# REF_FULL_FEATURES (default full-budget/features.json): the record of a whole-backbone extraction of REF's cache, the
+# cost the table shows when REF's cache was made from cut states (its own seconds then ran the top layers only).
 # UNTIL=check|features|runs|compare stops after that stage (check: the checks before anything is written, only).
 # A re-run skips what is done (a run with eval/evaluation.json, a features JSON, a compare newer than both
 # evaluations) and resumes an unfinished train with `train --resume` (one stopped before its update-0 checkpoint is
@@ -50,6 +52,7 @@ THREADS=${THREADS:-2}
 DEVICE=${DEVICE:-cpu}
 REF=${REF:-smollm2-135m}
 REF_HEAD=${REF_HEAD:-$OUT/head}
+REF_FULL_FEATURES=${REF_FULL_FEATURES:-docs/experiments/real-weights/full-budget/features.json}
 BACKBONES=${BACKBONES:-"smollm2-135m gemma3-270m qwen2.5-coder-0.5b"}
 QWEN_GGUF=${QWEN_GGUF:-}
 METRICS=${METRICS:-"nll brier accuracy"}
@@ -176,6 +179,9 @@ for i in "${!NAMES[@]}"; do
   done
 done
 cp "$OUT"/bb-compare/compare-*.json "$DOCS/"
+# a REF cache made from cut states (run-full-budget.sh makes it so) ran only the layers above the cut: its cost is a
+# whole-backbone extraction of the same entries, REF_FULL_FEATURES (table_backbones.py checks entries and tokens)
+[ -f "$REF_FULL_FEATURES" ] && cp "$REF_FULL_FEATURES" "$DOCS/$REF.full-features.json"
 "$PY" - "$DOCS/backbones.json" "$REF" "$STEPS" "$THREADS" "$DEVICE" "${NAMES[@]}" <<'PY'
 import json, sys
 out, ref, steps, threads, device, names = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6:]
