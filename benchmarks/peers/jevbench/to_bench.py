@@ -1,9 +1,11 @@
 """JevBench summaries (`run_suite.py`'s JSONs) -> one bench result for benchmarks/BENCHMARKS.md.
 
-    python benchmarks/peers/jevbench/to_bench.py --eval RUN/eval/evaluation.json \
+    python benchmarks/peers/jevbench/to_bench.py [--eval RUN/eval/evaluation.json] [--name NAME] \
         benchmarks/peers/jevbench/results/demo-canonical.json benchmarks/peers/jevbench/results/demo-as-asked.json
 
-Writes benchmarks/results/jevbench-demo.json (`rlcd.bench.report.save_result`; then `rlcd bench report`): rlcd's arms
+Each arm's accuracy is its own run's (`run` in its summary: RUN/eval/evaluation.json); `--eval` is used for an arm
+whose run has none on this machine. An arm with neither is refused (no accuracy, no row). Writes
+benchmarks/results/NAME.json (default jevbench-demo) (`rlcd.bench.report.save_result`; then `rlcd bench report`): rlcd's arms
 beside the JevBench leaderboard's published jevbench-mini scores, each with its accuracy, and the pass rate of
 every relation the arms ran. rlcd's accuracy is its own evaluation's (`rlcd evaluate`, the test split, calibrated):
 JevBench uses no gold answers. The published numbers are the ones the issue quotes and jevbench 0.1.0's README
@@ -22,6 +24,23 @@ PUBLISHED = [("open-jev-9b", 83.9, None), ("jevany-gemma-4b", 81.2, None), ("luc
 KEY = ("option_permutation", "clone_symmetry", "option_clone", "noul_as_choice", "noul_as_score")
 # columns: option_permutation split by the type tested (a choice's options permuted; a score's levels reversed)
 COLUMNS = ("option_permutation (choice)", "option_permutation (score reversed)", *KEY[1:])
+# JevBench's five dimensions ("pillars"), scored 0-100 like the overall when their groups ran
+PILLARS = ("REP", "BAT", "MEA", "LOG", "CHO")
+
+
+def _score(x: float | None) -> float | None:
+    return None if x is None else round(100 * x, 1)
+
+
+def accuracy_of(arm: dict, fallback: Path | None) -> tuple[float, str]:
+    """(accuracy, source) of an arm: its run's evaluation (calibrated, all types), else `fallback`'s."""
+    for p in ([Path(arm["run"]) / "eval" / "evaluation.json"] if arm.get("run") else []) + (
+            [fallback] if fallback else []):
+        if p.exists():
+            ev = json.loads(p.read_text())
+            return ev["calibrated"]["overall"]["accuracy"], f"{p} (calibrated, {ev.get('headline_split', 'test')} split)"
+    raise SystemExit(f"to_bench: {arm['name']}: no evaluation for its run {arm.get('run')!r} here; give --eval "
+                     "RUN/eval/evaluation.json")
 
 
 def _cells(a: dict) -> list:
@@ -33,24 +52,25 @@ def _cells(a: dict) -> list:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("summaries", nargs="+", type=Path)
-    ap.add_argument("--eval", type=Path, required=True, help="the served run's eval/evaluation.json (its accuracy)")
+    ap.add_argument("--eval", type=Path, help="eval/evaluation.json for an arm whose run has none here")
     ap.add_argument("--name", default="jevbench-demo")
+    ap.add_argument("--results-dir", type=Path, default=None, help="where NAME.json goes (default benchmarks/results)")
     args = ap.parse_args(argv)
 
     from rlcd.bench.report import save_result
 
-    ev = json.loads(args.eval.read_text())
-    acc = ev["calibrated"]["overall"]["accuracy"]
     arms = [json.loads(p.read_text()) for p in args.summaries]
+    accs = {a["name"]: accuracy_of(a, args.eval) for a in arms}
     rows = []
     for a in arms:
-        overall = a.get("overall")
-        rows.append([f"rlcd {a['name']} ({'canonical' if a['server'].get('canonical_requests') else 'as asked'})",
-                     None if overall is None else round(100 * overall, 1), round(acc, 4),
-                     *_cells(a), a["groups"].get("BAT.isolation"),
-                     "measured here"])
+        pillars = a.get("pillars") or {}
+        rows.append([f"rlcd {a['name']} ({a['server'].get('backbone', '?')}, "
+                     f"{'canonical' if a['server'].get('canonical_requests') else 'as asked'})",
+                     _score(a.get("overall")), round(accs[a["name"]][0], 4), *(_score(pillars.get(k)) for k in PILLARS),
+                     *_cells(a), a["groups"].get("BAT.isolation"), "measured here"])
     for name, score, accuracy in PUBLISHED:
-        rows.append([name, score, accuracy, *([None] * len(COLUMNS)), None, "leaderboard (published)"])
+        rows.append([name, score, accuracy, *([None] * len(PILLARS)), *([None] * len(COLUMNS)), None,
+                     "leaderboard (published)"])
     relations = sorted({r for a in arms for r in a["relations"]})
     out = {
         "suite": arms[0]["suite"],
@@ -58,18 +78,21 @@ def main(argv: list[str] | None = None) -> int:
         "requests": {a["name"]: a["requests"] for a in arms},
         "errors": {a["name"]: a["errors"] for a in arms},
         "wall_seconds": {a["name"]: a["wall_seconds"] for a in arms},
-        "accuracy_source": f"{args.eval} (calibrated, {ev.get('headline_split', 'test')} split, all types)",
-        "table": {"columns": ["model", "JevBench overall", "accuracy", *COLUMNS, "BAT.isolation", "source"],
+        "accuracy_source": {n: src for n, (_, src) in accs.items()},
+        "table": {"columns": ["model", "JevBench overall", "accuracy", *PILLARS, *COLUMNS, "BAT.isolation", "source"],
                   "rows": rows},
         "relations_table": {"columns": ["relation", *(a["name"] for a in arms)],
                             "rows": [[r, *(a["relations"].get(r) for a in arms)] for r in relations]},
+        "overall_ci95": {a["name"]: a.get("overall_ci95") for a in arms},
+        "pillars": {a["name"]: a.get("pillars") for a in arms},
         "groups": {a["name"]: a["groups"] for a in arms},
         "option_permutation_by_type": {a["name"]: a.get("option_permutation_by_type") for a in arms},
         "serve_options": {a["name"]: a["serve_options"] for a in arms},
     }
-    cmd = ("python benchmarks/peers/jevbench/to_bench.py --eval " + str(args.eval) + " "
+    cmd = ("python benchmarks/peers/jevbench/to_bench.py " + (f"--eval {args.eval} " if args.eval else "")
+           + (f"--name {args.name} " if args.name != "jevbench-demo" else "")
            + " ".join(str(p) for p in args.summaries) + "  # after benchmarks/peers/jevbench/run.sh per arm")
-    print(save_result(args.name, cmd, out))
+    print(save_result(args.name, cmd, out, **({"results_dir": args.results_dir} if args.results_dir else {})))
     return 0
 
 
