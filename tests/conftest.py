@@ -107,3 +107,15 @@ def killed_extraction(data, module: str, ensure: str, recipe: dict):
     assert len(partials) == 1 and list(json.loads((partials[0] / "progress.json").read_text())["done"]) == ["train"]
     assert not [p for p in root.iterdir() if not p.name.startswith(".")], "nothing was published"
     return root
+
+
+def answer_probs(answer: dict) -> list[float]:
+    """A System One answer's probabilities in candidate order (a noul as [1 - p, p])."""
+    return [1.0 - answer["noul"], answer["noul"]] if answer["type"] == "noul" else list(answer["probabilities"].values())
+
+
+def answer_gap(a: dict, b: dict) -> float:
+    """The largest probability difference between two responses to the same questions."""
+    assert list(a["answers"]) == list(b["answers"])
+    return max(max(abs(x - y) for x, y in zip(answer_probs(a["answers"][q]), answer_probs(b["answers"][q])))
+               for q in a["answers"])

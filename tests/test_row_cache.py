@@ -18,6 +18,7 @@ import torch
 torch.set_num_threads(1)
 
 from _tiny_export import TEMPERATURES, build_tiny_model, tiny_export, tiny_predictor  # noqa: E402
+from conftest import answer_gap  # noqa: E402
 
 from rlcd.predict import Predictor  # noqa: E402
 
@@ -58,15 +59,6 @@ def forwards(model):
         del model._lm  # the class's method again
 
 
-def _probs(answer: dict) -> list[float]:
-    return [1.0 - answer["noul"], answer["noul"]] if answer["type"] == "noul" else list(answer["probabilities"].values())
-
-
-def _gap(a: dict, b: dict) -> float:
-    assert list(a["answers"]) == list(b["answers"])
-    return max(max(abs(x - y) for x, y in zip(_probs(a["answers"][q]), _probs(b["answers"][q])))
-               for q in a["answers"])
-
 
 def _req(state=LONG, **questions):
     return {"state": state, "questions": questions}
@@ -84,7 +76,7 @@ def test_a_request_asked_again_runs_no_forward_and_gets_its_answer(model):
     assert again == first  # the same answers, bit for bit, and the same usage
     assert warm.row_cache_stats()["hits"] == 3
     want = cold.predict(req)
-    assert _gap(again, want) < TOL and again["usage"] == want["usage"]
+    assert answer_gap(again, want) < TOL and again["usage"] == want["usage"]
 
 
 def test_only_the_new_question_runs(model):
@@ -100,7 +92,7 @@ def test_only_the_new_question_runs(model):
     # one suffix call of one row (the state's prefix came from the state cache), no longer than its row
     assert len(calls) == 1 and calls[0][0] == 1 and calls[0][1] <= len(late_row) - late_row.prefix_len
     want = cold.predict(req)
-    assert _gap(got, want) < TOL and got["usage"] == want["usage"]
+    assert answer_gap(got, want) < TOL and got["usage"] == want["usage"]
 
 
 def test_a_permuted_choice_is_the_same_row_in_canonical_form_only(model):
@@ -113,7 +105,7 @@ def test_a_permuted_choice_is_the_same_row_in_canonical_form_only(model):
     with forwards(model) as off:
         as_asked.predict(_req(dept=DEPT_PERMUTED))
     assert on == [] and off != []
-    assert _gap(got, Predictor(model, META).predict(_req(dept=DEPT_PERMUTED))) < TOL
+    assert answer_gap(got, Predictor(model, META).predict(_req(dept=DEPT_PERMUTED))) < TOL
 
 
 def test_a_batch_of_an_answered_and_a_new_request(model):
@@ -126,7 +118,7 @@ def test_a_batch_of_an_answered_and_a_new_request(model):
     assert calls and sum(b for b, _ in calls) >= 3  # the new rows ran
     for req, prep, (logits, usage) in zip(reqs, prepared, results):
         got = warm.respond(prep, logits, usage)
-        assert _gap(got, cold.predict(req)) < TOL and got["usage"] == cold.predict(req)["usage"]
+        assert answer_gap(got, cold.predict(req)) < TOL and got["usage"] == cold.predict(req)["usage"]
     assert results[0][1]["cached_rows"] == 1 and results[1][1]["cached_rows"] == 0
 
 
@@ -161,7 +153,7 @@ def test_another_image_never_hits(tmp_path_factory):
     with forwards(base.model) as calls:
         got = warm.predict(req, paths[0])
     assert calls == [] and warm.row_cache_stats()["hits"] == 1
-    assert _gap(got, Predictor(base.model, base.meta, name=base.name).predict(req, paths[0])) < TOL
+    assert answer_gap(got, Predictor(base.model, base.meta, name=base.name).predict(req, paths[0])) < TOL
 
 
 def test_bounds_and_switches(model):

@@ -16,6 +16,7 @@ import torch
 torch.set_num_threads(1)
 
 from _tiny_export import TEMPERATURES, build_tiny_model, tiny_predictor  # noqa: E402
+from conftest import answer_gap  # noqa: E402
 
 from rlcd.model.state_cache import PrefixState, StateCache, snapshot_row  # noqa: E402
 from rlcd.predict import Predictor, _cache_scope  # noqa: E402
@@ -65,15 +66,6 @@ def pngs(tmp_path_factory) -> tuple[Path, Path]:
     return out[0], out[1]
 
 
-def _probs(answer: dict) -> list[float]:
-    return [1.0 - answer["noul"], answer["noul"]] if answer["type"] == "noul" else list(answer["probabilities"].values())
-
-
-def _gap(a: dict, b: dict) -> float:
-    assert list(a["answers"]) == list(b["answers"])
-    return max(max(abs(x - y) for x, y in zip(_probs(a["answers"][q]), _probs(b["answers"][q])))
-               for q in a["answers"])
-
 
 def _req(state, *qids):
     return {"state": state, "questions": {q: Q[q] for q in qids}}
@@ -86,12 +78,12 @@ def test_a_new_question_about_a_cached_state_gets_the_cold_answer(base, pngs, wi
     image = pngs[0] if with_image else None
     first = warm.predict(_req(LONG, "angry"), image)
     assert warm.state_cache_stats()["entries"] == 1 and warm.state_cache_stats()["misses"] == 1
-    assert _gap(first, cold.predict(_req(LONG, "angry"), image)) < TOL
+    assert answer_gap(first, cold.predict(_req(LONG, "angry"), image)) < TOL
     for qids in (("dept",), ("urgency",), ("late",), ("chan", "worth", "angry"), tuple(Q)):  # every type, 1 and n
         hits = warm.state_cache_stats()["hits"]
         got, want = warm.predict(_req(LONG, *qids), image), cold.predict(_req(LONG, *qids), image)
         assert warm.state_cache_stats()["hits"] == hits + 1, qids  # the prefix came from the cache
-        assert _gap(got, want) < TOL, qids
+        assert answer_gap(got, want) < TOL, qids
         assert got["usage"] == want["usage"]  # usage counts the request's tokens, cached or not
         for q in qids:
             if Q[q]["type"] == "choice":
@@ -133,12 +125,12 @@ def test_mixed_warm_and_cold_cases_in_one_batch(base, pngs):
     assert warm.state_cache_stats()["hits"] == hits + expect_hits
     for (req, img), p, (logits, usage) in zip(batch, prepared, results):
         got = warm.respond(p, logits, usage)
-        assert _gap(got, cold.predict(req, img)) < TOL, req["state"][:20]
+        assert answer_gap(got, cold.predict(req, img)) < TOL, req["state"][:20]
     # and the same batch again, now every state warm
     results = warm.score_many([warm.prepare(r, img) for r, img in batch])
     assert warm.state_cache_stats()["hits"] == hits + expect_hits + len(batch)
     for (req, img), p, (logits, usage) in zip(batch, prepared, results):
-        assert _gap(warm.respond(p, logits, usage), cold.predict(req, img)) < TOL
+        assert answer_gap(warm.respond(p, logits, usage), cold.predict(req, img)) < TOL
 
 
 def test_another_image_never_hits(base, pngs):
@@ -146,12 +138,12 @@ def test_another_image_never_hits(base, pngs):
     im0, im1 = pngs
     req = _req(LONG, "dept", "angry", "urgency")
     a, b = cold.predict(req, im0), cold.predict(req, im1)
-    assert _gap(a, b) > 1e-3  # the images change the answers, so a wrong hit would show
+    assert answer_gap(a, b) > 1e-3  # the images change the answers, so a wrong hit would show
     warm.predict(req, im0)
     misses = warm.state_cache_stats()["misses"]
-    assert _gap(warm.predict(req, im1), b) < TOL
+    assert answer_gap(warm.predict(req, im1), b) < TOL
     assert warm.state_cache_stats()["misses"] == misses + 1
-    assert _gap(warm.predict(req), cold.predict(req)) < TOL  # nor does the same state without an image
+    assert answer_gap(warm.predict(req), cold.predict(req)) < TOL  # nor does the same state without an image
 
 
 def test_stored_states_are_never_changed_by_later_calls(base, pngs):
@@ -234,7 +226,7 @@ def test_text_decoder_family_warm_equals_cold():
     (stored,) = (warm.state_cache._entries[k].cache for k in warm.state_cache.keys())
     before = [(layer.keys.clone(), layer.values.clone()) for layer in stored.layers]
     for qids in (("dept",), ("urgency", "late"), tuple(Q)):
-        assert _gap(warm.predict(_req(LONG, *qids)), cold.predict(_req(LONG, *qids))) < TOL
+        assert answer_gap(warm.predict(_req(LONG, *qids)), cold.predict(_req(LONG, *qids))) < TOL
     assert warm.state_cache_stats()["hits"] == 3
     # a lone warm question reads the stored keys and values uncopied: they are as they were
     assert all(torch.equal(k, layer.keys) and torch.equal(v, layer.values)
@@ -242,7 +234,7 @@ def test_text_decoder_family_warm_equals_cold():
     batch = [(_req(LONG, "worth"), None), (_req(SHORT, "dept", "chan"), None), (_req(LONG + " More.", "angry"), None)]
     results = warm.score_many([warm.prepare(r, i) for r, i in batch])
     for (req, img), (logits, usage) in zip(batch, results):
-        assert _gap(warm.respond(warm.prepare(req, img), logits, usage), cold.predict(req, img)) < TOL
+        assert answer_gap(warm.respond(warm.prepare(req, img), logits, usage), cold.predict(req, img)) < TOL
 
 
 def test_a_cold_question_costs_what_it_cost_without_the_cache():
@@ -271,7 +263,7 @@ def test_a_cold_question_costs_what_it_cost_without_the_cache():
                                     for t in (lay.keys, lay.values))
     for qids in (("dept",), ("urgency", "late")):
         hits = warm.state_cache_stats()["hits"]
-        assert _gap(warm.predict(_req(LONG, *qids)), cold.predict(_req(LONG, *qids))) < TOL
+        assert answer_gap(warm.predict(_req(LONG, *qids)), cold.predict(_req(LONG, *qids))) < TOL
         assert warm.state_cache_stats()["hits"] == hits + 1
 
 
@@ -299,7 +291,7 @@ def test_a_cold_case_of_several_rows_run_as_full_rows_stores_its_state_once():
     assert usage["path"] == "full" and usage["calls"] == 1 and usage["cached_tokens"] == 0
     assert warm.predict(_req(state, "angry", "late")) == cold.predict(_req(state, "angry", "late"))
     assert warm.state_cache_stats()["stores"] == 1
-    assert _gap(warm.predict(_req(state, "dept", "worth")), cold.predict(_req(state, "dept", "worth"))) < TOL
+    assert answer_gap(warm.predict(_req(state, "dept", "worth")), cold.predict(_req(state, "dept", "worth"))) < TOL
     assert warm.state_cache_stats()["hits"] == 1
 
 
@@ -316,12 +308,12 @@ def test_changed_lora_weights_or_a_merge_never_hit():
     sd = model.trainable_state_dict()
     model.load_trainable_state_dict({k: v * 3 if "lora_B" in k else v for k, v in sd.items()})
     changed = cold.predict(req)
-    assert _gap(before, changed) > 1e-3  # the new weights change the answers, so a wrong hit would show
+    assert answer_gap(before, changed) > 1e-3  # the new weights change the answers, so a wrong hit would show
     misses = warm.state_cache_stats()["misses"]
-    assert _gap(warm.predict(req), changed) < TOL
+    assert answer_gap(warm.predict(req), changed) < TOL
     assert warm.state_cache_stats()["misses"] == misses + 1
     model.merge()
-    assert _gap(warm.predict(req), cold.predict(req)) < TOL
+    assert answer_gap(warm.predict(req), cold.predict(req)) < TOL
     assert warm.state_cache_stats()["misses"] == misses + 2
 
 
@@ -456,7 +448,7 @@ def test_concurrent_predicts_on_a_shared_predictor(base, pngs):
     assert len(got) == 24
     for i, answer in got.values():
         assert answer == first[i]  # the same stored state, the same answer, whatever ran beside it
-        assert _gap(answer, expected[i]) < TOL
+        assert answer_gap(answer, expected[i]) < TOL
     assert warm.state_cache_stats()["hits"] == 24 and warm.state_cache_stats()["entries"] == len(reqs)
 
 

@@ -324,12 +324,9 @@ def ensure_cut_states(model, data_dir: Path, *, storage: str = "float32", progre
     splits: dict[str, dict] = {}
     collator = model.collator(image_root=data_dir)
     with Partial(root, final.name, key, _features.ROWS_PER_CALL).held(say, "cut states") as partial:
-        again = CutCache.load(final, key)
-        if again is not None:  # published by the extraction this one waited for
-            partial.remove()
-            say(f"cut states: reusing {final}")
+        again = partial.published_meanwhile(lambda: CutCache.load(final, key), say, "cut states", final)
+        if again is not None:
             return again
-        partial.begin()
         resumed(partial, recs, "cut states", say)
         with building(root, final) as tmp:
             for split, split_recs, bar in each_split(recs, "cut states", progress, partial):

@@ -433,12 +433,9 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
     recs = split_records(data_dir, records)
     collator = model.collator(image_root=data_dir)
     with Partial(root, kid, key, ROWS_PER_CALL).held(say, "features") as partial:
-        again = FeatureCache.load(final, key)
-        if again is not None:  # published by the extraction this one waited for
-            partial.remove()
-            say(f"features: reusing {final}")
+        again = partial.published_meanwhile(lambda: FeatureCache.load(final, key), say, "features", final)
+        if again is not None:
             return again
-        partial.begin()
         resumed(partial, recs, "features", say)
         counts, tokens = {}, 0
         with building(root, final) as tmp:

@@ -157,6 +157,17 @@ class Partial:
 
     # -- progress ------------------------------------------------------------------------------
 
+    def published_meanwhile(self, load: Callable[[], Any], say: Callable[[str], None], what: str, final: Path) -> Any:
+        """The cache another extraction published while this one waited for the lock (`load()`; this partial is
+        then removed), else None, with this attempt begun (`begin`). Call with the lock held."""
+        again = load()
+        if again is not None:
+            self.remove()
+            say(f"{what}: reusing {final}")
+            return again
+        self.begin()
+        return None
+
     def begin(self) -> None:
         """Read what earlier attempts finished (a progress file of another key or chunk layout is ignored and its
         chunks removed), count this attempt and start its clock. Call with the lock held."""
