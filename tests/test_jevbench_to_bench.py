@@ -46,10 +46,13 @@ def test_each_arm_carries_its_own_runs_accuracy_and_the_dimensions(tmp_path):
     assert rec["accuracy_source"]["a"].startswith(str(tmp_path / "run-a"))
 
 
-def test_an_arm_without_an_evaluation_is_refused_unless_given_one(tmp_path):
+def test_an_arm_without_an_evaluation_is_refused_unless_given_one(tmp_path, capsys):
     lost = _arm(tmp_path, "lost", None, {})
-    with pytest.raises(SystemExit, match="lost: no evaluation for its run"):
+    with pytest.raises(SystemExit) as e:
         to_bench.main([str(lost), "--results-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "lost: no evaluation for its run" in err[0]
+    assert not (tmp_path / "out").exists(), "nothing written before the inputs are checked"
     ev = tmp_path / "ev.json"
     ev.write_text(json.dumps({"calibrated": {"overall": {"accuracy": 0.5}}}))
     assert to_bench.main([str(lost), "--eval", str(ev), "--results-dir", str(tmp_path / "out")]) == 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 # jevbench-mini overall scores as published (issue 55; jevbench 0.1.0 README: "56.5 to 83.9", uniform 89.4 / 39.8%)
@@ -39,8 +40,9 @@ def accuracy_of(arm: dict, fallback: Path | None) -> tuple[float, str]:
         if p.exists():
             ev = json.loads(p.read_text())
             return ev["calibrated"]["overall"]["accuracy"], f"{p} (calibrated, {ev.get('headline_split', 'test')} split)"
-    raise SystemExit(f"to_bench: {arm['name']}: no evaluation for its run {arm.get('run')!r} here; give --eval "
-                     "RUN/eval/evaluation.json")
+    print(f"to_bench: error: {arm['name']}: no evaluation for its run {arm.get('run')!r} here; give --eval "
+          "RUN/eval/evaluation.json", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _cells(a: dict) -> list:
