@@ -143,8 +143,8 @@ def row_cache_ab(predictor, requests: list[dict], mb: float) -> dict:
             times[name] += time.perf_counter() - t
         for a, b in zip(got["off"], got["on"]):
             gap = max(gap, float((torch.softmax(a.double(), -1) - torch.softmax(b.double(), -1)).abs().max()))
-    return {"requests": len(requests), "row_cache_mb": mb, "score_s_off": round(times["off"], 1),
-            "score_s_on": round(times["on"], 1), "on_over_off": round(times["on"] / times["off"], 3),
+    return {"requests": len(requests), "row_cache_mb": mb, "score_s_off": round(times["off"], 4),
+            "score_s_on": round(times["on"], 4), "on_over_off": round(times["on"] / times["off"], 3),
             "max_probability_gap": gap, "rows": on.row_cache_stats(), "states_on": on.state_cache_stats(),
             "states_off": off.state_cache_stats()}
 
