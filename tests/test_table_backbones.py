@@ -80,3 +80,28 @@ def test_a_cache_made_from_cut_states_is_costed_by_a_whole_pass_of_the_same_entr
     assert got["extract_seconds"] == full["extract_seconds"] and got["source"] == "s.full-features.json"
     (tmp_path / "s.full-features.json").write_text(json.dumps({**full, "row_tokens": full["row_tokens"] + 1}))
     assert tb.whole_pass(tmp_path, "s", from_cut) is None, "another set of rows is not this cache's cost"
+
+
+def test_a_topk_arm_gets_its_row_and_its_paired_table(tmp_path, monkeypatch, capsys):
+    """run-backbone-topk.sh copies NAME-topK.* and compare-NAME-ce-vs-NAME-topK-*: the arm is found by its name, its
+    calibrated gap is its evaluation's, and its compare against its init is read as a gap difference (same rows)."""
+    for src, dst in (("head", "g-ce"), ("control", "g-top2")):
+        (tmp_path / f"{dst}.evaluation.json.gz").write_bytes((FULL / f"{src}.evaluation.json.gz").read_bytes())
+        (tmp_path / f"{dst}.config.json").write_text((FULL / f"{src}.config.json").read_text())
+    (tmp_path / "g-top2-extra.json").write_text("{}")  # not a config: not an arm
+    for m in ("nll", "brier", "accuracy"):
+        (tmp_path / f"compare-g-ce-vs-g-top2-{m}.json").write_text((FULL / f"compare-head-vs-control-{m}.json").read_text())
+    (tmp_path / "backbones.json").write_text(json.dumps({"ref": "s", "backbones": ["s", "g"]}))
+    assert tb.topk_runs(tmp_path) == ["g-top2"]
+    monkeypatch.setattr(sys, "argv", ["table_backbones.py", str(tmp_path)])
+    tb.main()
+    out = capsys.readouterr().out
+    gap = tb._gap(tb.read_json(FULL / "control.evaluation.json.gz"), None)
+    assert f"| g | top-2 LoRA (CE, from its CE head) | " in out and f"| {gap:.4f} |" in out
+    c = json.loads((FULL / "compare-head-vs-control-nll.json").read_text())
+    assert f"| g-ce -> g-top2 | all | " in out and f"{c['mean_diff']:+.4f} [{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]" in out
+    assert "| s-ce -> g-top2 | all | not run |" in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["topk"] == ["g-top2"] and summary["runs"]["g-top2"]["objective"] == "top2"
+    [nll] = [x for x in summary["compare"] if x["metric"] == "nll" and x["type"] is None]
+    assert (nll["a"], nll["b"], nll["same_rows"]) == ("g-ce", "g-top2", True)

