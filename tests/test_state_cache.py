@@ -438,9 +438,6 @@ G_LONG = "Parcel late, vase broken, box crushed, refund wanted."  # 71 tokens: p
 def gemma():
     """A random-weight Gemma 3 (3 sliding-window layers of window 48, 1 global), its head scaled so that the
     probabilities differ visibly between states."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
     from _tiny_decoders import tiny_gemma3
     from test_model_families import liven
 
