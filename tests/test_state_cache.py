@@ -175,24 +175,30 @@ def test_stored_states_are_never_changed_by_later_calls(base, pngs):
     assert all(torch.equal(x, y) for x, y in zip(before, after))
 
 
-@pytest.mark.parametrize("layer", ["DynamicLayer", "LinearAttentionAndFullAttentionLayer"])
-def test_transformers_cache_update_never_writes_into_lent_keys(layer):
+@pytest.mark.parametrize("layer,window", [("DynamicLayer", None), ("LinearAttentionAndFullAttentionLayer", None),
+                                          ("DynamicSlidingWindowLayer", 16), ("DynamicSlidingWindowLayer", 6)])
+def test_transformers_cache_update_never_writes_into_lent_keys(layer, window):
     """`stack_states` lends a lone state's keys and values to the forward uncopied, on the word of the cache
-    layers' `update` (it concatenates into a new tensor). If a transformers release starts writing into
+    layers' `update` (it concatenates into a new tensor; the sliding-window layer then keeps a view of the new
+    tensor's last positions, here within and past its window). If a transformers release starts writing into
     them, this fails before a stored state is silently changed."""
     import transformers.cache_utils as cu
 
     from rlcd.model.state_cache import SUPPORTED_LAYERS
 
     assert layer in SUPPORTED_LAYERS
-    lay = getattr(cu, layer)()
+    lay = getattr(cu, layer)(**({"sliding_window": window} if window else {}))
     keys, values = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
     lay.lazy_initialization(keys, values)
     lay.keys, lay.values = keys, values
+    if window:
+        lay.cumulative_length = 5
     before = keys.clone(), values.clone()
-    k, v = lay.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
-    assert k.shape[-2] == 8 and k.data_ptr() != keys.data_ptr() and v.data_ptr() != values.data_ptr()
-    assert torch.equal(keys, before[0]) and torch.equal(values, before[1])
+    for _ in range(2):  # and again, onto what the first update kept
+        k, v = lay.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
+        assert k.data_ptr() != keys.data_ptr() and v.data_ptr() != values.data_ptr()
+        assert torch.equal(keys, before[0]) and torch.equal(values, before[1])
+    assert k.shape[-2] == (11 if not window or window > 8 else window - 1 + 3)
 
 
 def test_stack_states_lends_a_lone_state_and_pads_a_batch_with_one_copy():
@@ -418,6 +424,182 @@ def test_unsupported_cache_layouts_are_not_stored():
         layers = [Layer()]
 
     assert snapshot_row(Cache(), 0, 0) is None
+
+
+# --------------------------------------------------------------------------------------- sliding window (Gemma 3)
+WINDOW = 48  # the tiny Gemma 3's sliding window: a stored state holds at most 47 prefix tokens
+# prefix tokens (byte-level: `<bos>State: {"t": "` + the text + `"}` + newline = 18 + len(text))
+G_A, G_B, G_C = "Box crushed.", "Parcel late, vase broken", "Late parcel"  # 30, 42, 29 tokens
+G_E, G_F = "Vase broken, parcel late", "Box wet, lid"  # 42, 30: cold together, a padded width of 48
+G_LONG = "Parcel late, vase broken, box crushed, refund wanted."  # 71 tokens: past the window
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    """A random-weight Gemma 3 (3 sliding-window layers of window 48, 1 global), its head scaled so that the
+    probabilities differ visibly between states."""
+    from _tiny_decoders import tiny_gemma3
+    from test_model_families import liven
+
+    from rlcd.model.backbone import _backbone
+    from rlcd.model.decision import DecisionModel
+    from rlcd.model.families import CAUSAL_LM
+
+    model, tok = tiny_gemma3(sliding_window=WINDOW)
+    return liven(DecisionModel(_backbone(CAUSAL_LM, (model, tok, None), "test", "random"), seed=0))
+
+
+def _gcase(dm, text: str, qs: slice):
+    from test_model_families import QS
+
+    return dm.prepare_case({"t": text}, QS[qs])
+
+
+def _assert_cold_answers(dm, cases, results):
+    """Each case's probabilities equal those it gets alone with no cache, within TOL (float64 softmax)."""
+    for case, (logits, _) in zip(cases, results):
+        (want, _), = dm.score_cases([case])
+        assert max(float(w.abs().max()) for w in want) > 0.5, "logits too small for a meaningful comparison"
+        for g, w in zip(logits, want):
+            gap = (torch.softmax(g.double(), -1) - torch.softmax(w.double(), -1)).abs().max()
+            assert float(gap) < TOL, (case.rows[0].prefix_len, float(gap))
+
+
+def _kv(state: PrefixState) -> list[torch.Tensor]:
+    return [t.clone() for layer in state.cache.layers for t in (layer.keys, layer.values)]
+
+
+def test_gemma3_states_shorter_than_the_window_are_served_from_the_cache(gemma):
+    """Gemma 3's local layers (`DynamicSlidingWindowLayer`) keep every position of a prefix shorter than the
+    window, so its state is stored and later requests about it run only their suffixes, alone, beside a new state
+    (a padded width under the window), beside one that pads the batch to the window (the stacked local layers
+    cropped as the forward crops them) and several warm states at once; every answer is the cold one."""
+    dm, cache = gemma, StateCache(64 << 20)
+    sc = cache.scoped("gemma")
+    assert not dm.kv_only_cache  # the prefix path stores it (no full-row shortcut)
+    a = _gcase(dm, G_A, slice(0, 2))
+    assert dm.plan_paths([a], state_cut=True) == [30]
+    _assert_cold_answers(dm, [a], dm.score_cases([a], state_cache=sc))
+    assert cache.stats()["stores"] == 1 and cache.stats()["hits"] == 0
+    (stored,) = cache._entries.values()
+    kinds = [type(layer).__name__ for layer in stored.cache.layers]
+    assert kinds == ["DynamicSlidingWindowLayer"] * 3 + ["DynamicLayer"] and stored.tokens == 30
+    assert all(layer.keys.shape[-2] == 30 for layer in stored.cache.layers)
+    assert [layer.cumulative_length for layer in stored.cache.layers[:3]] == [30] * 3
+    before = _kv(stored)
+    batches = [
+        [_gcase(dm, G_A, slice(2, 4))],  # lone warm: its keys and values lent, unpadded
+        [_gcase(dm, G_A, slice(3, 5)), _gcase(dm, G_C, slice(0, 2))],  # + a new state of 29: width 32 < 48
+        [_gcase(dm, G_A, slice(1, 3)), _gcase(dm, G_B, slice(0, 2))],  # + a new state of 42: width 48 = window
+        [_gcase(dm, t, slice(2, 5)) for t in (G_A, G_B, G_C)],  # every state warm, width 48
+    ]
+    for batch, hits, stores in zip(batches, (1, 2, 3, 6), (1, 2, 3, 3)):
+        results = dm.score_cases(batch, state_cache=sc)
+        assert cache.stats()["hits"] == hits and cache.stats()["stores"] == stores
+        assert results[0][1]["cached_tokens"] == 30  # the first case's prefix came from the cache
+        _assert_cold_answers(dm, batch, results)
+    assert all(torch.equal(x, y) for x, y in zip(before, _kv(stored))), "a stored state was changed"
+
+
+def test_gemma3_short_prefixes_of_a_batch_padded_past_the_window_are_stored(gemma):
+    """Two new states in one prefix forward padded to 48 >= the window: the local layers keep only the last 47
+    positions, which still hold both states (42 and 30 tokens), so both are stored and later answer warm."""
+    dm, cache = gemma, StateCache(64 << 20)
+    sc = cache.scoped("gemma")
+    batch = [_gcase(dm, G_E, slice(0, 2)), _gcase(dm, G_F, slice(0, 2))]
+    assert [c.rows[0].prefix_len for c in batch] == [42, 30]
+    _assert_cold_answers(dm, batch, dm.score_cases(batch, state_cache=sc))
+    assert cache.stats()["stores"] == 2
+    assert sorted(s.tokens for s in cache._entries.values()) == [30, 42]
+    later = [_gcase(dm, G_F, slice(2, 4)), _gcase(dm, G_E, slice(3, 5))]
+    _assert_cold_answers(dm, later, dm.score_cases(later, state_cache=sc))
+    assert cache.stats()["hits"] == 2
+
+
+def test_gemma3_a_state_longer_than_the_window_is_not_stored_and_answers_cold(gemma):
+    """A prefix the window has cropped is not kept (the local layers lost its first positions): it misses each
+    time and answers as without the cache, alone and in a batch beside a warm state (where it runs apart: its
+    cache cannot be stacked with a stored one)."""
+    dm, cache = gemma, StateCache(64 << 20)
+    sc = cache.scoped("gemma")
+    long = _gcase(dm, G_LONG, slice(0, 2))
+    assert long.rows[0].prefix_len == 71 > WINDOW
+    for qs in (slice(0, 2), slice(2, 5)):
+        case = _gcase(dm, G_LONG, qs)
+        _assert_cold_answers(dm, [case], dm.score_cases([case], state_cache=sc))
+    assert cache.stats()["stores"] == 0 and cache.stats()["misses"] == 2 and cache.stats()["hits"] == 0
+    dm.score_cases([_gcase(dm, G_A, slice(0, 2))], state_cache=sc)
+    assert cache.stats()["stores"] == 1
+    batch = [_gcase(dm, G_A, slice(2, 4)), _gcase(dm, G_LONG, slice(1, 4)), _gcase(dm, G_C, slice(0, 2))]
+    results = dm.score_cases(batch, state_cache=sc)
+    assert cache.stats()["hits"] == 1 and cache.stats()["stores"] == 2  # the short new state stored, not the long
+    assert [u["cached_tokens"] for _, u in results] == [30, 0, 0]
+    _assert_cold_answers(dm, batch, results)
+
+
+def _sliding_cache(sliding_window: int, keys: torch.Tensor):
+    """A DynamicCache of one sliding-window layer and one full-attention layer after a forward of `keys`."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    cache = DynamicCache()
+    cache.layers = [DynamicSlidingWindowLayer(sliding_window=sliding_window), DynamicLayer()]
+    for layer in cache.layers:
+        layer.update(keys, keys + 1)
+    return cache
+
+
+def test_snapshot_row_keeps_a_sliding_layer_only_while_it_holds_the_whole_state():
+    keys = torch.randn(2, 1, 10, 4)
+    cache = _sliding_cache(8, keys)  # the window keeps positions 3..9 of 10
+    assert cache.layers[0].keys.shape[-2] == 7 and cache.layers[0].cumulative_length == 10
+    got = snapshot_row(cache, 1, 5)  # row 1's positions 5..9: all held
+    assert got is not None and got.tokens == 5
+    sw, full = got.cache.layers
+    assert torch.equal(sw.keys, keys[1:, :, 5:]) and torch.equal(sw.values, keys[1:, :, 5:] + 1)
+    assert torch.equal(full.keys, keys[1:, :, 5:]) and sw.cumulative_length == 5 == sw.get_seq_length()
+    assert cache.layers[0].cumulative_length == 10  # the batch's own layer untouched
+    assert snapshot_row(cache, 0, 3) is not None and snapshot_row(cache, 0, 2) is None  # position 2 is gone
+    assert snapshot_row(cache, 0, 0, 4) is None  # a full row's first positions, dropped by the window
+    short = _sliding_cache(8, keys[:1, :, :6])  # one row of 6 < 8: nothing dropped
+    got = snapshot_row(short, 0, 0, 4)
+    assert got.tokens == 4 and torch.equal(got.cache.layers[0].keys, keys[:1, :, :4])
+    assert got.cache.layers[0].cumulative_length == 4
+
+
+@pytest.mark.parametrize("width", [11, 12, 16])
+def test_stack_states_builds_the_sliding_layer_a_batched_prefix_forward_leaves(width):
+    """The reference is transformers' own `DynamicSlidingWindowLayer.update` on the left-padded batch."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from rlcd.model.state_cache import max_state_tokens, stack_states
+
+    window, lens = 12, (9, 5, 11)
+    rows = [torch.randn(1, 2, n, 4) for n in lens]
+    states = [snapshot_row(_sliding_cache(window, r), 0, 0) for r in rows]
+    assert [s.tokens for s in states] == list(lens) and max_state_tokens(states[0]) == window - 1
+    pk, pv = torch.zeros(len(rows), 2, width, 4), torch.zeros(len(rows), 2, width, 4)  # left padding zero
+    for i, r in enumerate(rows):
+        pk[i: i + 1, :, width - r.shape[-2]:] = r
+        pv[i: i + 1, :, width - r.shape[-2]:] = r + 1  # `_sliding_cache`'s values
+    ref = DynamicSlidingWindowLayer(sliding_window=window)
+    ref.update(pk, pv)
+    got = stack_states(states, width).layers[0]
+    assert got.cumulative_length == ref.cumulative_length == width
+    assert got.keys.shape == ref.keys.shape and torch.equal(got.keys, ref.keys)
+    assert torch.equal(got.values, ref.values)
+    assert got.get_mask_sizes(3) == ref.get_mask_sizes(3)
+    assert got.keys.shape[-2] == (width if width < window else window - 1)
+
+
+def test_stack_states_lends_a_lone_sliding_state_that_needs_no_padding():
+    from rlcd.model.state_cache import stack_states
+
+    state = snapshot_row(_sliding_cache(12, torch.randn(1, 2, 7, 4)), 0, 0)
+    lone = stack_states([state], 7)
+    assert all(x.keys is y.keys and x.values is y.values for x, y in zip(lone.layers, state.cache.layers))
+    assert lone.layers[0].cumulative_length == 7
+    with pytest.raises(ValueError, match="does not fit"):
+        stack_states([state], 5)
 
 
 # --------------------------------------------------------------------------------------- threads

@@ -45,7 +45,8 @@ from .families.qwen35 import SUFFIX_CHUNK, mrope_positions  # noqa: F401 (mrope_
 from .head import CandidateScorer
 from .paths import CALL_OVERHEAD, sharing_pays
 from .prompt import DEFAULT_MAX_TOKENS, DEFAULT_NOUL, EncodedRow, PromptEncoder
-from .state_cache import PrefixState, RowFeatures, image_digest, prefix_key, row_key, snapshot_row, stack_states
+from .state_cache import (PrefixState, RowFeatures, image_digest, max_state_tokens, prefix_key, row_key, snapshot_row,
+                          stack_states)
 
 LORA_DROPOUT = 0.0
 SHAPE_GRANULE = 16  # batched calls round their padded lengths up to this (right pads are never read)
@@ -681,13 +682,23 @@ class DecisionModel(nn.Module):
         forward (which then runs for the other cases only, or not at all); `keep(i, state)` receives the
         state of every prefix computed here (`snapshot_row`: a lone prefix's keys and values as they are). With a
         warm case the suffix calls read a cache stacked from every case's state (`state_cache.stack_states`: copies, except a lone unpadded state's keys and values,
-        which the forward only reads), padded and masked as the forward's own."""
+        which the forward only reads), padded and masked as the forward's own. A cold prefix longer than a stored
+        state can be (`state_cache.max_state_tokens`: a sliding window) leaves no state to stack: with warm cases
+        beside it, it runs as a batch of its own (its forward and suffix calls), the others as one."""
         layers = (0, at_layer) if at_layer is not None else None
         dev, family = self.device, self.family
         warm = list(warm) if warm is not None else [None] * len(cases)
         cold = [i for i, w in enumerate(warm) if w is None]
         if prefixes is not None and len(cold) < len(cases):
             raise ValueError("cut states are computed, never read from the state cache")
+        limit = next((max_state_tokens(w) for w in warm if w is not None), None)
+        long = [i for i in cold if limit is not None and cuts[i] > limit]
+        if long:  # past a sliding window a cold prefix keeps no state to stack with stored ones: it runs apart
+            parts = (long, [i for i in range(len(cases)) if i not in long])
+            return sum(self._prefix_features(
+                [cases[i] for i in p], [cuts[i] for i in p], [out[i] for i in p], max_rows=max_rows, exact=exact,
+                at_layer=at_layer, warm=[warm[i] for i in p],
+                keep=None if keep is None else (lambda j, st, p=p: keep(p[j], st))) for p in parts)
         next_pos, positions = [], []
         for c, cut in zip(cases, cuts):
             ids = torch.tensor([c.rows[0].ids[:cut]], dtype=torch.long, device=dev)

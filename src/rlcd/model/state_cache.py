@@ -11,12 +11,20 @@ states (Qwen3.5's Gated DeltaNet). Keys and values of a forward that ran one row
 left them, not copied (a view when the state is their first positions; `nbytes` counts all they hold): a cold
 request pays no copy of its state (issue 58). The scorer reads no position inside the prefix (the cut never passes
 a decision position), so no hidden states are kept. Only caches made of the layer classes in
-`SUPPORTED_LAYERS` are stored; another kind (sliding window, static, quantized) is never cached.
+`SUPPORTED_LAYERS` are stored: full attention (`DynamicLayer`), sliding-window attention
+(`DynamicSlidingWindowLayer`: Gemma 3's local layers) and the linear-attention layers; another kind (static,
+quantized) is never cached. A sliding-window layer keeps only its last `sliding_window - 1` positions,
+so a state is kept only when every such layer still holds all of its positions: a prefix of at most
+`sliding_window - 1` tokens (`max_state_tokens`); a longer one is never stored (Gemma 3 270M: 511 tokens).
 
 Exactness: nothing a forward does reaches a stored state. The supported layers replace their keys and values
-(`update` concatenates, `reorder_cache` selects) and never write into them; `stack_states` builds each batch's prefix cache
+(`update` concatenates -- the sliding-window layer then keeps a view of the new tensor's last positions --,
+`reorder_cache` selects) and never write into them; `stack_states` builds each batch's prefix cache
 from new tensors -- keys and values left-padded with zeros to a common width (which the suffix calls mask),
-recurrent states concatenated -- so the in-place updates of the suffix calls cannot reach it. One exception
+recurrent states concatenated -- so the in-place updates of the suffix calls cannot reach it. A sliding-window
+layer is built as a batched prefix forward of its rows would have left it: padded to the width, its
+`cumulative_length` the width, and only the last `sliding_window - 1` positions kept once the width reaches the
+window (`update`'s crop), so the suffix calls mask and offset it as they do the forward's own. One exception
 saves a warm question three copies of its state's keys and values: a lone state that needs no padding lends
 its keys and values as they are, because the supported layers' `update` concatenates onto them into a new
 tensor and never writes into them (`tests/test_state_cache.py` holds transformers to that).
@@ -41,7 +49,9 @@ from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
 
-SUPPORTED_LAYERS = frozenset({"DynamicLayer", "LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer"})
+SUPPORTED_LAYERS = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer", "LinearAttentionLayer",
+                              "LinearAttentionAndFullAttentionLayer"})
+_SLIDING = "DynamicSlidingWindowLayer"  # the keys/values of the last sliding_window - 1 of cumulative_length positions
 _KV = ("keys", "values")  # [B, heads, T, dim]
 _STATES = ("conv_states", "recurrent_states")  # {index: [B, ...]}
 
@@ -71,12 +81,26 @@ def _supported(cache: Any) -> bool:
                                 and type(layer).__module__ == "transformers.cache_utils" for layer in layers)
 
 
+def _sliding(layer: Any) -> bool:
+    return type(layer).__name__ == _SLIDING
+
+
+def max_state_tokens(state: PrefixState) -> int | None:
+    """The most prefix tokens a state of this cache layout can hold: `sliding_window - 1` with a sliding-window
+    layer (the positions it keeps), None when no layer drops any (a longer prefix's state is never stored)."""
+    sizes = [int(layer.sliding_window) - 1 for layer in state.cache.layers if _sliding(layer)]
+    return min(sizes) if sizes else None
+
+
 def snapshot_row(cache: Any, row: int, start: int, end: int | None = None) -> PrefixState | None:
     """Row `row` of a batched cache, positions [start, end) (`start`: left padding dropped; `end`: a full row's
     cache cut at the end of its state), as a `PrefixState`; None for a cache this module does not know how to keep
     exactly. Keys and values of a one-row cache are kept as they are (they are never written into: the module
     docstring), those of a wider batch copied so the state holds its own row only; recurrent states are copied
-    (the suffix calls advance them in place). `nbytes`: the bytes the state keeps alive."""
+    (the suffix calls advance them in place). A sliding-window layer holds positions [cumulative_length - kept,
+    cumulative_length): the state is kept only when they include all of [start, end) (None once the window has
+    dropped one), and its twin's `cumulative_length` is the state's length, as a forward of the state alone leaves
+    it. `nbytes`: the bytes the state keeps alive."""
     import torch  # here, not at import: a Predictor with the cache off (the portable server) needs no torch
 
     if not _supported(cache):
@@ -86,10 +110,23 @@ def snapshot_row(cache: Any, row: int, start: int, end: int | None = None) -> Pr
     nbytes, tokens = 0, None
     for layer in cache.layers:
         twin = _layer_twin(layer)
+        lo, hi = start, end
+        if _sliding(layer):
+            if getattr(layer, "record_past", False):
+                return None  # holds past positions until a `crop`: not what a forward leaves
+            keys = getattr(layer, "keys", None)
+            if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
+                return None
+            total = int(layer.cumulative_length)
+            held = total - keys.shape[-2]  # the first position the window still holds
+            hi = total if end is None else end
+            if start < held or hi > total:
+                return None
+            lo, hi = start - held, hi - held
         for name in _KV:
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor) and t.dim() == 4:
-                kept = t[row: row + 1, :, start:end]
+                kept = t[row: row + 1, :, lo:hi]
                 if t.shape[0] == 1:  # the forward's own tensor: no copy
                     nbytes += t.untyped_storage().nbytes()
                 else:
@@ -97,6 +134,8 @@ def snapshot_row(cache: Any, row: int, start: int, end: int | None = None) -> Pr
                     nbytes += kept.nbytes
                 setattr(twin, name, kept)
                 tokens = kept.shape[-2]
+        if _sliding(layer):
+            twin.cumulative_length = int(twin.keys.shape[-2])
         for name in _STATES:
             d = getattr(layer, name, None)
             if isinstance(d, dict):
@@ -111,7 +150,10 @@ def stack_states(states: Sequence[PrefixState], width: int) -> Any:
     """One cache whose row i is `states[i]`: keys and values left-padded with zeros to `width` positions (the
     caller masks them), linear-attention states concatenated. Every tensor that a forward advances in place is
     new, so the stored states stay as they were; a lone state of exactly `width` positions lends its keys and
-    values as they are (a forward only reads them: `update` concatenates)."""
+    values as they are (a forward only reads them: `update` concatenates). A sliding-window layer is what a batched
+    prefix forward of these rows leaves: `cumulative_length = width`, and from `width >= sliding_window` on only
+    the last `sliding_window - 1` positions (`DynamicSlidingWindowLayer.update`'s crop; a stored state is never
+    longer than that, `snapshot_row`)."""
     import torch  # here, not at import: a Predictor with the cache off (the portable server) needs no torch
 
     if not states:
@@ -124,16 +166,24 @@ def stack_states(states: Sequence[PrefixState], width: int) -> Any:
         if any(type(r) is not type(layer) for r in rows):
             raise RuntimeError("cached prefix states of different cache layouts cannot be batched")
         twin = _layer_twin(layer)
+        kept = width
+        if _sliding(layer):
+            twin.cumulative_length = width
+            if width >= layer.sliding_window:
+                kept = layer.sliding_window - 1
         for name in _KV:
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor) and t.dim() == 4:
                 parts = [getattr(r, name) for r in rows]
-                if len(parts) == 1 and parts[0].shape[-2] == width:
-                    setattr(twin, name, parts[0])  # read, never written: DynamicLayer.update concatenates
+                if any(p.shape[-2] > kept for p in parts):
+                    raise ValueError(f"a state of {max(p.shape[-2] for p in parts)} positions does not fit "
+                                     f"{kept} (width {width})")
+                if len(parts) == 1 and parts[0].shape[-2] == kept == width:
+                    setattr(twin, name, parts[0])  # read, never written: the layers' update concatenates
                     continue
-                out = t.new_zeros((len(parts), t.shape[1], width, t.shape[-1]))  # one copy, the left padding zero
+                out = t.new_zeros((len(parts), t.shape[1], kept, t.shape[-1]))  # one copy, the left padding zero
                 for i, p in enumerate(parts):
-                    out[i: i + 1, :, width - p.shape[-2]:] = p
+                    out[i: i + 1, :, kept - p.shape[-2]:] = p
                 setattr(twin, name, out)
         for name in _STATES:
             d = getattr(layer, name, None)
@@ -274,5 +324,5 @@ class ScopedStateCache:
         return self.cache.put((self.scope, key), state)
 
 
-__all__ = ["PrefixState", "RowFeatures", "ScopedStateCache", "StateCache", "image_digest", "prefix_key", "row_key",
-           "snapshot_row", "stack_states", "SUPPORTED_LAYERS"]
+__all__ = ["PrefixState", "RowFeatures", "ScopedStateCache", "StateCache", "image_digest", "max_state_tokens",
+           "prefix_key", "row_key", "snapshot_row", "stack_states", "SUPPORTED_LAYERS"]
