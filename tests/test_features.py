@@ -245,3 +245,33 @@ def test_ddp_head_only_gradients_match_one_process(tmp_path, data_dir):
     assert set(ref) == {"head.w_d.weight", "head.w_c.weight"}, "only the head gets gradients"
     for name in ref:
         torch.testing.assert_close(ddp[name], ref[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_merging_a_zero_lora_keeps_the_weights_bytes_and_so_the_cache_key():
+    """A head-only run's LoRA is zero; merging it added 0 to every wrapped weight, which turns -0.0 into +0.0 (Q4_K
+    GGUF weights hold many: Gemma 3 and Qwen2.5), changed `weights_digest`, and the run's evaluation missed the
+    feature cache it trained on (it ran the whole backbone, minutes instead of seconds). A non-zero LoRA still
+    folds into the weights."""
+    from rlcd.features import weights_digest
+
+    m = _model()
+    wrapped = [p for n, p in m.backbone.named_parameters() if ".base_layer.weight" in n]
+    assert wrapped, "the preset wraps no layer with LoRA"
+    with torch.no_grad():
+        for p in wrapped:
+            p[0, :4] = -0.0
+    digest = weights_digest(m)
+    m.merge()
+    assert m.merged and not any("lora_" in n for n, _ in m.backbone.named_parameters())
+    assert weights_digest(m) == digest
+    kept = {id(p) for p in m.backbone.parameters()}
+    assert all(id(p) in kept and bool(torch.signbit(p[0, :4]).all()) for p in wrapped)
+
+    m = _model()
+    with torch.no_grad():
+        for n, p in m.backbone.named_parameters():
+            if "lora_B" in n:
+                p.fill_(0.01)
+    digest = weights_digest(m)
+    m.merge()
+    assert weights_digest(m) != digest, "a trained LoRA is folded into the weights"

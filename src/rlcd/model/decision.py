@@ -303,9 +303,13 @@ class DecisionModel(nn.Module):
                 own[k].copy_(v.to(own[k].device, own[k].dtype))
 
     def merge(self) -> "DecisionModel":
-        """Fold LoRA into the base weights (peft merge_and_unload); idempotent."""
+        """Fold LoRA into the base weights (peft merge_and_unload); idempotent. A zero LoRA (every B zero: a
+        head-only run) is dropped instead (peft unload): adding its zero delta would turn the base weights' -0.0
+        into +0.0 (Q4_K GGUF weights hold many), which changes their bytes and so `rlcd.features.weights_digest`,
+        and the run's evaluation would then miss the feature cache it trained on and run the backbone."""
         if self.lora_config is not None and not self.merged:
-            self.backbone = self.backbone.merge_and_unload()
+            zero = not any(torch.count_nonzero(p) for n, p in self.backbone.named_parameters() if "lora_B" in n)
+            self.backbone = self.backbone.unload() if zero else self.backbone.merge_and_unload()
             freeze_all(self.backbone)
             self.merged = True
             self.train(self.training)
