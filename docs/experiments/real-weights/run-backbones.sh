@@ -144,18 +144,7 @@ done
 if [ "$UNTIL" = runs ]; then stamp "done (UNTIL=runs)"; exit 0; fi
 
 # ---- paired compares: every backbone against REF (same recipe), and RL+CE against CE within each backbone
-compare() {  # label A, run A, label B, run B
-  local base="$OUT/bb-compare/compare-$1-vs-$3" metric t out
-  for metric in $METRICS; do
-    for t in all choice noul score; do
-      out="$base-$metric$([ "$t" = all ] || echo "-$t").json"
-      [ "$out" -nt "$2/eval/evaluation.json" ] && [ "$out" -nt "$4/eval/evaluation.json" ] && continue
-      "${RLCD[@]}" compare "$2" "$4" --metric "$metric" $([ "$t" = all ] || echo "--type $t") --json-out "$out.tmp" \
-        > /dev/null 2>> "$OUT/bb-compare/compare.log"
-      mv "$out.tmp" "$out"
-    done
-  done
-}
+source "$HERE/lib-compare.sh"  # compare A RUN_A B RUN_B
 stamp compare
 for n in "${NAMES[@]}"; do
   for obj in head ce; do
