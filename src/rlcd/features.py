@@ -95,14 +95,9 @@ def weights_digest(model) -> str:
     return h.hexdigest()
 
 
-def _lora_is_zero(model) -> bool:
-    """No LoRA, or every LoRA B zero (x A B = 0: the features are the base model's)."""
-    return not any(torch.count_nonzero(p) for n, p in model.backbone.named_parameters() if "lora_B" in n)
-
-
 def lora_digest(model) -> str | None:
     """sha256 over the LoRA tensors when any LoRA B is non-zero; None when the model has no LoRA or a zero one."""
-    if _lora_is_zero(model):
+    if model.lora_is_zero():
         return None
     h = hashlib.sha256()
     for name, p in sorted((n, p) for n, p in model.backbone.named_parameters() if "lora_" in n):
@@ -116,7 +111,7 @@ def _zero_lora_off(model):
     """peft's adapters switched off while they add nothing (every LoRA B zero), else nothing changes. peft's
     re-enabling sets requires_grad on every adapter weight, so each parameter's flag is put back as it was (a
     head-only run's LoRA stays frozen, and DDP sees the same parameters on every rank)."""
-    if not (hasattr(model.backbone, "disable_adapter") and _lora_is_zero(model)):
+    if not (hasattr(model.backbone, "disable_adapter") and model.lora_is_zero()):
         yield
         return
     flags = [(p, p.requires_grad) for p in model.parameters()]

@@ -302,14 +302,17 @@ class DecisionModel(nn.Module):
                     raise ValueError(f"{k}: shape {tuple(v.shape)} != {tuple(own[k].shape)}")
                 own[k].copy_(v.to(own[k].device, own[k].dtype))
 
+    def lora_is_zero(self) -> bool:
+        """No LoRA, or every LoRA B zero (x A B = 0: the model computes what its base weights do)."""
+        return not any(torch.count_nonzero(p) for n, p in self.backbone.named_parameters() if "lora_B" in n)
+
     def merge(self) -> "DecisionModel":
         """Fold LoRA into the base weights (peft merge_and_unload); idempotent. A zero LoRA (every B zero: a
         head-only run) is dropped instead (peft unload): adding its zero delta would turn the base weights' -0.0
         into +0.0 (Q4_K GGUF weights hold many), which changes their bytes and so `rlcd.features.weights_digest`,
         and the run's evaluation would then miss the feature cache it trained on and run the backbone."""
         if self.lora_config is not None and not self.merged:
-            zero = not any(torch.count_nonzero(p) for n, p in self.backbone.named_parameters() if "lora_B" in n)
-            self.backbone = self.backbone.unload() if zero else self.backbone.merge_and_unload()
+            self.backbone = self.backbone.unload() if self.lora_is_zero() else self.backbone.merge_and_unload()
             freeze_all(self.backbone)
             self.merged = True
             self.train(self.training)
