@@ -15,8 +15,11 @@
 # From the repo root:  nohup bash docs/experiments/real-weights/run-forms.sh > runs/rw7/run.log 2>&1 &
 # A re-run skips what is done and resumes an unfinished run (`rlcd train --resume`). UNTIL=derive stops after the
 # derived data and its cut-state cache, UNTIL=arms before the probes. DEVICE=cuda runs every stage on the GPU (still
-# float32). A dry run: MODEL=tiny CASES=12 STEPS=8 BASE=/tmp/f54 OUT=/tmp/f54 (builds its own data and head).
-# ARMS names the arms to train (default "top4 top4-forms").
+# float32). A dry run: MODEL=tiny K=2 CASES=12 STEPS=8 BASE=/tmp/f54 OUT=/tmp/f54 (builds its own data and head).
+# ARMS names the arms to train (default "top4 top4-forms"); the derived data's cut states are only extracted when
+# top4-forms is among them (or UNTIL=derive). STOP_AT (a UTC time, e.g. 16:30) stops the extraction, a training or a
+# probe there (timeout; each resumes from its committed chunks or last checkpoint), so that a session ends cleanly:
+# re-run the same command to go on.
 # Sizes (measured on this benchmark's data, 1,000 cases seed 1): `rlcd data derive` turns 6,000 rows into 46,801
 # (40,801 derived: train 37,418 rows in all, 29 s); the rows' cached candidate orders (sampling.orders_of) grow from
 # 13,433 to 105,700 cut-state entries, each a suffix on its case's shared prefix -- time the cut-state extraction
@@ -36,9 +39,28 @@ CASES=${CASES:-1000}
 UNTIL=${UNTIL:-all}
 ARMS=${ARMS:-"top$K top$K-forms"}
 FORMS_SHARE=${FORMS_SHARE:-0.25}
+STOP_AT=${STOP_AT:-}
 arm() { [[ " $ARMS " == *" $1 "* ]]; }
 stamp() { echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg) :: $*"; }
+die() { echo "run-forms: $*" >&2; exit 2; }
 done_run() { [ -f "$1/eval/evaluation.json" ]; }
+left() {  # seconds until STOP_AT (a large number without one)
+  [ -n "$STOP_AT" ] || { echo 999999; return; }
+  echo $(( $(date -u -d "$STOP_AT" +%s) - $(date -u +%s) ))
+}
+bounded() {  # run "$@" until STOP_AT; 124 when it was stopped there
+  local s; s=$(left)
+  [ "$s" -gt 60 ] || return 124
+  timeout --signal=TERM --kill-after=30 "$s" "$@"
+}
+stopped() { stamp "stopped at STOP_AT=$STOP_AT during $1: re-run the same command to go on"; exit 0; }
+checked() {  # the exit status of a bounded stage: stop the script cleanly at STOP_AT, fail on an error
+  local rc=$1 what=$2
+  [ "$rc" = 124 ] && stopped "$what"
+  [ "$rc" = 0 ] || exit "$rc"
+}
+[ -z "$STOP_AT" ] || date -u -d "$STOP_AT" +%s > /dev/null 2>&1 || die "STOP_AT=$STOP_AT: not a time (e.g. 16:30)"
+case "$UNTIL" in derive|arms|all) ;; *) die "UNTIL=$UNTIL: one of derive, arms, all";; esac
 mkdir -p "$OUT" "$BASE"
 if [ ! -f "$BASE/processed/test.jsonl" ]; then
   stamp "data: $CASES cases, seed $DATA_SEED"
@@ -49,23 +71,33 @@ if [ ! -f "$OUT/derived/manifest.json" ]; then
   stamp "derive $BASE/processed -> $OUT/derived"
   $RLCD data derive "$BASE/processed" --out "$OUT/derived" --force > "$OUT/derive.txt"
 fi
-stamp "cut states K=$K on the derived data"
-OMP_NUM_THREADS=$THREADS $RLCD features "$OUT/derived" --model "$MODEL" --cut "$K" --device "$DEVICE" \
-  --dtype float32 > "$OUT/cut-states.json"
+if [ ! -s "$OUT/cut-states.json" ] && { arm "top$K-forms" || [ "$UNTIL" = derive ]; }; then
+  stamp "cut states K=$K on the derived data"
+  rc=0; OMP_NUM_THREADS=$THREADS bounded $RLCD features "$OUT/derived" --model "$MODEL" --cut "$K" --device "$DEVICE" \
+    --dtype float32 > "$OUT/cut-states.json.tmp" || rc=$?
+  checked "$rc" "the derived data's cut states"
+  mv "$OUT/cut-states.json.tmp" "$OUT/cut-states.json"
+fi
 if [ "$UNTIL" = derive ]; then stamp "done (UNTIL=derive)"; exit 0; fi
 
-train_eval() {  # run dir, data dir, then train arguments
-  local run=$1 data=$2; shift 2
-  if ! done_run "$run"; then
-    if [ -f "$run/config.json" ]; then
-      OMP_NUM_THREADS=$THREADS $RLCD train --resume "$run" --device "$DEVICE" > "$run.train.json" 2> "$run.train.log"
-    else
-      OMP_NUM_THREADS=$THREADS $RLCD train "$run" --data "$data" --model "$MODEL" --device "$DEVICE" \
-        --dtype float32 "$@" > "$run.train.json" 2> "$run.train.log"
-    fi
-    stamp "evaluate $run"
-    OMP_NUM_THREADS=$THREADS $RLCD evaluate "$run" --device "$DEVICE" --dtype float32 > "$run.eval.txt" 2> "$run.eval.log"
+train_eval() {  # run dir, data dir, then train arguments; resumes the last checkpoint, stops at STOP_AT
+  local run=$1 data=$2 rc=0; shift 2
+  done_run "$run" && return 0
+  if [ -e "$run/checkpoints/last" ]; then
+    stamp "resume $run"
+    OMP_NUM_THREADS=$THREADS bounded $RLCD train --resume "$run" --device "$DEVICE" \
+      > "$run.train.json" 2>> "$run.train.log" || rc=$?
+  else
+    [ ! -e "$run" ] || die "$run was stopped before its first checkpoint (update 0): nothing to resume; remove it and re-run"
+    OMP_NUM_THREADS=$THREADS bounded $RLCD train "$run" --data "$data" --model "$MODEL" --device "$DEVICE" \
+      --dtype float32 "$@" > "$run.train.json" 2> "$run.train.log" || rc=$?
   fi
+  checked "$rc" "the training of $run (last checkpoint: update $(grep -o '"step": [0-9]*' \
+    "$run/checkpoints/last/state.json" 2>/dev/null | head -1 | grep -o '[0-9]*$' || echo none) of $STEPS)"
+  stamp "evaluate $run"
+  rc=0; OMP_NUM_THREADS=$THREADS bounded $RLCD evaluate "$run" --device "$DEVICE" --dtype float32 \
+    > "$run.eval.txt" 2> "$run.eval.log" || rc=$?
+  checked "$rc" "the evaluation of $run"
 }
 if ! done_run "$BASE/head"; then
   stamp "head-only init (RL+CE, head LR 5e-3, $STEPS x 32) on $BASE/processed"
@@ -79,10 +111,12 @@ fi
 ARM=(--seed 0 --init "$BASE/head" --objective ce --steps "$STEPS" --recipe lr_head=0.0005 --recipe select_by=nll
      --recipe "lora_layers=$K" --recipe batch_by=case --recipe lr_lora=0.001)
 if arm "top$K"; then
-  if [ ! -f "$BASE/top$K/config.json" ]; then
+  if [ ! -s "$BASE/cut-states.json" ]; then
     stamp "cut states K=$K on $BASE/processed (the arm without forms)"
-    OMP_NUM_THREADS=$THREADS $RLCD features "$BASE/processed" --model "$MODEL" --cut "$K" --device "$DEVICE" \
-      --dtype float32 > "$BASE/cut-states.json"
+    rc=0; OMP_NUM_THREADS=$THREADS bounded $RLCD features "$BASE/processed" --model "$MODEL" --cut "$K" \
+      --device "$DEVICE" --dtype float32 > "$BASE/cut-states.json.tmp" || rc=$?
+    checked "$rc" "the cut states of $BASE/processed"
+    mv "$BASE/cut-states.json.tmp" "$BASE/cut-states.json"
   fi
   stamp "top-$K LoRA without forms, $STEPS updates (reused when $BASE/top$K is done)"
   train_eval "$BASE/top$K" "$BASE/processed" "${ARM[@]}"
@@ -96,13 +130,16 @@ for run in "$BASE/top$K" "$OUT/top$K-forms"; do
   name=$(basename "$run")
   if [ ! -f "$run/eval/probe-coherence.json" ]; then
     stamp "probe coherence $run"
-    OMP_NUM_THREADS=$THREADS $RLCD probe coherence "$run" --device "$DEVICE" --dtype float32 \
-      --json-out "$OUT/probe-coherence-$name.json" > "$OUT/probe-coherence-$name.txt" 2> "$OUT/probe-coherence-$name.log"
+    rc=0; OMP_NUM_THREADS=$THREADS bounded $RLCD probe coherence "$run" --device "$DEVICE" --dtype float32 \
+      --json-out "$OUT/probe-coherence-$name.json" > "$OUT/probe-coherence-$name.txt" \
+      2> "$OUT/probe-coherence-$name.log" || rc=$?
+    checked "$rc" "probe coherence $run"
   fi
   if [ ! -f "$run/eval/probe-order.json" ]; then
     stamp "probe order $run"
-    OMP_NUM_THREADS=$THREADS $RLCD probe order "$run" --device "$DEVICE" --dtype float32 \
-      --json-out "$OUT/probe-order-$name.json" > "$OUT/probe-order-$name.txt" 2> "$OUT/probe-order-$name.log"
+    rc=0; OMP_NUM_THREADS=$THREADS bounded $RLCD probe order "$run" --device "$DEVICE" --dtype float32 \
+      --json-out "$OUT/probe-order-$name.json" > "$OUT/probe-order-$name.txt" 2> "$OUT/probe-order-$name.log" || rc=$?
+    checked "$rc" "probe order $run"
   fi
   $RLCD report "$run" > /dev/null
 done
