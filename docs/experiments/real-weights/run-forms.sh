@@ -10,7 +10,8 @@
 #               test rows are the same as top4's (derived rows never enter them)
 # then per arm: evaluate (the original forms only), `rlcd probe order`, `rlcd probe coherence` (both arms asked the
 # same derived questions: the probe re-derives the test split's original rows, a pure function of each row), and
-# rlcd compare top4 vs top4-forms by case (nll, brier, accuracy; overall and per type), and the paired coherence table
+# rlcd compare top4 vs top4-forms by case (nll, brier, accuracy; overall and per type), JevBench-mini of each arm
+# served as asked and canonical (benchmarks/peers/jevbench/run.sh; JEVBENCH_VENV names its venv), and the paired coherence table
 # (table_forms.py: violation rate and gap per family and form, forms arm minus the other, case-bootstrap intervals).
 # From the repo root:  nohup bash docs/experiments/real-weights/run-forms.sh > runs/rw7/run.log 2>&1 &
 # A re-run skips what is done and resumes an unfinished run (`rlcd train --resume`). UNTIL=derive stops after the
@@ -150,6 +151,20 @@ for metric in nll brier accuracy; do
   for t in choice noul score; do
     $RLCD compare "$BASE/top$K" "$OUT/top$K-forms" --metric "$metric" --type "$t" \
       --json-out "$OUT/compare-top$K-vs-forms-$metric-$t.json" > /dev/null 2>&1
+  done
+done
+# JevBench-mini (PyPI jevbench, its own venv: benchmarks/peers/jevbench/setup.sh) of both arms served by `rlcd serve`:
+# as asked (the trained model's own answers to every derived form) and canonical (the serving default, issue 55).
+# JEVBENCH_MODES="" skips it; each report is kept, so a re-run asks only the missing ones.
+for run in "$BASE/top$K" "$OUT/top$K-forms"; do
+  for mode in ${JEVBENCH_MODES-as-asked canonical}; do
+    name=$(basename "$run")-mini-$mode
+    [ -s "$OUT/jevbench-$name.json" ] && continue
+    stamp "jevbench-mini $run ($mode)"
+    flags=(--device "$DEVICE" --row-cache-mb 64); [ "$mode" = as-asked ] && flags+=(--as-asked)
+    rc=0; OMP_NUM_THREADS=$THREADS RLCD=$RLCD bounded bash benchmarks/peers/jevbench/run.sh "$run" "rw7-$name" \
+      "$OUT/jevbench-$name.json" "${flags[@]}" > "$OUT/jevbench-$name.log" 2>&1 || rc=$?
+    checked "$rc" "jevbench-mini $run ($mode)"
   done
 done
 stamp "paired coherence table"
