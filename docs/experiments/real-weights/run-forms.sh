@@ -42,68 +42,44 @@ ARMS=${ARMS:-"top$K top$K-forms"}
 FORMS_SHARE=${FORMS_SHARE:-0.25}
 STOP_AT=${STOP_AT:-}
 arm() { [[ " $ARMS " == *" $1 "* ]]; }
-stamp() { echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg) :: $*"; }
 die() { echo "run-forms: $*" >&2; exit 2; }
 done_run() { [ -f "$1/eval/evaluation.json" ]; }
-left() {  # seconds until STOP_AT (a large number without one)
-  [ -n "$STOP_AT" ] || { echo 999999; return; }
-  echo $(( $(date -u -d "$STOP_AT" +%s) - $(date -u +%s) ))
-}
-bounded() {  # run "$@" until STOP_AT; 124 when it was stopped there
-  local s; s=$(left)
-  [ "$s" -gt 60 ] || return 124
-  timeout --signal=TERM --kill-after=30 "$s" "$@"
-}
-stopped() { stamp "stopped at STOP_AT=$STOP_AT during $1: re-run the same command to go on"; exit 0; }
-checked() {  # the exit status of a bounded stage: stop the script cleanly at STOP_AT, fail on an error
-  local rc=$1 what=$2
-  [ "$rc" = 124 ] && stopped "$what"
-  [ "$rc" = 0 ] || exit "$rc"
-}
-[ -z "$STOP_AT" ] || date -u -d "$STOP_AT" +%s > /dev/null 2>&1 || die "STOP_AT=$STOP_AT: not a time (e.g. 16:30)"
+RLCD=("$RLCD") STAMPS=""
+source docs/experiments/real-weights/lib-run.sh  # stamp, bounded, checked, train_or_resume
+stop_at_checked
 case "$UNTIL" in derive|arms|all) ;; *) die "UNTIL=$UNTIL: one of derive, arms, all";; esac
 mkdir -p "$OUT" "$BASE"
 if [ ! -f "$BASE/processed/test.jsonl" ]; then
   stamp "data: $CASES cases, seed $DATA_SEED"
-  $RLCD data synth --out "$BASE/synth.jsonl" --cases "$CASES" --seed "$DATA_SEED"
-  $RLCD data prepare "$BASE/synth.jsonl" --out "$BASE/processed" --seed "$DATA_SEED"
+  "${RLCD[@]}" data synth --out "$BASE/synth.jsonl" --cases "$CASES" --seed "$DATA_SEED"
+  "${RLCD[@]}" data prepare "$BASE/synth.jsonl" --out "$BASE/processed" --seed "$DATA_SEED"
 fi
 if [ ! -f "$OUT/derived/manifest.json" ]; then
   stamp "derive $BASE/processed -> $OUT/derived"
-  $RLCD data derive "$BASE/processed" --out "$OUT/derived" --force > "$OUT/derive.txt"
+  "${RLCD[@]}" data derive "$BASE/processed" --out "$OUT/derived" --force > "$OUT/derive.txt"
 fi
 if [ ! -s "$OUT/cut-states.json" ] && { arm "top$K-forms" || [ "$UNTIL" = derive ]; }; then
   stamp "cut states K=$K on the derived data"
-  rc=0; OMP_NUM_THREADS=$THREADS bounded $RLCD features "$OUT/derived" --model "$MODEL" --cut "$K" --device "$DEVICE" \
+  rc=0; OMP_NUM_THREADS=$THREADS bounded "${RLCD[@]}" features "$OUT/derived" --model "$MODEL" --cut "$K" --device "$DEVICE" \
     --dtype float32 > "$OUT/cut-states.json.tmp" || rc=$?
   checked "$rc" "the derived data's cut states"
   mv "$OUT/cut-states.json.tmp" "$OUT/cut-states.json"
 fi
 if [ "$UNTIL" = derive ]; then stamp "done (UNTIL=derive)"; exit 0; fi
 
-train_eval() {  # run dir, data dir, then train arguments; resumes the last checkpoint, stops at STOP_AT
+train_eval() {  # run dir, data dir, then train arguments: trains or resumes until STOP_AT, then evaluates
   local run=$1 data=$2 rc=0; shift 2
   done_run "$run" && return 0
-  if [ -e "$run/checkpoints/last" ]; then
-    stamp "resume $run"
-    OMP_NUM_THREADS=$THREADS bounded $RLCD train --resume "$run" --device "$DEVICE" \
-      > "$run.train.json" 2>> "$run.train.log" || rc=$?
-  else
-    [ ! -e "$run" ] || die "$run was stopped before its first checkpoint (update 0): nothing to resume; remove it and re-run"
-    OMP_NUM_THREADS=$THREADS bounded $RLCD train "$run" --data "$data" --model "$MODEL" --device "$DEVICE" \
-      --dtype float32 "$@" > "$run.train.json" 2> "$run.train.log" || rc=$?
-  fi
-  checked "$rc" "the training of $run (last checkpoint: update $(grep -o '"step": [0-9]*' \
-    "$run/checkpoints/last/state.json" 2>/dev/null | head -1 | grep -o '[0-9]*$' || echo none) of $STEPS)"
+  train_or_resume "$run" "$STEPS" --data "$data" --model "$MODEL" --dtype float32 "$@"
   stamp "evaluate $run"
-  rc=0; OMP_NUM_THREADS=$THREADS bounded $RLCD evaluate "$run" --device "$DEVICE" --dtype float32 \
+  OMP_NUM_THREADS=$THREADS bounded "${RLCD[@]}" evaluate "$run" --device "$DEVICE" --dtype float32 \
     > "$run.eval.txt" 2> "$run.eval.log" || rc=$?
   checked "$rc" "the evaluation of $run"
 }
 if ! done_run "$BASE/head"; then
   stamp "head-only init (RL+CE, head LR 5e-3, $STEPS x 32) on $BASE/processed"
   if [ ! -f "$BASE/head/config.json" ]; then
-    OMP_NUM_THREADS=$THREADS $RLCD features "$BASE/processed" --model "$MODEL" --device "$DEVICE" --dtype float32 \
+    OMP_NUM_THREADS=$THREADS "${RLCD[@]}" features "$BASE/processed" --model "$MODEL" --device "$DEVICE" --dtype float32 \
       > "$BASE/features.json"
   fi
   train_eval "$BASE/head" "$BASE/processed" --steps "$STEPS" --seed 0 --objective rlcd --recipe head_only=true \
@@ -114,7 +90,7 @@ ARM=(--seed 0 --init "$BASE/head" --objective ce --steps "$STEPS" --recipe lr_he
 if arm "top$K"; then
   if [ ! -s "$BASE/cut-states.json" ]; then
     stamp "cut states K=$K on $BASE/processed (the arm without forms)"
-    rc=0; OMP_NUM_THREADS=$THREADS bounded $RLCD features "$BASE/processed" --model "$MODEL" --cut "$K" \
+    rc=0; OMP_NUM_THREADS=$THREADS bounded "${RLCD[@]}" features "$BASE/processed" --model "$MODEL" --cut "$K" \
       --device "$DEVICE" --dtype float32 > "$BASE/cut-states.json.tmp" || rc=$?
     checked "$rc" "the cut states of $BASE/processed"
     mv "$BASE/cut-states.json.tmp" "$BASE/cut-states.json"
@@ -131,25 +107,25 @@ for run in "$BASE/top$K" "$OUT/top$K-forms"; do
   name=$(basename "$run")
   if [ ! -f "$run/eval/probe-coherence.json" ]; then
     stamp "probe coherence $run"
-    rc=0; OMP_NUM_THREADS=$THREADS bounded $RLCD probe coherence "$run" --device "$DEVICE" --dtype float32 \
+    rc=0; OMP_NUM_THREADS=$THREADS bounded "${RLCD[@]}" probe coherence "$run" --device "$DEVICE" --dtype float32 \
       --json-out "$OUT/probe-coherence-$name.json" > "$OUT/probe-coherence-$name.txt" \
       2> "$OUT/probe-coherence-$name.log" || rc=$?
     checked "$rc" "probe coherence $run"
   fi
   if [ ! -f "$run/eval/probe-order.json" ]; then
     stamp "probe order $run"
-    rc=0; OMP_NUM_THREADS=$THREADS bounded $RLCD probe order "$run" --device "$DEVICE" --dtype float32 \
+    rc=0; OMP_NUM_THREADS=$THREADS bounded "${RLCD[@]}" probe order "$run" --device "$DEVICE" --dtype float32 \
       --json-out "$OUT/probe-order-$name.json" > "$OUT/probe-order-$name.txt" 2> "$OUT/probe-order-$name.log" || rc=$?
     checked "$rc" "probe order $run"
   fi
-  $RLCD report "$run" > /dev/null
+  "${RLCD[@]}" report "$run" > /dev/null
 done
 stamp compare
 for metric in nll brier accuracy; do
-  $RLCD compare "$BASE/top$K" "$OUT/top$K-forms" --metric "$metric" \
+  "${RLCD[@]}" compare "$BASE/top$K" "$OUT/top$K-forms" --metric "$metric" \
     --json-out "$OUT/compare-top$K-vs-forms-$metric.json" > /dev/null
   for t in choice noul score; do
-    $RLCD compare "$BASE/top$K" "$OUT/top$K-forms" --metric "$metric" --type "$t" \
+    "${RLCD[@]}" compare "$BASE/top$K" "$OUT/top$K-forms" --metric "$metric" --type "$t" \
       --json-out "$OUT/compare-top$K-vs-forms-$metric-$t.json" > /dev/null 2>&1
   done
 done
@@ -162,7 +138,7 @@ for run in "$BASE/top$K" "$OUT/top$K-forms"; do
     [ -s "$OUT/jevbench-$name.json" ] && continue
     stamp "jevbench-mini $run ($mode)"
     flags=(--device "$DEVICE" --row-cache-mb 64); [ "$mode" = as-asked ] && flags+=(--as-asked)
-    rc=0; OMP_NUM_THREADS=$THREADS RLCD=$RLCD bounded bash benchmarks/peers/jevbench/run.sh "$run" "rw7-$name" \
+    rc=0; OMP_NUM_THREADS=$THREADS RLCD=${RLCD[0]} bounded bash benchmarks/peers/jevbench/run.sh "$run" "rw7-$name" \
       "$OUT/jevbench-$name.json" "${flags[@]}" > "$OUT/jevbench-$name.log" 2>&1 || rc=$?
     checked "$rc" "jevbench-mini $run ($mode)"
   done

@@ -1,0 +1,46 @@
+# Sourced by the real-weights scripts that stop at a time and resume (run-forms.sh, run-backbone-topk.sh): stamps,
+# STOP_AT bounds and the train-or-resume step. Needs STOP_AT (may be empty), STAMPS (a file the stamps are also
+# appended to, or empty), THREADS, DEVICE and RLCD (the command, an array).
+stamp() {
+  local line; line="== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg) :: $*"
+  echo "$line"; [ -z "${STAMPS:-}" ] || echo "$line" >> "$STAMPS"
+}
+left() {  # seconds until STOP_AT (a large number without one)
+  [ -n "$STOP_AT" ] || { echo 999999; return; }
+  echo $(( $(date -u -d "$STOP_AT" +%s) - $(date -u +%s) ))
+}
+bounded() {  # run "$@" until STOP_AT; 124 when it was stopped there
+  local s; s=$(left)
+  [ "$s" -gt 60 ] || return 124
+  timeout --signal=TERM --kill-after=30 "$s" "$@"
+}
+stopped() { stamp "stopped at STOP_AT=$STOP_AT during $1: re-run the same command to go on"; exit 0; }
+checked() {  # the exit status of a bounded stage: exit 0 saying where it stopped at STOP_AT, or fail on an error
+  [ "$1" = 124 ] && stopped "$2"
+  [ "$1" = 0 ] || exit "$1"
+}
+stop_at_checked() {  # refuse a STOP_AT that is not a time, in one line (exit 2)
+  [ -z "$STOP_AT" ] || { [[ "$STOP_AT" =~ ^[0-9]{1,2}:[0-9]{2}(:[0-9]{2})?$ ]] && date -u -d "$STOP_AT" +%s > /dev/null 2>&1; } \
+    || { echo "$(basename "$0"): STOP_AT=$STOP_AT: not a UTC time of day (e.g. 16:30)" >&2; exit 2; }
+}
+last_step() {  # the update of a run's last checkpoint, or "none"
+  grep -o '"step": [0-9]*' "$1/checkpoints/last/state.json" 2>/dev/null | head -1 | grep -o '[0-9]*$' || echo none
+}
+train_or_resume() {  # RUN STEPS then `rlcd train` arguments after the run dir: resumes its last checkpoint, else
+                     # starts it; bounded by STOP_AT (stops the script cleanly there); logs to RUN.train.{json,log}
+  local run=$1 steps=$2 rc=0; shift 2
+  if [ -e "$run/checkpoints/last" ]; then
+    stamp "resume $run"
+    OMP_NUM_THREADS=$THREADS bounded "${RLCD[@]}" train --resume "$run" --device "$DEVICE" \
+      > "$run.train.json" 2>> "$run.train.log" || rc=$?
+  else
+    if [ -e "$run" ]; then
+      echo "$(basename "$0"): $run was stopped before its first checkpoint (update 0): nothing to resume; remove it and re-run" >&2
+      exit 2
+    fi
+    stamp "train $run"
+    OMP_NUM_THREADS=$THREADS bounded "${RLCD[@]}" train "$run" --device "$DEVICE" "$@" \
+      > "$run.train.json" 2> "$run.train.log" || rc=$?
+  fi
+  checked "$rc" "the training of $run (last checkpoint: update $(last_step "$run") of $steps)"
+}
