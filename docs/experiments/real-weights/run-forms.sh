@@ -143,6 +143,13 @@ for run in "$BASE/top$K" "$OUT/top$K-forms"; do
     checked "$rc" "jevbench-mini $run ($mode)"
   done
 done
+if ls "$OUT"/jevbench-*-mini-*.json > /dev/null 2>&1; then
+  stamp "jevbench table"
+  mkdir -p "$OUT/jevbench-table"  # beside the leaderboard's published scores, each arm with its test accuracy
+  PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" $PY benchmarks/peers/jevbench/to_bench.py --name jevbench-forms \
+    --results-dir "$OUT/jevbench-table" "$OUT"/jevbench-*-mini-*.json > /dev/null
+  "${RLCD[@]}" bench report --results-dir "$OUT/jevbench-table" --out "$OUT/jevbench-table/jevbench-forms.md"
+fi
 stamp "paired coherence table"
 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" $PY docs/experiments/real-weights/table_forms.py \
   "$BASE/top$K/eval/probe-coherence.json" "$OUT/top$K-forms/eval/probe-coherence.json" \
