@@ -12,7 +12,9 @@
 # same derived questions: the probe re-derives the test split's original rows, a pure function of each row), and
 # rlcd compare top4 vs top4-forms by case (nll, brier, accuracy; overall and per type), JevBench-mini of each arm
 # served as asked and canonical (benchmarks/peers/jevbench/run.sh; JEVBENCH_VENV names its venv), and the paired coherence table
-# (table_forms.py: violation rate and gap per family and form, forms arm minus the other, case-bootstrap intervals).
+# (table_forms.py: violation rate and gap per family and form, and the order probe's flip rates per type, forms arm
+# minus the other, case-bootstrap intervals). What the page cites is copied into DOCS (default
+# docs/experiments/real-weights/forms) after each arm and at the end, so it can be committed as it comes.
 # From the repo root:  nohup bash docs/experiments/real-weights/run-forms.sh > runs/rw7/run.log 2>&1 &
 # A re-run skips what is done and resumes an unfinished run (`rlcd train --resume`). UNTIL=derive stops after the
 # derived data and its cut-state cache, UNTIL=arms before the probes. DEVICE=cuda runs every stage on the GPU (still
@@ -44,7 +46,8 @@ STOP_AT=${STOP_AT:-}
 arm() { [[ " $ARMS " == *" $1 "* ]]; }
 die() { echo "run-forms: $*" >&2; exit 2; }
 done_run() { [ -f "$1/eval/evaluation.json" ]; }
-RLCD=("$RLCD") STAMPS=""
+DOCS=${DOCS:-docs/experiments/real-weights/forms}
+RLCD=("$RLCD") STAMPS=$OUT/stamps.txt
 source docs/experiments/real-weights/lib-run.sh  # stamp, bounded, checked, train_or_resume
 stop_at_checked
 case "$UNTIL" in derive|arms|all) ;; *) die "UNTIL=$UNTIL: one of derive, arms, all";; esac
@@ -65,8 +68,29 @@ if [ ! -s "$OUT/cut-states.json" ] && { arm "top$K-forms" || [ "$UNTIL" = derive
   checked "$rc" "the derived data's cut states"
   mv "$OUT/cut-states.json.tmp" "$OUT/cut-states.json"
 fi
-if [ "$UNTIL" = derive ]; then stamp "done (UNTIL=derive)"; exit 0; fi
+if [ "$UNTIL" = derive ]; then collect; stamp "done (UNTIL=derive)"; exit 0; fi
 
+collect() {  # what the page cites, copied into $DOCS as it comes (a re-run refreshes it; missing pieces are skipped)
+  mkdir -p "$DOCS"
+  local f run name
+  for f in derive.txt cut-states.json paired-coherence.md paired-coherence.json stamps.txt; do
+    [ ! -s "$OUT/$f" ] || cp "$OUT/$f" "$DOCS/$f"
+  done
+  [ ! -s "$OUT/derived/manifest.json" ] || cp "$OUT/derived/manifest.json" "$DOCS/derived-manifest.json"
+  for run in "$BASE/top$K" "$OUT/top$K-forms"; do
+    name=$(basename "$run")
+    [ ! -f "$run/config.json" ] || cp "$run/config.json" "$DOCS/$name.config.json"
+    [ ! -f "$run/metrics.jsonl" ] || gzip -9nc "$run/metrics.jsonl" > "$DOCS/$name.metrics.jsonl.gz"
+    [ ! -f "$run/eval/evaluation.json" ] || gzip -9nc "$run/eval/evaluation.json" > "$DOCS/$name.evaluation.json.gz"
+    for f in "$OUT/probe-coherence-$name.json" "$OUT/probe-order-$name.json"; do
+      [ ! -s "$f" ] || gzip -9nc "$f" > "$DOCS/$(basename "$f").gz"
+    done
+  done
+  for f in "$OUT"/compare-*.json "$OUT"/jevbench-*-mini-*.json "$OUT"/jevbench-*-mini-*.report.json.gz \
+           "$OUT"/jevbench-table/jevbench-forms.*; do
+    [ ! -s "$f" ] || cp "$f" "$DOCS/"
+  done
+}
 train_eval() {  # run dir, data dir, then train arguments: trains or resumes until STOP_AT, then evaluates
   local run=$1 data=$2 rc=0; shift 2
   done_run "$run" && return 0
@@ -97,10 +121,12 @@ if arm "top$K"; then
   fi
   stamp "top-$K LoRA without forms, $STEPS updates (reused when $BASE/top$K is done)"
   train_eval "$BASE/top$K" "$BASE/processed" "${ARM[@]}"
+  collect
 fi
 if arm "top$K-forms"; then
   stamp "top-$K LoRA with derived forms (share $FORMS_SHARE), $STEPS updates"
   train_eval "$OUT/top$K-forms" "$OUT/derived" "${ARM[@]}" --recipe forms=derived --recipe "forms_share=$FORMS_SHARE"
+  collect
 fi
 if [ "$UNTIL" = arms ]; then stamp "done (UNTIL=arms)"; exit 0; fi
 for run in "$BASE/top$K" "$OUT/top$K-forms"; do
@@ -153,5 +179,7 @@ fi
 stamp "paired coherence table"
 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" $PY docs/experiments/real-weights/table_forms.py \
   "$BASE/top$K/eval/probe-coherence.json" "$OUT/top$K-forms/eval/probe-coherence.json" \
+  --order "$OUT/probe-order-top$K.json" "$OUT/probe-order-top$K-forms.json" \
   --out "$OUT/paired-coherence.json" > "$OUT/paired-coherence.md"
+collect
 stamp done

@@ -1,12 +1,15 @@
 """Paired coherence table of issue 54: two runs' `rlcd probe coherence` results, forms arm minus the arm without.
 
-    python docs/experiments/real-weights/table_forms.py A.json B.json [--out paired.json]
+    python docs/experiments/real-weights/table_forms.py A.json B.json [--out paired.json] \
+        [--order A-order.json B-order.json]
 
 A and B are the `--json-out` files (or `RUN/eval/probe-coherence.json`) of the arm without forms and the arm with
 them. Both probes asked the same derived questions (the probe re-derives the test split's original rows, a pure
 function of each row), so rows pair by id. Per family and per form: the violation rate at the probes' tolerance
 and the gap to the exact target of each arm, and the difference B - A with a 95% percentile bootstrap over whole
-cases (`rlcd.bootstrap.bootstrap_means` on the per-row differences, 2,000 resamples, seed 0). Prints markdown,
+cases (`rlcd.bootstrap.bootstrap_means` on the per-row differences, 2,000 resamples, seed 0). With --order (the two
+arms' `rlcd probe order` JSONs), also the flip rate per type, paired by (row, order): a comparison flips when the
+reordered question's top answer differs, and the rate is over comparisons, as the probe reports it. Prints markdown,
 writes the numbers as JSON with --out.
 """
 
@@ -53,6 +56,34 @@ def paired(a: dict, b: dict) -> dict:
     return out
 
 
+def paired_order(a: dict, b: dict) -> dict:
+    """Flip rates of two `rlcd probe order` results per type, B - A with a case-bootstrap interval. Both probes must
+    have asked the same reorderings of the same rows (they are seeded by the row id)."""
+    ca = {(r["id"], c["perm"]): (r["type"], r["case"], c["flip"]) for r in a["rows"] for c in r["comparisons"]}
+    cb = {(r["id"], c["perm"]): c["flip"] for r in b["rows"] for c in r["comparisons"]}
+    if set(ca) != set(cb):
+        raise SystemExit(f"the order probes asked different reorderings ({len(set(ca) ^ set(cb))} differ): "
+                         "same data, split and probe settings needed")
+    out = {}
+    for t in sorted({v[0] for v in ca.values()}):
+        keys = sorted(k for k, v in ca.items() if v[0] == t)
+        xa = np.array([float(ca[k][2]) for k in keys])
+        xb = np.array([float(cb[k]) for k in keys])
+        cases = [ca[k][1] for k in keys]
+        out[t] = {"n_comparisons": len(keys), "n_rows": len({k[0] for k in keys}), "n_cases": len(set(cases)),
+                  "a": float(xa.mean()), "b": float(xb.mean()), "b_minus_a": float((xb - xa).mean()),
+                  "b_minus_a95": interval(xb - xa, cases)}
+    return out
+
+
+def order_markdown(res: dict) -> str:
+    lines = ["| type | comparisons | rows | cases | flip rate A | B | B - A [95% CI] |", "|---|---|---|---|---|---|---|"]
+    for t, r in res.items():
+        lines.append(f"| {t} | {r['n_comparisons']} | {r['n_rows']} | {r['n_cases']} | {r['a']:.3f} | {r['b']:.3f} | "
+                     f"{r['b_minus_a']:+.3f} [{r['b_minus_a95'][0]:+.3f}, {r['b_minus_a95'][1]:+.3f}] |")
+    return "\n".join(lines)
+
+
 def markdown(res: dict, names: dict) -> str:
     lines = ["| family | rows | cases | violation rate A | B | B - A [95% CI] | gap A | B | B - A [95% CI] |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -74,10 +105,16 @@ def main() -> None:
     ap.add_argument("a", type=Path, help="probe-coherence JSON of the arm without forms")
     ap.add_argument("b", type=Path, help="probe-coherence JSON of the arm with forms")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--order", type=Path, nargs=2, metavar=("A_ORDER", "B_ORDER"),
+                    help="the two arms' `rlcd probe order` JSONs: adds the paired flip rates per type")
     args = ap.parse_args()
     a, b = (json.loads(p.read_text(encoding="utf-8")) for p in (args.a, args.b))
     res = paired(a, b)
     print(markdown(res, a.get("families") or {}))
+    if args.order:
+        oa, ob = (json.loads(p.read_text(encoding="utf-8")) for p in args.order)
+        res["order_flips"] = paired_order(oa, ob)
+        print("\n" + order_markdown(res["order_flips"]))
     if args.out:
         args.out.write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
 
