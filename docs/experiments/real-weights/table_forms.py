@@ -108,6 +108,9 @@ def main() -> None:
     ap.add_argument("--order", type=Path, nargs=2, metavar=("A_ORDER", "B_ORDER"),
                     help="the two arms' `rlcd probe order` JSONs: adds the paired flip rates per type")
     args = ap.parse_args()
+    missing = [str(p) for p in (args.a, args.b, *(args.order or ())) if not p.is_file()]
+    if missing:
+        ap.error(f"no such file: {', '.join(missing)} (run `rlcd probe coherence` / `rlcd probe order` first)")
     a, b = (json.loads(p.read_text(encoding="utf-8")) for p in (args.a, args.b))
     res = paired(a, b)
     print(markdown(res, a.get("families") or {}))
