@@ -51,25 +51,6 @@ RLCD=("$RLCD") STAMPS=$OUT/stamps.txt
 source docs/experiments/real-weights/lib-run.sh  # stamp, bounded, checked, train_or_resume
 stop_at_checked
 case "$UNTIL" in derive|arms|all) ;; *) die "UNTIL=$UNTIL: one of derive, arms, all";; esac
-mkdir -p "$OUT" "$BASE"
-if [ ! -f "$BASE/processed/test.jsonl" ]; then
-  stamp "data: $CASES cases, seed $DATA_SEED"
-  "${RLCD[@]}" data synth --out "$BASE/synth.jsonl" --cases "$CASES" --seed "$DATA_SEED"
-  "${RLCD[@]}" data prepare "$BASE/synth.jsonl" --out "$BASE/processed" --seed "$DATA_SEED"
-fi
-if [ ! -f "$OUT/derived/manifest.json" ]; then
-  stamp "derive $BASE/processed -> $OUT/derived"
-  "${RLCD[@]}" data derive "$BASE/processed" --out "$OUT/derived" --force > "$OUT/derive.txt"
-fi
-if [ ! -s "$OUT/cut-states.json" ] && { arm "top$K-forms" || [ "$UNTIL" = derive ]; }; then
-  stamp "cut states K=$K on the derived data"
-  rc=0; OMP_NUM_THREADS=$THREADS bounded "${RLCD[@]}" features "$OUT/derived" --model "$MODEL" --cut "$K" --device "$DEVICE" \
-    --dtype float32 > "$OUT/cut-states.json.tmp" || rc=$?
-  checked "$rc" "the derived data's cut states"
-  mv "$OUT/cut-states.json.tmp" "$OUT/cut-states.json"
-fi
-if [ "$UNTIL" = derive ]; then collect; stamp "done (UNTIL=derive)"; exit 0; fi
-
 collect() {  # what the page cites, copied into $DOCS as it comes (a re-run refreshes it; missing pieces are skipped)
   mkdir -p "$DOCS"
   local f run name
@@ -91,6 +72,25 @@ collect() {  # what the page cites, copied into $DOCS as it comes (a re-run refr
     [ ! -s "$f" ] || cp "$f" "$DOCS/"
   done
 }
+mkdir -p "$OUT" "$BASE"
+if [ ! -f "$BASE/processed/test.jsonl" ]; then
+  stamp "data: $CASES cases, seed $DATA_SEED"
+  "${RLCD[@]}" data synth --out "$BASE/synth.jsonl" --cases "$CASES" --seed "$DATA_SEED"
+  "${RLCD[@]}" data prepare "$BASE/synth.jsonl" --out "$BASE/processed" --seed "$DATA_SEED"
+fi
+if [ ! -f "$OUT/derived/manifest.json" ]; then
+  stamp "derive $BASE/processed -> $OUT/derived"
+  "${RLCD[@]}" data derive "$BASE/processed" --out "$OUT/derived" --force > "$OUT/derive.txt"
+fi
+if [ ! -s "$OUT/cut-states.json" ] && { arm "top$K-forms" || [ "$UNTIL" = derive ]; }; then
+  stamp "cut states K=$K on the derived data"
+  rc=0; OMP_NUM_THREADS=$THREADS bounded "${RLCD[@]}" features "$OUT/derived" --model "$MODEL" --cut "$K" --device "$DEVICE" \
+    --dtype float32 > "$OUT/cut-states.json.tmp" || rc=$?
+  checked "$rc" "the derived data's cut states"
+  mv "$OUT/cut-states.json.tmp" "$OUT/cut-states.json"
+fi
+if [ "$UNTIL" = derive ]; then collect; stamp "done (UNTIL=derive)"; exit 0; fi
+
 train_eval() {  # run dir, data dir, then train arguments: trains or resumes until STOP_AT, then evaluates
   local run=$1 data=$2 rc=0; shift 2
   done_run "$run" && return 0
