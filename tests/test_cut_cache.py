@@ -303,3 +303,35 @@ def test_the_features_json_says_when_only_the_layers_above_a_cut_ran(tmp_path, d
     derived = features(data)
     assert derived["from_cut_states"] == {"cut": 2, "storage": "float32"}
     assert derived["key_id"] != full["key_id"] and derived["entries"] == full["entries"]
+
+
+def test_too_little_disk_to_assemble_is_one_line_and_keeps_the_extracted_chunks(tmp_path, data_dir, monkeypatch):
+    """Assembling a split copies its chunks end to end (a peak of twice its size): when the disk cannot hold that,
+    `rlcd features --cut` ends (after its progress lines) with one line naming the split, the bytes and the partial
+    directory, exit 2, and
+    publishes nothing; freeing space and re-running computes no chunk again."""
+    import collections
+
+    import rlcd.files
+
+    data = fresh_data(tmp_path, data_dir)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(rlcd.files.shutil, "disk_usage", lambda p: usage(1 << 40, 1 << 40, 1 << 20))
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    res = CliRunner().invoke(app, ["features", str(data), "--model", "tiny-toy", "--cut", "2"])
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert last.startswith("rlcd: error: assembling the train split's cut states needs ") and \
+        "only 1.0 MiB are free" in last and ".partial-cut-" in last, last
+    root = cache_root(data)
+    (partial,) = [p for p in root.iterdir() if p.name.startswith(".partial-cut-")]
+    assert sorted(p.name for p in partial.glob("train-*.states.bin")), "the train split's chunks were kept"
+    assert not [p for p in root.iterdir() if not p.name.startswith((".partial-", ".tmp-"))], "nothing published"
+    monkeypatch.undo()
+    said = []
+    built = ensure_cut_states(_model(), data, progress=False, say=said.append)
+    train = built.manifest["splits"]["train"]["entries"]
+    assert built.manifest["complete"] and [s for s in said if f": {train} of " in s], said

@@ -45,6 +45,7 @@ from rlcd import features as _features
 from rlcd.data.sampling import ORDERS_SCHEME
 from rlcd.features import (building, cache_entries, cache_root, check_writable, each_split, entries_by_case,
                            key_id, publish, read_manifest, resumed, split_records)
+from rlcd.files import need_space
 from rlcd.partial import Partial, chunk_digest, chunk_entries, drop_finished, plan_chunks
 from rlcd.schema import TYPE_ID, Record
 
@@ -270,6 +271,9 @@ def extract_split(model, records: Sequence[Record], collator, split: str, out: P
     offset = 0
     row_bytes = int(model.head.hidden) * (2 if storage == "bfloat16" else 4)
     pos_bytes = _n_positions(model) * 4
+    need_space(out, sum(partial.file(split, i, sfx).stat().st_size for i in range(len(chunks))
+                        for sfx in ("states.bin", "pos.bin")),
+               f"assembling the {split} split's cut states", f"its {len(chunks)} extracted chunks in {partial.dir} are kept")
     with open(out / f"{split}.states.bin", "wb") as fs, open(out / f"{split}.pos.bin", "wb") as fp:
         for i in range(len(chunks)):
             part = json.loads(partial.file(split, i, "index.json").read_text())

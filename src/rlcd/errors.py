@@ -34,3 +34,7 @@ class BackboneError(UserError, ValueError, RuntimeError):
 
 class DataChanged(UserError, ValueError):
     """A run's data files no longer match the sha256s frozen at its start (`rlcd evaluate` / `calibrate`)."""
+
+
+class DiskSpaceError(UserError, OSError):
+    """Too little free disk for a file rlcd is about to write; what was already done is kept for a re-run."""

@@ -8,11 +8,16 @@ umask the user chose still decides (a umask of 077 keeps it private).
 
 `pid_alive(pid)`: whether a writer whose temporary directory is named after its pid still runs (a SIGKILL runs no
 cleanup, so its `.tmp-...-<pid>` stays behind until the next start removes it).
+
+`need_space(dir, nbytes, what, kept)`: refuse, before writing, a file that cannot fit: assembling a cache copies its
+committed chunks end to end, so its peak is twice its size, and running out of disk half-way would otherwise end
+hours of extraction in a bare `OSError: [Errno 28]`.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -63,3 +68,17 @@ def fsync_dir(path: Path) -> None:
 
 
 __all__ = ["fsync_dir", "pid_alive", "plain_mode", "umask"]
+
+
+def need_space(directory: Path, nbytes: int, what: str, kept: str, margin: int = 64 << 20) -> None:
+    """Raise `DiskSpaceError` unless `directory` has `nbytes` (+ `margin`) free; `kept` says what a re-run keeps."""
+    from rlcd.errors import DiskSpaceError
+
+    free = shutil.disk_usage(directory).free
+    if free < nbytes + margin:
+        raise DiskSpaceError(f"{what} needs {_size(nbytes)} more under {directory}, but only {_size(free)} are free; "
+                             f"free some space and re-run the same command ({kept})")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
