@@ -271,9 +271,10 @@ def extract_split(model, records: Sequence[Record], collator, split: str, out: P
     offset = 0
     row_bytes = int(model.head.hidden) * (2 if storage == "bfloat16" else 4)
     pos_bytes = _n_positions(model) * 4
-    need_space(out, sum(partial.file(split, i, sfx).stat().st_size for i in range(len(chunks))
-                        for sfx in ("states.bin", "pos.bin")),
-               f"assembling the {split} split's cut states", f"its {len(chunks)} extracted chunks in {partial.dir} are kept")
+    need_space(out.parent, sum(partial.file(split, i, sfx).stat().st_size for i in range(len(chunks))
+                               for sfx in ("states.bin", "pos.bin")),
+               f"assembling the {split} split's cut states",
+               f"the extracted chunks in {partial.dir} are kept: only the assembly runs again")
     with open(out / f"{split}.states.bin", "wb") as fs, open(out / f"{split}.pos.bin", "wb") as fp:
         for i in range(len(chunks)):
             part = json.loads(partial.file(split, i, "index.json").read_text())

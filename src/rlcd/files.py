@@ -76,8 +76,8 @@ def need_space(directory: Path, nbytes: int, what: str, kept: str, margin: int =
 
     free = shutil.disk_usage(directory).free
     if free < nbytes + margin:
-        raise DiskSpaceError(f"{what} needs {_size(nbytes)} more under {directory}, but only {_size(free)} are free; "
-                             f"free some space and re-run the same command ({kept})")
+        raise DiskSpaceError(f"{what} needs {_size(nbytes)} (and {_size(margin)} of headroom) under {directory}, but "
+                             f"only {_size(free)} are free; free some space and re-run the same command ({kept})")
 
 
 def _size(n: int) -> str:
