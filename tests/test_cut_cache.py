@@ -308,19 +308,17 @@ def test_the_features_json_says_when_only_the_layers_above_a_cut_ran(tmp_path, d
 def test_too_little_disk_to_assemble_is_one_line_and_keeps_the_extracted_chunks(tmp_path, data_dir, monkeypatch):
     """Assembling a split copies its chunks end to end (a peak of twice its size): when the disk cannot hold that,
     `rlcd features --cut` ends (after its progress lines) with one line naming the split, the bytes and the partial
-    directory, exit 2, and
-    publishes nothing; freeing space and re-running computes no chunk again."""
+    directory, exit 2, and publishes nothing; freeing space and re-running computes no chunk again."""
     import collections
 
+    from typer.testing import CliRunner
+
     import rlcd.files
+    from rlcd.cli import app
 
     data = fresh_data(tmp_path, data_dir)
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(rlcd.files.shutil, "disk_usage", lambda p: usage(1 << 40, 1 << 40, 1 << 20))
-    from typer.testing import CliRunner
-
-    from rlcd.cli import app
-
     res = CliRunner().invoke(app, ["features", str(data), "--model", "tiny-toy", "--cut", "2"])
     last = res.stderr.strip().splitlines()[-1]
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output

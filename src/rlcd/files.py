@@ -10,8 +10,8 @@ umask the user chose still decides (a umask of 077 keeps it private).
 cleanup, so its `.tmp-...-<pid>` stays behind until the next start removes it).
 
 `need_space(dir, nbytes, what, kept)`: refuse, before writing, a file that cannot fit: assembling a cache copies its
-committed chunks end to end, so its peak is twice its size, and running out of disk half-way would otherwise end
-hours of extraction in a bare `OSError: [Errno 28]`.
+committed chunks end to end, so its peak is twice its size; without the check the copy runs until the disk is full
+(minutes for a cache of gigabytes) and the CLI's ENOSPC handler then says the disk is full but not how much is needed.
 """
 
 from __future__ import annotations
@@ -67,9 +67,6 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["fsync_dir", "pid_alive", "plain_mode", "umask"]
-
-
 def need_space(directory: Path, nbytes: int, what: str, kept: str, margin: int = 64 << 20) -> None:
     """Raise `DiskSpaceError` unless `directory` has `nbytes` (+ `margin`) free; `kept` says what a re-run keeps."""
     from rlcd.errors import DiskSpaceError
@@ -82,3 +79,6 @@ def need_space(directory: Path, nbytes: int, what: str, kept: str, margin: int =
 
 def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+__all__ = ["fsync_dir", "need_space", "pid_alive", "plain_mode", "umask"]
