@@ -16,11 +16,16 @@ from pathlib import Path
 import torch
 
 from rlcd.recipe import Recipe
-from rlcd.train import build_session, finish_distributed, init_centring, init_distributed, new_run, train
+from rlcd.train import (build_session, exit_torchrun_rank, finish_distributed, init_centring, init_distributed,
+                        new_run, train)
 
 
 def grads(data_dir: Path, out: Path, batch_by: str = "row") -> None:
-    d = init_distributed()
+    _first_update_grads(init_distributed(), data_dir, out, batch_by)  # its session (and DDP) is released here
+    finish_distributed()  # no rank exits with its gloo group alive (an abort at exit, pytorch#190489)
+
+
+def _first_update_grads(d, data_dir: Path, out: Path, batch_by: str) -> None:
     recipe = (Recipe(steps=10, grad_accum=8, head_only=True) if batch_by == "head-only"
               else Recipe(steps=10, grad_accum=8, lora_layers=2) if batch_by == "cut"
               else Recipe(steps=10, grad_accum=8, batch_by=batch_by))
@@ -32,7 +37,6 @@ def grads(data_dir: Path, out: Path, batch_by: str = "row") -> None:
     if d.main:
         torch.save({n: p.grad.detach().clone() for n, p in s.model.named_parameters() if p.grad is not None},
                    out / f"grads-world{d.world}.pt")
-    finish_distributed()  # no rank exits with its gloo group alive (an abort at exit, pytorch#190489)
 
 
 def run(data_dir: Path, run_dir: Path) -> None:
@@ -48,3 +52,4 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     mode, data, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     grads(data, out, *sys.argv[4:5]) if mode == "grads" else run(data, out)
+    exit_torchrun_rank(0)  # as `rlcd train` does: finalization, where gloo can still abort a rank, is skipped

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -404,3 +405,20 @@ def test_resume_removes_the_temp_dir_of_a_checkpoint_write_killed_earlier(tmp_pa
     train(run, resume=True, progress=False, print_fn=said.append)
     assert not stale.exists() and any(str(stale) in s and "killed" in s for s in said), said
     assert ckpt.load(run / "checkpoints" / "last")["state"]["step"] == 2
+
+
+@pytest.mark.parametrize("world", ["1", "2"])
+def test_a_finished_torchrun_rank_leaves_with_its_code_and_its_output(world):
+    """exit_torchrun_rank: under torchrun (WORLD_SIZE > 1) the rank's buffered output is flushed and it exits
+    with the given code without finalization (no atexit handler runs); a plain process just goes on."""
+    import subprocess
+    import sys
+
+    script = ("import atexit, sys\nfrom rlcd.train import exit_torchrun_rank\natexit.register(print, 'finalized')\n"
+              "sys.stdout.write('done|'); sys.stderr.write('err|')\nexit_torchrun_rank(3)\nprint('went on')\n")
+    env = {**os.environ, "WORLD_SIZE": world}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    if world == "2":
+        assert (out.returncode, out.stdout, out.stderr) == (3, "done|", "err|")
+    else:
+        assert (out.returncode, out.stdout, out.stderr) == (0, "done|went on\nfinalized\n", "err|")

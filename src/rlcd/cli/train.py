@@ -59,6 +59,7 @@ def train(
     """
     from rlcd.errors import OptionError
     from rlcd.recipe import Recipe, parse_overrides
+    from rlcd.train import exit_torchrun_rank
     from rlcd.train import train as run_train
 
     if resume is not None:
@@ -96,3 +97,4 @@ def train(
                         init=init)
     if is_main_process():  # under torchrun every rank returns the same state: one JSON object on stdout
         echo_json({k: out[k] for k in ("step", "best_step", "best_score")})
+    exit_torchrun_rank(0)  # a finished torchrun rank leaves before finalization, where gloo can abort it

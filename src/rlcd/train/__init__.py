@@ -9,10 +9,11 @@ One file per job (follow one update / one run's setup in docs/ARCHITECTURE.md):
     selection.py    dev_accuracy, improves_on, patience: the dev evaluation and checkpoint selection
     writer.py       TrainState (state.json), RunWriter (metrics.jsonl, tracker, checkpoints; rank 0 only)
     loop.py         train() = setup + fit(): the loop
-    distributed.py  Dist, init_distributed, finish_distributed, local_accum, micro_indices, reduce_stats (torchrun / DDP)
+    distributed.py  Dist, init/finish_distributed, exit_torchrun_rank, local_accum, micro_indices, reduce_stats (DDP)
 """
 
-from .distributed import Dist, finish_distributed, init_distributed, local_accum, micro_indices, reduce_stats
+from .distributed import (Dist, exit_torchrun_rank, finish_distributed, init_distributed, local_accum, micro_indices,
+                          reduce_stats)
 from .inputs import (DATA_FILES, ResumeRefused, check_data_dir, data_hashes, git_revision, init_source,
                      library_versions, load_init_weights, new_run)
 from .loop import fit, log_due, train
@@ -25,6 +26,7 @@ from .writer import RunWriter, TrainState
 __all__ = ["DATA_FILES", "CachedFeatures", "Dist", "LiveSource", "ResumeRefused", "RunWriter", "Session",
            "SourcePlan", "TrainState", "Trainer", "TrainingDiverged", "build_session", "check_data_dir",
            "check_rows", "data_hashes", "dev_accuracy", "fit", "git_revision", "improves_on",
-           "finish_distributed", "init_centring", "init_distributed", "init_source", "library_versions", "load_init_weights",
+           "exit_torchrun_rank", "finish_distributed", "init_centring", "init_distributed", "init_source",
+           "library_versions", "load_init_weights",
            "local_accum", "log_due", "micro_indices", "new_run", "noise_generator", "patience_exhausted",
            "plan_sources", "reduce_stats", "setup", "train"]

@@ -8,7 +8,9 @@ over ranks, so the gradient equals one process's (N must divide A; other N are r
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,13 +66,31 @@ def finish_distributed(*, clean: bool = True) -> None:
 
     Without it a gloo rank can abort at interpreter exit ("terminate called without an active exception",
     pytorch#190489: its worker threads outlive the interpreter). `clean`: every rank got here (barrier first, so
-    no rank tears its group down while a peer still talks to it); a failing rank only destroys its own."""
+    no rank tears its group down while a peer still talks to it); a failing rank only destroys its own.
+
+    Callers drop their DDP model first: DDP's reducer holds the group, and a group it keeps alive past
+    `destroy_process_group` is torn down during interpreter finalization, the abort above (pytorch#179291).
+    The `gc.collect()` frees such a model caught in a reference cycle."""
     if not (_OWNED["group"] and dist.is_initialized()):
         return
+    gc.collect()
     if clean:
         dist.barrier()
     dist.destroy_process_group()
     _OWNED["group"] = False
+
+
+def exit_torchrun_rank(code: int = 0) -> None:
+    """End a torchrun rank whose work is done and written: flush stdout/stderr, then `os._exit(code)`.
+
+    Skips interpreter finalization, where gloo can still abort a rank after its group was ended ("terminate
+    called without an active exception": seen twice in CI on finished 2-rank runs); torchrun would then report
+    a complete run as failed. A plain (non-torchrun) process returns and exits normally."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def local_accum(grad_accum: int, world: int, batch_size: int = 8) -> int:

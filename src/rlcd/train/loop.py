@@ -29,14 +29,18 @@ def train(run_dir: Path, **kwargs: Any) -> dict:
     buffers -- with a fresh optimizer and schedule (same backbone required). See `rlcd.train.setup.setup`.
     """
     try:
-        with contextlib.ExitStack() as held:
-            t = setup(run_dir, held=held, **kwargs)
-            out = t.finished if t.finished is not None else fit(t)
+        out = _setup_and_fit(run_dir, **kwargs)  # the trainer (and DDP, which holds the group) is released here
     except BaseException:
         finish_distributed(clean=False)
         raise
     finish_distributed()
     return out
+
+
+def _setup_and_fit(run_dir: Path, **kwargs: Any) -> dict:
+    with contextlib.ExitStack() as held:
+        t = setup(run_dir, held=held, **kwargs)
+        return t.finished if t.finished is not None else fit(t)
 
 
 def fit(t: Trainer) -> dict:
