@@ -129,8 +129,11 @@ if arm "top$K-forms"; then
   collect
 fi
 if [ "$UNTIL" = arms ]; then stamp "done (UNTIL=arms)"; exit 0; fi
+# Each arm's probes and JevBench run once that arm is evaluated; the paired steps (compare, the coherence table) once
+# both are. So ARMS=top$K-forms probes the forms arm while the other is still to train, and a later run adds the rest.
 for run in "$BASE/top$K" "$OUT/top$K-forms"; do
   name=$(basename "$run")
+  if ! done_run "$run"; then stamp "probes of $run: skipped (not evaluated yet)"; continue; fi
   if [ ! -f "$run/eval/probe-coherence.json" ]; then
     stamp "probe coherence $run"
     rc=0; OMP_NUM_THREADS=$THREADS bounded "${RLCD[@]}" probe coherence "$run" --device "$DEVICE" --dtype float32 \
@@ -146,8 +149,10 @@ for run in "$BASE/top$K" "$OUT/top$K-forms"; do
   fi
   "${RLCD[@]}" report "$run" > /dev/null
 done
-stamp compare
+both=1; done_run "$BASE/top$K" && done_run "$OUT/top$K-forms" || both=0
+[ "$both" = 1 ] && stamp compare
 for metric in nll brier accuracy; do
+  [ "$both" = 1 ] || break
   "${RLCD[@]}" compare "$BASE/top$K" "$OUT/top$K-forms" --metric "$metric" \
     --json-out "$OUT/compare-top$K-vs-forms-$metric.json" > /dev/null
   for t in choice noul score; do
@@ -159,6 +164,7 @@ done
 # as asked (the trained model's own answers to every derived form) and canonical (the serving default, issue 55).
 # JEVBENCH_MODES="" skips it; each report is kept, so a re-run asks only the missing ones.
 for run in "$BASE/top$K" "$OUT/top$K-forms"; do
+  done_run "$run" || continue
   for mode in ${JEVBENCH_MODES-as-asked canonical}; do
     name=$(basename "$run")-mini-$mode
     [ -s "$OUT/jevbench-$name.json" ] && continue
@@ -176,6 +182,7 @@ if ls "$OUT"/jevbench-*-mini-*.json > /dev/null 2>&1; then
     --results-dir "$OUT/jevbench-table" "$OUT"/jevbench-*-mini-*.json > /dev/null
   "${RLCD[@]}" bench report --results-dir "$OUT/jevbench-table" --out "$OUT/jevbench-table/jevbench-forms.md"
 fi
+if [ "$both" = 0 ]; then collect; stamp "done with one arm (the paired steps wait for both: re-run with both ARMS)"; exit 0; fi
 stamp "paired coherence table"
 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" $PY docs/experiments/real-weights/table_forms.py \
   "$BASE/top$K/eval/probe-coherence.json" "$OUT/top$K-forms/eval/probe-coherence.json" \
