@@ -7,7 +7,7 @@ stamp() {
 }
 left() {  # seconds until STOP_AT (a large number without one)
   [ -n "$STOP_AT" ] || { echo 999999; return; }
-  echo $(( $(date -u -d "$STOP_AT" +%s) - $(date -u +%s) ))
+  echo $(( ${STOP_EPOCH:-$(date -u -d "$STOP_AT" +%s)} - $(date -u +%s) ))
 }
 bounded() {  # run "$@" until STOP_AT; 124 when it was stopped there
   local s; s=$(left)
@@ -22,6 +22,9 @@ checked() {  # the exit status of a bounded stage: exit 0 saying where it stoppe
 stop_at_checked() {  # refuse a STOP_AT that is not a time, in one line (exit 2)
   [ -z "$STOP_AT" ] || { [[ "$STOP_AT" =~ ^[0-9]{1,2}:[0-9]{2}(:[0-9]{2})?$ ]] && date -u -d "$STOP_AT" +%s > /dev/null 2>&1; } \
     || { echo "$(basename "$0"): STOP_AT=$STOP_AT: not a UTC time of day (e.g. 16:30)" >&2; exit 2; }
+  # the next such time, fixed once: a time already past today (01:50 asked at 23:20) means tomorrow's
+  [ -z "$STOP_AT" ] || { STOP_EPOCH=$(date -u -d "$STOP_AT" +%s)
+    [ "$STOP_EPOCH" -gt "$(date -u +%s)" ] || STOP_EPOCH=$((STOP_EPOCH + 86400)); }
 }
 last_step() {  # the update of a run's last checkpoint, or "none"
   grep -o '"step": [0-9]*' "$1/checkpoints/last/state.json" 2>/dev/null | head -1 | grep -o '[0-9]*$' || echo none
