@@ -1,13 +1,13 @@
 # Sourced by the real-weights scripts that stop at a time and resume (run-forms.sh, run-backbone-topk.sh): stamps,
 # STOP_AT bounds and the train-or-resume step. Needs STOP_AT (may be empty), STAMPS (a file the stamps are also
-# appended to, or empty), THREADS, DEVICE and RLCD (the command, an array).
+# appended to, or empty), THREADS, DEVICE and RLCD (the command, an array); the script calls stop_at_checked first.
 stamp() {
   local line; line="== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg) :: $*"
   echo "$line"; [ -z "${STAMPS:-}" ] || echo "$line" >> "$STAMPS"
 }
 left() {  # seconds until STOP_AT (a large number without one)
   [ -n "$STOP_AT" ] || { echo 999999; return; }
-  echo $(( ${STOP_EPOCH:-$(date -u -d "$STOP_AT" +%s)} - $(date -u +%s) ))
+  echo $(( ${STOP_EPOCH:?stop_at_checked sets it} - $(date -u +%s) ))
 }
 bounded() {  # run "$@" until STOP_AT; 124 when it was stopped there
   local s; s=$(left)
