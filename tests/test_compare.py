@@ -364,3 +364,29 @@ def test_compare_says_what_a_directory_lacks(tmp_path):
     user_error(["compare", remote, run], max_lines=1, contains=f"(run `rlcd evaluate {run}`)")  # a run: evaluate it
     with pytest.raises(FileNotFoundError, match="no such directory"):  # still a FileNotFoundError for callers
         load_prediction_rows(tmp_path / "gone")
+
+
+def test_compare_reads_another_eval_directory_with_its_own_temperatures(tmp_path):
+    """Wave 7's sealed test set: `rlcd evaluate RUN --data SEALED --out sealed` writes RUN/eval-sealed/, and
+    `rlcd compare A B --eval sealed` pairs those predictions (with eval-sealed's temperatures), never eval/'s."""
+    from conftest import user_error
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    t = [1.0, 0.0]
+    a = _write_run(tmp_path / "a", [_row(f"q{i}", [0.0, 0.0], t) for i in range(4)])  # eval/: a different set
+    b = _write_run(tmp_path / "b", [_row(f"q{i}", [0.0, 0.0], t) for i in range(4)])
+    for run, logit, temp in ((a, 1.0, 1.0), (b, 3.0, 2.0)):
+        _write_run(tmp_path / "tmp" / run.name, [_row(f"s{i}", [logit, 0.0], t) for i in range(6)],
+                   temperatures={"choice": temp})
+        (tmp_path / "tmp" / run.name / "eval").rename(run / "eval-sealed")
+    res = compare_runs([a], [b], resamples=100, grouped=False, eval_name="sealed")
+    assert res["n"] == 6 and res["eval"] == "eval-sealed"
+    assert res["mean_a"] == pytest.approx(_nll([1.0, 0.0], t)) and res["mean_b"] == pytest.approx(_nll([3.0, 0.0], t, 2.0))
+    assert compare_runs([a], [b], resamples=20, grouped=False)["mean_b"] == pytest.approx(_nll([0.0, 0.0], t))
+    cli = CliRunner().invoke(app, ["compare", str(a), str(b), "--eval", "sealed", "--resamples", "50"])
+    assert cli.exit_code == 0, cli.output
+    assert json.loads(cli.stdout)["rows"]["compared"] == 6
+    user_error(["compare", a, b, "--eval", "other"], max_lines=1,
+               contains=f"(run `rlcd evaluate {a} --data DATA --out other`)")

@@ -74,9 +74,10 @@ def _temperatures_of(evaluation: Mapping[str, Any]) -> dict[str, float] | None:
     return out
 
 
-def load_temperatures(run_dir: str | Path) -> dict[str, float] | None:
-    """Per-type temperatures from ``run_dir/eval/evaluation.json`` (None when absent)."""
-    path = Run(run_dir).evaluation_path
+def load_temperatures(run_dir: str | Path, eval_name: str | None = None) -> dict[str, float] | None:
+    """Per-type temperatures from ``run_dir/eval/evaluation.json`` (``eval-NAME/`` with ``eval_name``; None when
+    absent)."""
+    path = _run(run_dir, eval_name).evaluation_path
     if not path.exists():
         return None
     with path.open() as f:
@@ -84,8 +85,15 @@ def load_temperatures(run_dir: str | Path) -> dict[str, float] | None:
     return _temperatures_of(evaluation)
 
 
-def load_prediction_rows(run_dir: str | Path, split: str = "test", *, raw: bool = False) -> list[dict[str, Any]]:
-    """Rows of ``run_dir/eval/predictions-<split>.jsonl`` with probabilities attached.
+def _run(run_dir: str | Path, eval_name: str | None) -> Run:
+    """The run whose ``eval/`` (or, with ``eval_name``, ``eval-NAME/``: `rlcd evaluate RUN --data D --out NAME`) is read."""
+    return Run(run_dir) if eval_name is None else Run(run_dir).on_data(eval_name)
+
+
+def load_prediction_rows(run_dir: str | Path, split: str = "test", *, raw: bool = False,
+                         eval_name: str | None = None) -> list[dict[str, Any]]:
+    """Rows of ``run_dir/eval/predictions-<split>.jsonl`` (``eval-NAME/`` with ``eval_name``) with probabilities
+    attached; the temperatures are those of the same directory's evaluation.json.
 
     Each returned row is the JSON object of the file plus ``"temperature"`` (the T applied) and
     ``"probs"`` (``softmax(logits / T)`` as a float64 array). ``raw=True`` ignores the temperatures.
@@ -93,10 +101,10 @@ def load_prediction_rows(run_dir: str | Path, split: str = "test", *, raw: bool 
     malformed row or a duplicate id.
     """
     run_dir = Path(run_dir)
-    path = Run(run_dir).predictions_path(split)
+    path = _run(run_dir, eval_name).predictions_path(split)
     if not path.exists():
-        raise missing_predictions(run_dir, split)
-    temps = None if raw else load_temperatures(run_dir)
+        raise missing_predictions(run_dir, split, eval_name)
+    temps = None if raw else load_temperatures(run_dir, eval_name)
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
     with path.open() as f:
@@ -131,13 +139,13 @@ def load_prediction_rows(run_dir: str | Path, split: str = "test", *, raw: bool 
     return rows
 
 
-def missing_predictions(run_dir: Path, split: str) -> Exception:
+def missing_predictions(run_dir: Path, split: str, eval_name: str | None = None) -> Exception:
     """The one-line error for a side without ``predictions-<split>.jsonl``, saying what to run for that kind of
     directory: none at all, a remote evaluation (``remote.json``: `rlcd evaluate --remote` scores one split, plus
     calibration, into its own directory), or a run (`rlcd evaluate RUN` writes dev, calibration and test)."""
     from rlcd.errors import RunError
 
-    path = Run(run_dir).predictions_path(split)
+    path = _run(run_dir, eval_name).predictions_path(split)
     if not run_dir.is_dir():
         return RunError(f"{run_dir}: no such directory (a run, or a remote evaluation's --out)")
     remote = run_dir / "remote.json"
@@ -153,6 +161,9 @@ def missing_predictions(run_dir: Path, split: str) -> Exception:
                         f"{', '.join(held) or 'no split'}; score {split} into a new directory with `rlcd evaluate "
                         f"--remote {info.get('url') or 'URL'} --data {info.get('data') or 'DATA'} --split {split} "
                         "--out NEWDIR` and compare that")
+    if eval_name is not None:
+        return RunError(f"{path}: no predictions for split {split!r} (run `rlcd evaluate {run_dir} --data DATA "
+                        f"--out {eval_name}`)")
     return RunError(f"{path}: no predictions for split {split!r} (run `rlcd evaluate {run_dir}`)")
 
 
@@ -215,12 +226,13 @@ def paired_bootstrap(
 # run comparison
 
 
-def _side(runs: Sequence[str | Path], metric: str, split: str, raw: bool, label: str) -> dict[str, Any]:
+def _side(runs: Sequence[str | Path], metric: str, split: str, raw: bool, label: str,
+          eval_name: str | None = None) -> dict[str, Any]:
     if not runs:
         raise ValueError(f"side {label} has no run directories")
     per_run = []
     for run in runs:
-        rows = load_prediction_rows(run, split, raw=raw)
+        rows = load_prediction_rows(run, split, raw=raw, eval_name=eval_name)
         if not rows:
             raise ValueError(f"{run}: predictions-{split}.jsonl has no rows")
         per_run.append((Path(run), {r["id"]: r for r in rows}))
@@ -265,6 +277,7 @@ def compare_runs(
     raw: bool = False,
     confidence: float = 0.95,
     qtype: str | None = None,
+    eval_name: str | None = None,
 ) -> dict[str, Any]:
     """Paired bootstrap of ``metric`` between side A (``runs_a``) and side B (``runs_b``); B - A.
 
@@ -278,8 +291,8 @@ def compare_runs(
         raise ValueError(f"metric must be one of {sorted(METRICS)}, got {metric!r}")
     if qtype is not None and qtype not in QUESTION_TYPES:
         raise ValueError(f"--type must be one of {', '.join(QUESTION_TYPES)}, got {qtype!r}")
-    side_a = _side(runs_a, metric, split, raw, "A")
-    side_b = _side(runs_b, metric, split, raw, "B")
+    side_a = _side(runs_a, metric, split, raw, "A", eval_name)
+    side_b = _side(runs_b, metric, split, raw, "B", eval_name)
     ids_a, ids_b = set(side_a["values"]), set(side_b["values"])
     shared = sorted(ids_a & ids_b)
     if not shared:
@@ -303,6 +316,7 @@ def compare_runs(
         "resampling_unit": "case" if grouped else "row",
         "seed": int(seed),
         "type": qtype,
+        "eval": _run(".", eval_name).eval_name,  # the directory read in each run: eval or eval-NAME
         "mean_a": float(a.mean()),
         "mean_b": float(b.mean()),
         **boot,

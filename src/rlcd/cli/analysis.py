@@ -102,6 +102,9 @@ def compare(
     raw: Annotated[bool, typer.Option(help="compare raw logits (ignore the fitted temperatures)")] = False,
     qtype: Annotated[Optional[str], typer.Option("--type", help="only the rows of one question type: "
                                                                 "choice | noul | score")] = None,
+    eval_name: Annotated[Optional[str], typer.Option("--eval", metavar="NAME", help="read each run's eval-NAME/ "
+                                                     "(`rlcd evaluate RUN --data D --out NAME`, e.g. a sealed test "
+                                                     "set) instead of eval/")] = None,
 ) -> None:
     """Paired bootstrap of a per-row metric between runs A and B: difference B - A, 95% CI, p-value.
 
@@ -116,7 +119,8 @@ def compare(
     err = Console(stderr=True)
     try:
         result = compare_runs(_run_dirs(run_a), _run_dirs(run_b), metric=metric, split=split,
-                              resamples=resamples, seed=seed, grouped=not rows, raw=raw, qtype=qtype)
+                              resamples=resamples, seed=seed, grouped=not rows, raw=raw, qtype=qtype,
+                              eval_name=eval_name)
     except (ValueError, FileNotFoundError) as e:
         _fail(e)
     for line in summary_lines(result):
