@@ -515,9 +515,9 @@ def test_remote_cli_mistakes_are_one_line_and_write_nothing(tmp_path, data_dir):
 
 @pytest.fixture(scope="module")
 def served_run(tmp_path_factory):
-    """A tiny run trained, evaluated locally (temperatures fitted) and served by `rlcd serve` in a subprocess, with
-    `--as-asked`: evaluation scores each row as it is written, so the served answers equal it when the server asks
-    each question as sent too (canonical requests would reorder the synthetic choices' options)."""
+    """A tiny run trained, evaluated locally (temperatures fitted) and served by `rlcd serve` in a subprocess with
+    its default settings: both ask each row in its canonical form (the synthetic choices' options reordered), so
+    the served answers are the evaluation's."""
     from rlcd.data.io import write_jsonl
     from rlcd.data.prepare import prepare
     from rlcd.data.synth import generate
@@ -536,7 +536,7 @@ def served_run(tmp_path_factory):
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLCD_TEST_KEY": "sekret", "RLCD_API_KEY": "sekret"}
     proc = subprocess.Popen([sys.executable, "-m", "rlcd.cli", "serve", "--run", str(base / "run"), "--port", str(port),
-                             "--quiet", "--as-asked"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--quiet"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -580,10 +580,12 @@ def test_a_served_run_scored_remotely_equals_its_local_evaluation(served_run, mo
         theirs = [json.loads(x) for x in (base / "remote" / "eval" / f"predictions-{split}.jsonl").read_text().splitlines()]
         assert [r["id"] for r in theirs] == list(mine), "every row, in the data's order"
         for r in theirs:
-            np.testing.assert_allclose(_probs(r, 1.0), _probs(mine[r["id"]], temps[r["type"]]), atol=1e-4, rtol=0)
+            assert r["labels"] == mine[r["id"]]["labels"] and r["target"] == mine[r["id"]]["target"], "one form"
+            np.testing.assert_allclose(_probs(r, 1.0), _probs(mine[r["id"]], temps[r["type"]]), atol=1e-6, rtol=0)
     assert remote["meta"]["remote"]["rows_unanswered"] == 0 and remote["meta"]["remote"]["model"] == "run"
+    assert local["meta"]["requests"] == remote["meta"]["requests"] == "canonical"
     for metric in ("nll", "brier", "accuracy", "ece"):
-        assert remote["raw"]["overall"][metric] == pytest.approx(local["calibrated"]["overall"][metric], abs=1e-4), metric
+        assert remote["raw"]["overall"][metric] == pytest.approx(local["calibrated"]["overall"][metric], abs=1e-6), metric
     # refitting on answers that are already calibrated moves little (T' near 1)
     assert remote["calibrated"]["overall"]["nll"] == pytest.approx(local["calibrated"]["overall"]["nll"], abs=2e-2)
     assert (base / "remote" / "eval" / "thresholds.json").is_file() and (base / "remote" / "eval" / "report.html").is_file()
