@@ -311,3 +311,30 @@ def test_cut_bench_by_dtype_ratios():
     assert out["speedup"]["bfloat16"] == pytest.approx({"all_layers.row": 2.5, "all_layers.case": 2.5,
                                                         "per_k.4.row": 1.5, "per_k.4.case": 1.5})
     user_error(["bench", "cut", "--model", "tiny", "--dtype", "float32,float32"], contains="float32 given twice")
+
+
+def test_the_parity_gates_score_the_original_rows_as_the_server_asks_them(tmp_path):
+    """Both export gates (bf16 and ONNX) read their rows from `test_records`: on a derived data set, the original
+    test rows only (as `rlcd evaluate`), each in the canonical form `rlcd serve` asks it, targets folded alike."""
+    from types import SimpleNamespace
+
+    from rlcd.data.derive import derive_dir, parse_forms
+    from rlcd.data.io import load_split
+    from rlcd.portable.exporter import test_records
+    from rlcd.serving.canonical import canonical
+
+    data = synth_processed(tmp_path, 40, seed=3)
+    derive_dir(data, tmp_path / "derived", parse_forms(None))
+    every = load_split(tmp_path / "derived", "test")
+    originals = [r for r in every if r.derived is None]
+    got = test_records(SimpleNamespace(data_dir=tmp_path / "derived"))
+    assert len(every) > len(originals) and [r.id for r in got] == [r.id for r in originals]
+    moved = 0
+    for r, o in zip(got, originals):
+        c = canonical(o.question)
+        assert r.question.type == c.asked.type and r.question.labels == c.asked.labels
+        want = np.zeros(c.asked.k)
+        np.add.at(want, list(c.source), o.target)
+        np.testing.assert_allclose(r.target, want, atol=1e-12)
+        moved += r.question.labels != o.question.labels
+    assert moved > 0, "the fixture has rows written out of canonical order"

@@ -595,3 +595,56 @@ def test_a_served_run_scored_remotely_equals_its_local_evaluation(served_run, mo
     cmp = compare_runs([run], [base / "remote"], metric="nll", resamples=200)
     assert cmp["rows"]["compared"] == len(mine_test := (run / "eval" / "predictions-test.jsonl").read_text().splitlines())
     assert abs(cmp["mean_diff"]) < 1e-2 and len(mine_test) > 0
+
+
+# ------------------------------------------------------------------ derived rows and canonical forms (issue 70)
+
+
+def _uniform(q):
+    if q["type"] == "noul":
+        return {"type": "noul", "noul": 0.5}
+    labels = list(q["criteria"]) if q["type"] == "choice" else [str(i) for i in range(len(q["criteria"]))]
+    return {"type": q["type"], "probabilities": {lab: 1 / len(labels) for lab in labels}}
+
+
+def test_remote_evaluation_scores_the_original_rows_in_canonical_form_as_rlcd_evaluate(tmp_path, data_dir):
+    """On a derived data set, `evaluate --remote` reads the rows `rlcd evaluate` reads (originals, canonical form)
+    and fits its temperatures on the original calibration rows; the derived rows are counted, not sent."""
+    from rlcd.data.derive import derive_dir, parse_forms
+    from rlcd.data.io import load_split
+    from rlcd.evaluate import scored_records
+
+    derived = tmp_path / "derived"
+    derive_dir(data_dir, derived, parse_forms(None))
+    sent: list[dict] = []
+
+    def answer(q):
+        sent.append(q)
+        return _uniform(q)
+
+    client = SystemOneClient("http://fake", transport=_fake_server(answer))
+    evaluate_remote("http://fake", derived, tmp_path / "out", client=client, progress=False)
+    remote = json.loads((tmp_path / "out" / "remote.json").read_text())
+    temps = json.loads((tmp_path / "out" / "eval" / "temperatures.json").read_text())
+    want = {s: scored_records(derived, s) for s in ("test", "calibration")}
+    every = {s: load_split(derived, s) for s in ("test", "calibration")}
+    assert all(len(every[s]) > len(want[s]) for s in want), "the fixture has derived rows"
+    assert remote["rows_by_split"] == {s: {"read": len(want[s]), "answered": len(want[s])} for s in want}
+    assert remote["derived_rows_left_out"] == {s: len(every[s]) - len(want[s]) for s in want}
+    assert temps["n_rows"] == len(want["calibration"]) and temps["requests"] == remote["requests"] == "canonical"
+    rows = [json.loads(x) for x in (tmp_path / "out" / "eval" / "predictions-test.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["labels"], r["target"]) for r in rows] == [
+        (r.id, r.question.labels, r.target) for r in want["test"]]
+    from rlcd.serving.canonical import canonical
+
+    def as_sent(q):  # a question the server's canonical requests ask exactly as sent
+        question = Question(**q)
+        return canonical(question).asked is question
+
+    assert sent and all(as_sent(q) for q in sent), "every question sent in its canonical form"
+    assert not all(as_sent(r.question.model_dump(exclude_none=True)) for r in every["test"]), \
+        "the fixture writes some questions in another form"
+    sent.clear()
+    evaluate_remote("http://fake", derived, tmp_path / "raw", client=client, progress=False, canonical=False)
+    assert json.loads((tmp_path / "raw" / "remote.json").read_text())["requests"] == "as_asked"
+    assert not all(as_sent(q) for q in sent), "--as-asked sends the rows as written"
