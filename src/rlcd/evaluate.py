@@ -177,6 +177,11 @@ def _records(config: dict, split: str, canonical: bool = False) -> list[Record]:
     return scored_records(Path(config["data_dir"]), split, canonical=canonical)
 
 
+def _form(q) -> tuple:
+    """A question's form, option order included (pydantic's == on a mapping of criteria ignores its order)."""
+    return q.type, q.instructions, tuple(q.labels), tuple(q.descriptions())
+
+
 def _score(model, config: dict, split: str, records: list[Record], placement: Placement,
            progress: bool, source=None, order_votes: int = 1, vote_combine: str = DEFAULT_COMBINE) -> list[dict]:
     """Prediction rows of `records`; `source` (a feature or cut-state cache) serves the rows it holds in the form
@@ -185,10 +190,10 @@ def _score(model, config: dict, split: str, records: list[Record], placement: Pl
     collator = _collator(model, Path(config["data_dir"]))
     usable = source is not None and source.cache.has(split, (r.id for r in records))
     if usable:
-        written = {r.id: r.question for r in original_records(Path(config["data_dir"]), split)}
-        live = [r for r in records if written.get(r.id) != r.question]
+        written = {r.id: _form(r.question) for r in original_records(Path(config["data_dir"]), split)}
+        live = [r for r in records if written.get(r.id) != _form(r.question)]
         if live:
-            held = [r for r in records if written.get(r.id) == r.question]
+            held = [r for r in records if written.get(r.id) == _form(r.question)]
             rows = {row["id"]: row for row in
                     predict_rows(model, held, collator, split=split, device=placement.torch_device,
                                  progress=progress, source=source, order_votes=order_votes,
