@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -338,3 +339,56 @@ def test_the_parity_gates_score_the_original_rows_as_the_server_asks_them(tmp_pa
         np.testing.assert_allclose(r.target, want, atol=1e-12)
         moved += r.question.labels != o.question.labels
     assert moved > 0, "the fixture has rows written out of canonical order"
+
+
+def test_batch_predict_under_dtype_auto_honours_the_gate_and_a_resume_keeps_its_placement(run, monkeypatch, tmp_path):
+    """After a passed gate on a bf16 CPU, `rlcd predict --input` under `--dtype auto` runs in bfloat16 like single
+    predict / serve (same answers within 1e-6), says why on its start-up line and records the placement in
+    job.json; a resume that would change the placement (`--dtype float32`) is refused in one line."""
+    from typer.testing import CliRunner
+
+    from rlcd.batch.io import parts_dir, read_output
+    from rlcd.cli import app
+    from rlcd.device import resolve_placement
+    from rlcd.precision import record_path
+    from rlcd.predict import Predictor
+
+    _cpu(monkeypatch, EPYC)
+    _pass_gate(run, monkeypatch)
+    where = resolve_placement("auto", "auto", run=run)
+    assert where.dtype == "bfloat16"
+    requests = [{"id": f"r{i}", "state": f"Ticket {i}: the parcel is late and nobody answers.",
+                 "questions": {"q": {"type": "choice", "instructions": "Which team?",
+                                     "criteria": {"shipping": "parcels", "billing": None, "support": "calls"}},
+                               "n": {"type": "noul", "instructions": "Is it urgent?"}}} for i in range(4)]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    res = CliRunner().invoke(app, ["predict", str(run), "--input", str(src), "--output", str(out),
+                                   "--chunk-rows", "2"])
+    assert res.exit_code == 0, res.output
+    assert f"predict: the model runs on cpu bfloat16 ({where.reason})" in res.stderr
+    single = Predictor.from_run(run, placement=where)
+    worst = 0.0
+    for got in read_output(out):
+        want = single.predict({k: v for k, v in requests[int(got["id"][1:])].items() if k != "id"})
+        for qid, a in want["answers"].items():
+            g = got["answers"][qid]
+            worst = max(worst, abs(g["noul"] - a["noul"]) if a["type"] == "noul" else
+                        max(abs(g["probabilities"][k] - p) for k, p in a["probabilities"].items()))
+    assert worst < 1e-6, worst
+    # a job killed before its first part (its job.json as the command writes it): a resume that changes the
+    # placement is refused, one that keeps it finishes
+    from rlcd.batch.io import PartWriter, input_identity
+    from rlcd.batch.local import PredictorSpec
+
+    out2 = tmp_path / "out2.jsonl"
+    spec = PredictorSpec(run=str(run)).resolved()
+    PartWriter.check(out2, {"input": input_identity(src), **spec.identity()}, resume=False).start()
+    job = json.loads((parts_dir(out2) / "job.json").read_text())
+    assert (job["device"], job["dtype"]) == ("cpu", "bfloat16")
+    user_error(["predict", run, "--input", src, "--output", out2, "--resume", "--dtype", "float32"],
+               contains="dtype differs")
+    res = CliRunner().invoke(app, ["predict", str(run), "--input", str(src), "--output", str(out2), "--resume"])
+    assert res.exit_code == 0, res.output
+    assert [a["answers"] for a in read_output(out2)] == [a["answers"] for a in read_output(out)]
+    record_path(run).unlink()
