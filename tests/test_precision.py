@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import synth_processed, user_error
+from rlcd.run import Run
 
 # /proc/cpuinfo lines of the two kinds of CPU (trimmed): AMD EPYC (Zen 4) and Intel Sapphire Rapids have bf16
 # units, a Haswell-class server only AVX2; arm64 names FEAT_BF16 "bf16" in Features
@@ -392,3 +393,33 @@ def test_batch_predict_under_dtype_auto_honours_the_gate_and_a_resume_keeps_its_
     assert res.exit_code == 0, res.output
     assert [a["answers"] for a in read_output(out2)] == [a["answers"] for a in read_output(out)]
     record_path(run).unlink()
+
+
+def test_a_resume_in_another_precision_is_refused_so_config_json_never_lies(tmp_path):
+    """A bf16 run resumed with `--dtype float32` (or an `auto` run resumed where auto means another dtype) is
+    refused in one line before anything is written; a resume in its own precision goes on."""
+    from rlcd.device import resolve_placement
+
+    run = _train(tmp_path, "bfloat16")
+    before = {p.name: p.read_bytes() for p in (run / "config.json", run / "metrics.jsonl")}
+    user_error(["train", "--resume", run, "--dtype", "float32", "--steps", "3"], contains="one run is one precision")
+    assert {p.name: p.read_bytes() for p in (run / "config.json", run / "metrics.jsonl")} == before
+    res = _invoke(["train", "--resume", str(run), "--steps", "3"])  # auto: the run's bfloat16
+    assert res.exit_code == 0, res.output
+    from rlcd.train.setup import trained_dtype
+
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["dtype"] == "bfloat16" and trained_dtype(Run(run), cfg) == "bfloat16"
+    sessions = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [s["dtype"] for s in sessions if s.get("event") == "session"] == ["bfloat16", "bfloat16"]
+    # an `auto` run knows its precision from its sessions
+    cfg["dtype"] = "auto"
+    assert trained_dtype(Run(run), cfg) == "bfloat16" and resolve_placement("cpu", "auto").dtype == "float32"
+
+
+def _invoke(args):
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
