@@ -10,9 +10,15 @@ after a passed bf16 gate (needs a CPU with bf16 units); usage: input_tokens of o
 the state cache (tiny-llama). The "before" numbers of docs/SERVING.md come from the same script run on the source
 before issue 70 (`git archive a2a05b7 src tests | tar -x -C OLD`, PYTHONPATH=OLD/src:OLD/tests).
 """
-import json, sys, tempfile, os
+import json
+import sys
+import tempfile
 from pathlib import Path
-import numpy as np, torch, httpx
+
+import httpx
+import numpy as np
+import torch
+
 torch.set_num_threads(1)
 base = Path(tempfile.mkdtemp(prefix="w7m-"))
 which = sys.argv[1:] or ["eval", "hf", "batch", "usage"]
@@ -53,7 +59,8 @@ if "eval" in which:
         rem = evaluate_remote("http://inproc", base / "processed", out, client=client, progress=False)
         worst = 0.0
         for split in ("test", "calibration"):
-            mine = {r["id"]: r for r in map(json.loads, (run / "eval" / f"predictions-{split}.jsonl").read_text().splitlines())}
+            text = (run / "eval" / f"predictions-{split}.jsonl").read_text()
+            mine = {r["id"]: r for r in map(json.loads, text.splitlines())}
             for r in map(json.loads, (out / "eval" / f"predictions-{split}.jsonl").read_text().splitlines()):
                 m = mine[r["id"]]
                 if m["labels"] != r["labels"]:  # the two rows in different option orders: compare by label
@@ -64,7 +71,8 @@ if "eval" in which:
                 else:
                     worst = max(worst, float(np.max(np.abs(probs(m, temps[m["type"]]) - probs(r, 1.0)))))
         print(f"EVAL local evaluate vs evaluate --remote against {label}: max|dp| {worst:.3g}; "
-              f"NLL local calibrated {local['calibrated']['overall']['nll']:.6f}, remote raw {rem['raw']['overall']['nll']:.6f}",
+              f"NLL local calibrated {local['calibrated']['overall']['nll']:.6f}, "
+              f"remote raw {rem['raw']['overall']['nll']:.6f}",
               flush=True)
 
 if "hf" in which:
@@ -79,7 +87,8 @@ if "hf" in which:
     from transformers import pipeline
     reqs = ts.transformers_examples() + ts.variants() + [
         {"state": ts.STATE, "questions": {
-            "team": {"type": "choice", "instructions": "Which team?", "criteria": {"shipping": "parcels", "billing": None, "refunds": "money back"}},
+            "team": {"type": "choice", "instructions": "Which team?",
+                     "criteria": {"shipping": "parcels", "billing": None, "refunds": "money back"}},
             "dup": {"type": "choice", "criteria": {"a": "the courier", "b": "the shop", "c": "the courier"}},
             "yn": {"type": "choice", "instructions": "Is it a refund?", "criteria": {"y": "Yes", "n": "no"}},
             "sc": {"type": "score", "instructions": "Is it urgent?", "criteria": ["No", "yes"]}}}]
@@ -94,7 +103,8 @@ if "hf" in which:
                 if a["type"] == "noul":
                     worst = max(worst, abs(a["noul"] - o["noul"]))
                 else:
-                    worst = max(worst, max(abs(a["probabilities"][k] - o["probabilities"][k]) for k in a["probabilities"]))
+                    worst = max(worst, max(abs(a["probabilities"][k] - o["probabilities"][k])
+                                           for k in a["probabilities"]))
         print(f"HF pipeline('decision') default vs {label}: max|dp| {worst:.3g} over {len(reqs)} requests", flush=True)
 
 if "batch" in which:
@@ -110,7 +120,8 @@ if "batch" in which:
     check_precision(run, max_flips=0.5)
     where = resolve_placement("auto", "auto", run=run)
     reqs = [{"id": f"r{i}", "state": f"Ticket {i}: the parcel is late and nobody answers.",
-             "questions": {"q": {"type": "choice", "instructions": "Which team?", "criteria": {"shipping": "parcels", "billing": None, "support": "calls"}},
+             "questions": {"q": {"type": "choice", "instructions": "Which team?",
+                                 "criteria": {"shipping": "parcels", "billing": None, "support": "calls"}},
                            "n": {"type": "noul", "instructions": "Is it urgent?"}}} for i in range(8)]
     src, out = base / "in.jsonl", base / "out.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in reqs))
@@ -122,18 +133,22 @@ if "batch" in which:
         want = single.predict({k: v for k, v in reqs[int(got["id"][1:])].items() if k != "id"})["answers"]
         for qid, a in want.items():
             g = got["answers"][qid]
-            worst = max(worst, abs(g["noul"] - a["noul"]) if a["type"] == "noul" else max(abs(g["probabilities"][k] - p) for k, p in a["probabilities"].items()))
+            worst = max(worst, abs(g["noul"] - a["noul"]) if a["type"] == "noul" else
+                        max(abs(g["probabilities"][k] - p) for k, p in a["probabilities"].items()))
     line = [l for l in res.stderr.splitlines() if "runs on" in l or "loading export" in l]
-    print(f"BATCH --dtype auto (single predict: {where.dtype}) batch vs single max|dp| {worst:.3g}; start-up: {line}", flush=True)
+    print(f"BATCH --dtype auto (single predict: {where.dtype}) batch vs single max|dp| {worst:.3g}; "
+          f"start-up: {line}", flush=True)
 
 if "usage" in which:
     sys.path.insert(0, "tests")
     from _tiny_export import make_tiny_export
     from rlcd.predict import Predictor
     run = make_tiny_export(base / "llama" / "run", model_spec="tiny-llama")
-    req = {"state": "Late parcel.", "questions": {"refund": {"type": "noul", "instructions": "Is a refund requested?"},
-                                                "angry": {"type": "noul", "instructions": "Is a refund requested angrily?"}}}
+    req = {"state": "Late parcel.", "questions": {
+        "refund": {"type": "noul", "instructions": "Is a refund requested?"},
+        "angry": {"type": "noul", "instructions": "Is a refund requested angrily?"}}}
     p = Predictor.from_run(run, state_cache_mb=64)
     cold = p.predict(req)["usage"]["input_tokens"]; warm = p.predict(req)["usage"]["input_tokens"]
     off = Predictor.from_run(run, state_cache_mb=0).predict(req)["usage"]["input_tokens"]
-    print(f"USAGE tiny-llama, short state, two questions: cold {cold}, warm {warm}, --state-cache-mb 0 {off}", flush=True)
+    print(f"USAGE tiny-llama, short state, two questions: cold {cold}, warm {warm}, --state-cache-mb 0 {off}",
+          flush=True)

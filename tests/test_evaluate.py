@@ -262,5 +262,6 @@ def test_evaluate_scores_the_forms_the_server_asks_and_as_asked_on_request(run, 
     assert ev["meta"]["requests"] == "as_asked"
     temps = json.loads((copy / "eval" / "temperatures.json").read_text())
     assert temps["requests"] == "as_asked" and temps["n_rows"] == len(original_records(data, "calibration"))
-    rows = {json.loads(x)["id"]: json.loads(x) for x in (copy / "eval" / "predictions-test.jsonl").read_text().splitlines()}
+    lines = (copy / "eval" / "predictions-test.jsonl").read_text().splitlines()
+    rows = {json.loads(x)["id"]: json.loads(x) for x in lines}
     assert all(rows[r.id]["labels"] == r.question.labels for r in moved)

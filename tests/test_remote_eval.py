@@ -585,7 +585,8 @@ def test_a_served_run_scored_remotely_equals_its_local_evaluation(served_run, mo
     assert remote["meta"]["remote"]["rows_unanswered"] == 0 and remote["meta"]["remote"]["model"] == "run"
     assert local["meta"]["requests"] == remote["meta"]["requests"] == "canonical"
     for metric in ("nll", "brier", "accuracy", "ece"):
-        assert remote["raw"]["overall"][metric] == pytest.approx(local["calibrated"]["overall"][metric], abs=1e-6), metric
+        want = local["calibrated"]["overall"][metric]
+        assert remote["raw"]["overall"][metric] == pytest.approx(want, abs=1e-6), metric
     # refitting on answers that are already calibrated moves little (T' near 1)
     assert remote["calibrated"]["overall"]["nll"] == pytest.approx(local["calibrated"]["overall"]["nll"], abs=2e-2)
     assert (base / "remote" / "eval" / "thresholds.json").is_file() and (base / "remote" / "eval" / "report.html").is_file()

@@ -154,7 +154,8 @@ def pipeline_answers(hf_dir: Path, requests: list[dict], tmp: Path, model_kwargs
         "import json, sys\n"
         "sys.modules['rlcd'] = None  # the export must load without rlcd\n"
         "from transformers import pipeline\n"
-        f"decide = pipeline('decision', model=sys.argv[1], trust_remote_code=True, model_kwargs={model_kwargs or {}!r})\n"
+        "decide = pipeline('decision', model=sys.argv[1], trust_remote_code=True, "
+        f"model_kwargs={model_kwargs or {}!r})\n"
         "reqs = json.load(open(sys.argv[2]))\n"
         "json.dump([decide(r) for r in reqs], open(sys.argv[3], 'w'))\n")
     (tmp / "reqs.json").write_text(json.dumps(requests))

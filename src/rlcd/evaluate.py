@@ -335,7 +335,8 @@ def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
                  order_votes: int = 1, vote_combine: str = DEFAULT_COMBINE, canonical: bool = True) -> dict[str, Any]:
     """Score every held-out split, calibrate, write eval/ and export/, and render the report (see
     `_evaluate_run`), holding the run's lock; each row asked in the canonical form `rlcd serve` asks it
-    (`scored_records`; `canonical` False: as the data writes it, `--as-asked`), recorded as meta.requests; refused when the data the run froze at its start changed,
+    (`scored_records`; `canonical` False: as the data writes it, `--as-asked`), recorded as meta.requests;
+    refused when the data the run froze at its start changed,
     unless `allow_data_change` (then the changed files are recorded in evaluation.json's meta).
     `order_votes` N > 1: the voted answers are evaluated (module docstring; no export/ is written).
     `export=False` writes no export/ (a sweep's runs: `rlcd export RUN` writes it later). The test split's

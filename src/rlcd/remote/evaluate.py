@@ -12,9 +12,7 @@ thresholds.json}`` -- plus ``DIR/remote.json``, so ``rlcd compare RUN DIR`` pair
 Nothing is dropped silently: a question the system did not answer, or answered unusably (wrong type, not a
 probability, unknown label, a failed request after retries), is written to ``DIR/eval/unanswered.jsonl`` with
 its reason and counted in evaluation.json's ``meta.remote``; rows read == rows scored + rows unanswered, per split
-in ``rows_by_split``. The rows are the ones `rlcd evaluate` scores: original rows only (derived question forms,
-`rlcd data derive`, are left out and counted in ``derived_rows_left_out``), each sent in the canonical form `rlcd
-serve` asks it (``requests``: canonical; ``--as-asked``: as the data writes it). Every comparison is made on the rows the model was scored on: the majority baseline is the
+in ``rows_by_split``. Every comparison is made on the rows the model was scored on: the majority baseline is the
 training majority's score on the answered rows of the split (the uniform answer and the Bayes floor come from the
 scored prediction rows themselves). When more than ``max_lost`` (default 5%) of the rows read got no usable answer
 (a server that died mid-run, a wrong model), DIR is still written -- unanswered.jsonl says why each row was lost --
@@ -22,6 +20,10 @@ and `RowsLost` is raised (exit 3); a calibration split with no answered row says
 Answers rebuilt from a top answer and a confidence (no ``probabilities`` sent) are scored and counted as
 reconstructed. With ``order_votes`` N > 1 each choice question is also asked in N-1 other orders
 (`rlcd.order_votes`) inside the same request and the answers are combined in candidate space (`vote_combine`).
+
+The rows are the ones `rlcd evaluate` scores (`rlcd.evaluate.scored_records`): original rows only (derived question
+forms, `rlcd data derive`, are left out, counted in ``derived_rows_left_out``), each sent in the canonical form
+`rlcd serve` asks it (``requests``: canonical; ``--as-asked``: as the data writes it).
 """
 
 from __future__ import annotations
