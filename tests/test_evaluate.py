@@ -83,13 +83,12 @@ def test_predictions_regenerate_evaluation_exactly(run, evaluated):
 
 
 def test_merged_equals_unmerged_and_export_predictor_matches_eval(run, evaluated):
-    from rlcd.data.io import load_split
-    from rlcd.evaluate import _collator, predict_rows
+    from rlcd.evaluate import _collator, predict_rows, scored_records
     from rlcd.export import load_checkpoint_model
 
     unmerged, config, _ = load_checkpoint_model(run, "best", merge=False)
     merged, _, _ = load_checkpoint_model(run, "best", merge=True)
-    records = load_split(Path(config["data_dir"]), "test")[:12]
+    records = scored_records(Path(config["data_dir"]), "test")[:12]  # as evaluate asks them: canonical forms
     a = predict_rows(unmerged, records, _collator(unmerged, Path(config["data_dir"])))
     b = predict_rows(merged, records, _collator(merged, Path(config["data_dir"])))
     for ra, rb in zip(a, b):
@@ -235,3 +234,34 @@ def test_export_pairs_the_temperatures_with_the_checkpoint_they_were_fitted_on(r
     with pytest.raises(RunError, match="rlcd calibrate"):
         export_run(copy)
     assert not (copy / "export").exists()
+
+
+def test_evaluate_scores_the_forms_the_server_asks_and_as_asked_on_request(run, evaluated, tmp_path):
+    """By default every row (calibration included, so the temperatures) is scored in the canonical form `rlcd serve`
+    asks it; `canonical=False` (`--as-asked`) scores the rows as written. Both say which in evaluation.json and
+    temperatures.json, and a temperature file fitted on the other form is not reused."""
+    import shutil
+
+    from rlcd.evaluate import evaluate_run, original_records
+    from rlcd.serving.canonical import canonical_record
+
+    config = json.loads((run / "config.json").read_text())
+    data = Path(config["data_dir"])
+    for split in ("calibration", "test"):
+        rows = [json.loads(x) for x in (run / "eval" / f"predictions-{split}.jsonl").read_text().splitlines()]
+        want = [canonical_record(r) for r in original_records(data, split)]
+        assert [(r["id"], r["type"], r["labels"]) for r in rows] == [(r.id, r.question.type, r.question.labels)
+                                                                      for r in want]
+    moved = [r for r in original_records(data, "test") if canonical_record(r) is not r]
+    assert moved, "the fixture writes some rows in another form than the canonical one"
+    assert evaluated["meta"]["requests"] == "canonical"
+    assert json.loads((run / "eval" / "temperatures.json").read_text())["requests"] == "canonical"
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    ev = evaluate_run(copy, progress=False, export=False, canonical=False)
+    assert ev["meta"]["requests"] == "as_asked"
+    temps = json.loads((copy / "eval" / "temperatures.json").read_text())
+    assert temps["requests"] == "as_asked" and temps["n_rows"] == len(original_records(data, "calibration"))
+    lines = (copy / "eval" / "predictions-test.jsonl").read_text().splitlines()
+    rows = {json.loads(x)["id"]: json.loads(x) for x in lines}
+    assert all(rows[r.id]["labels"] == r.question.labels for r in moved)

@@ -335,8 +335,7 @@ def test_evaluate_order_votes_writes_voted_logits_and_meta(trained):
     from typer.testing import CliRunner
 
     from rlcd.cli import app
-    from rlcd.data.io import load_split
-    from rlcd.evaluate import predict_rows
+    from rlcd.evaluate import predict_rows, scored_records
     from rlcd.export import load_checkpoint_model
 
     res = CliRunner().invoke(app, ["evaluate", str(trained), "--order-votes", "2", "--device", "cpu"])
@@ -348,7 +347,7 @@ def test_evaluate_order_votes_writes_voted_logits_and_meta(trained):
     assert temps["order_votes"] == 2
     assert not (trained / "export" / "model.json").exists()  # plain answers' export: not from voted temperatures
     model, config, _ = load_checkpoint_model(trained, "best")
-    test = load_split(Path(config["data_dir"]), "test")
+    test = scored_records(Path(config["data_dir"]), "test")  # as evaluate asks them: canonical forms, then voted
     rows = [json.loads(x) for x in (trained / "eval" / "predictions-test.jsonl").read_text().splitlines()]
     want = predict_rows(model, test, model.collator(image_root=Path(config["data_dir"])), split="test", order_votes=2)
     plain_rows = predict_rows(model, test, model.collator(image_root=Path(config["data_dir"])), split="test")

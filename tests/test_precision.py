@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from conftest import synth_processed, user_error
+from rlcd.run import Run
 
 # /proc/cpuinfo lines of the two kinds of CPU (trimmed): AMD EPYC (Zen 4) and Intel Sapphire Rapids have bf16
 # units, a Haswell-class server only AVX2; arm64 names FEAT_BF16 "bf16" in Features
@@ -311,3 +313,113 @@ def test_cut_bench_by_dtype_ratios():
     assert out["speedup"]["bfloat16"] == pytest.approx({"all_layers.row": 2.5, "all_layers.case": 2.5,
                                                         "per_k.4.row": 1.5, "per_k.4.case": 1.5})
     user_error(["bench", "cut", "--model", "tiny", "--dtype", "float32,float32"], contains="float32 given twice")
+
+
+def test_the_parity_gates_score_the_original_rows_as_the_server_asks_them(tmp_path):
+    """Both export gates (bf16 and ONNX) read their rows from `test_records`: on a derived data set, the original
+    test rows only (as `rlcd evaluate`), each in the canonical form `rlcd serve` asks it, targets folded alike."""
+    from types import SimpleNamespace
+
+    from rlcd.data.derive import derive_dir, parse_forms
+    from rlcd.data.io import load_split
+    from rlcd.portable.exporter import test_records
+    from rlcd.serving.canonical import canonical
+
+    data = synth_processed(tmp_path, 40, seed=3)
+    derive_dir(data, tmp_path / "derived", parse_forms(None))
+    every = load_split(tmp_path / "derived", "test")
+    originals = [r for r in every if r.derived is None]
+    got = test_records(SimpleNamespace(data_dir=tmp_path / "derived"))
+    assert len(every) > len(originals) and [r.id for r in got] == [r.id for r in originals]
+    moved = 0
+    for r, o in zip(got, originals):
+        c = canonical(o.question)
+        assert r.question.type == c.asked.type and r.question.labels == c.asked.labels
+        want = np.zeros(c.asked.k)
+        np.add.at(want, list(c.source), o.target)
+        np.testing.assert_allclose(r.target, want, atol=1e-12)
+        moved += r.question.labels != o.question.labels
+    assert moved > 0, "the fixture has rows written out of canonical order"
+
+
+def test_batch_predict_under_dtype_auto_honours_the_gate_and_a_resume_keeps_its_placement(run, monkeypatch, tmp_path):
+    """After a passed gate on a bf16 CPU, `rlcd predict --input` under `--dtype auto` runs in bfloat16 like single
+    predict / serve (same answers within 1e-6), says why on its start-up line and records the placement in
+    job.json; a resume that would change the placement (`--dtype float32`) is refused in one line."""
+    from typer.testing import CliRunner
+
+    from rlcd.batch.io import parts_dir, read_output
+    from rlcd.cli import app
+    from rlcd.device import resolve_placement
+    from rlcd.precision import record_path
+    from rlcd.predict import Predictor
+
+    _cpu(monkeypatch, EPYC)
+    _pass_gate(run, monkeypatch)
+    where = resolve_placement("auto", "auto", run=run)
+    assert where.dtype == "bfloat16"
+    requests = [{"id": f"r{i}", "state": f"Ticket {i}: the parcel is late and nobody answers.",
+                 "questions": {"q": {"type": "choice", "instructions": "Which team?",
+                                     "criteria": {"shipping": "parcels", "billing": None, "support": "calls"}},
+                               "n": {"type": "noul", "instructions": "Is it urgent?"}}} for i in range(4)]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    res = CliRunner().invoke(app, ["predict", str(run), "--input", str(src), "--output", str(out),
+                                   "--chunk-rows", "2"])
+    assert res.exit_code == 0, res.output
+    assert f"predict: the model runs on cpu bfloat16 ({where.reason})" in res.stderr
+    single = Predictor.from_run(run, placement=where)
+    worst = 0.0
+    for got in read_output(out):
+        want = single.predict({k: v for k, v in requests[int(got["id"][1:])].items() if k != "id"})
+        for qid, a in want["answers"].items():
+            g = got["answers"][qid]
+            worst = max(worst, abs(g["noul"] - a["noul"]) if a["type"] == "noul" else
+                        max(abs(g["probabilities"][k] - p) for k, p in a["probabilities"].items()))
+    assert worst < 1e-6, worst
+    # a job killed before its first part (its job.json as the command writes it): a resume that changes the
+    # placement is refused, one that keeps it finishes
+    from rlcd.batch.io import PartWriter, input_identity
+    from rlcd.batch.local import PredictorSpec
+
+    out2 = tmp_path / "out2.jsonl"
+    spec = PredictorSpec(run=str(run)).resolved()
+    PartWriter.check(out2, {"input": input_identity(src), **spec.identity()}, resume=False).start()
+    job = json.loads((parts_dir(out2) / "job.json").read_text())
+    assert (job["device"], job["dtype"]) == ("cpu", "bfloat16")
+    user_error(["predict", run, "--input", src, "--output", out2, "--resume", "--dtype", "float32"],
+               contains="dtype differs")
+    res = CliRunner().invoke(app, ["predict", str(run), "--input", str(src), "--output", str(out2), "--resume"])
+    assert res.exit_code == 0, res.output
+    assert [a["answers"] for a in read_output(out2)] == [a["answers"] for a in read_output(out)]
+    record_path(run).unlink()
+
+
+def test_a_resume_in_another_precision_is_refused_so_config_json_never_lies(tmp_path):
+    """A bf16 run resumed with `--dtype float32` (or an `auto` run resumed where auto means another dtype) is
+    refused in one line before anything is written; a resume in its own precision goes on."""
+    from rlcd.device import resolve_placement
+
+    run = _train(tmp_path, "bfloat16")
+    before = {p.name: p.read_bytes() for p in (run / "config.json", run / "metrics.jsonl")}
+    user_error(["train", "--resume", run, "--dtype", "float32", "--steps", "3"], contains="one run is one precision")
+    assert {p.name: p.read_bytes() for p in (run / "config.json", run / "metrics.jsonl")} == before
+    res = _invoke(["train", "--resume", str(run), "--steps", "3"])  # auto: the run's bfloat16
+    assert res.exit_code == 0, res.output
+    from rlcd.train.setup import trained_dtype
+
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["dtype"] == "bfloat16" and trained_dtype(Run(run), cfg) == "bfloat16"
+    sessions = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [s["dtype"] for s in sessions if s.get("event") == "session"] == ["bfloat16", "bfloat16"]
+    # an `auto` run knows its precision from its sessions
+    cfg["dtype"] = "auto"
+    assert trained_dtype(Run(run), cfg) == "bfloat16" and resolve_placement("cpu", "auto").dtype == "float32"
+
+
+def _invoke(args):
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])

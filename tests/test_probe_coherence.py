@@ -103,6 +103,7 @@ def test_probe_coherence_cli_on_tiny_run_and_the_report(tmp_path):
     res = json.loads(out.read_text())
     saved = run / "eval" / "probe-coherence.json"
     assert res["format"] == "rlcd.probe_coherence/1" and res["saved"] == str(saved)
+    assert res["requests"] == "as_asked" and "asked as written" in result.output  # said beside served numbers
     assert json.loads(saved.read_text()) == res
     assert res["n_base"] == 12 and res["overall"]["n_cases"] == 2
     for row in res["rows"]:  # every deviation recomputed from the two answers

@@ -515,9 +515,9 @@ def test_remote_cli_mistakes_are_one_line_and_write_nothing(tmp_path, data_dir):
 
 @pytest.fixture(scope="module")
 def served_run(tmp_path_factory):
-    """A tiny run trained, evaluated locally (temperatures fitted) and served by `rlcd serve` in a subprocess, with
-    `--as-asked`: evaluation scores each row as it is written, so the served answers equal it when the server asks
-    each question as sent too (canonical requests would reorder the synthetic choices' options)."""
+    """A tiny run trained, evaluated locally (temperatures fitted) and served by `rlcd serve` in a subprocess with
+    its default settings: both ask each row in its canonical form (the synthetic choices' options reordered), so
+    the served answers are the evaluation's."""
     from rlcd.data.io import write_jsonl
     from rlcd.data.prepare import prepare
     from rlcd.data.synth import generate
@@ -536,7 +536,7 @@ def served_run(tmp_path_factory):
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RLCD_TEST_KEY": "sekret", "RLCD_API_KEY": "sekret"}
     proc = subprocess.Popen([sys.executable, "-m", "rlcd.cli", "serve", "--run", str(base / "run"), "--port", str(port),
-                             "--quiet", "--as-asked"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--quiet"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -580,10 +580,13 @@ def test_a_served_run_scored_remotely_equals_its_local_evaluation(served_run, mo
         theirs = [json.loads(x) for x in (base / "remote" / "eval" / f"predictions-{split}.jsonl").read_text().splitlines()]
         assert [r["id"] for r in theirs] == list(mine), "every row, in the data's order"
         for r in theirs:
-            np.testing.assert_allclose(_probs(r, 1.0), _probs(mine[r["id"]], temps[r["type"]]), atol=1e-4, rtol=0)
+            assert r["labels"] == mine[r["id"]]["labels"] and r["target"] == mine[r["id"]]["target"], "one form"
+            np.testing.assert_allclose(_probs(r, 1.0), _probs(mine[r["id"]], temps[r["type"]]), atol=1e-6, rtol=0)
     assert remote["meta"]["remote"]["rows_unanswered"] == 0 and remote["meta"]["remote"]["model"] == "run"
+    assert local["meta"]["requests"] == remote["meta"]["requests"] == "canonical"
     for metric in ("nll", "brier", "accuracy", "ece"):
-        assert remote["raw"]["overall"][metric] == pytest.approx(local["calibrated"]["overall"][metric], abs=1e-4), metric
+        want = local["calibrated"]["overall"][metric]
+        assert remote["raw"]["overall"][metric] == pytest.approx(want, abs=1e-6), metric
     # refitting on answers that are already calibrated moves little (T' near 1)
     assert remote["calibrated"]["overall"]["nll"] == pytest.approx(local["calibrated"]["overall"]["nll"], abs=2e-2)
     assert (base / "remote" / "eval" / "thresholds.json").is_file() and (base / "remote" / "eval" / "report.html").is_file()
@@ -593,3 +596,56 @@ def test_a_served_run_scored_remotely_equals_its_local_evaluation(served_run, mo
     cmp = compare_runs([run], [base / "remote"], metric="nll", resamples=200)
     assert cmp["rows"]["compared"] == len(mine_test := (run / "eval" / "predictions-test.jsonl").read_text().splitlines())
     assert abs(cmp["mean_diff"]) < 1e-2 and len(mine_test) > 0
+
+
+# ------------------------------------------------------------------ derived rows and canonical forms (issue 70)
+
+
+def _uniform(q):
+    if q["type"] == "noul":
+        return {"type": "noul", "noul": 0.5}
+    labels = list(q["criteria"]) if q["type"] == "choice" else [str(i) for i in range(len(q["criteria"]))]
+    return {"type": q["type"], "probabilities": {lab: 1 / len(labels) for lab in labels}}
+
+
+def test_remote_evaluation_scores_the_original_rows_in_canonical_form_as_rlcd_evaluate(tmp_path, data_dir):
+    """On a derived data set, `evaluate --remote` reads the rows `rlcd evaluate` reads (originals, canonical form)
+    and fits its temperatures on the original calibration rows; the derived rows are counted, not sent."""
+    from rlcd.data.derive import derive_dir, parse_forms
+    from rlcd.data.io import load_split
+    from rlcd.evaluate import scored_records
+
+    derived = tmp_path / "derived"
+    derive_dir(data_dir, derived, parse_forms(None))
+    sent: list[dict] = []
+
+    def answer(q):
+        sent.append(q)
+        return _uniform(q)
+
+    client = SystemOneClient("http://fake", transport=_fake_server(answer))
+    evaluate_remote("http://fake", derived, tmp_path / "out", client=client, progress=False)
+    remote = json.loads((tmp_path / "out" / "remote.json").read_text())
+    temps = json.loads((tmp_path / "out" / "eval" / "temperatures.json").read_text())
+    want = {s: scored_records(derived, s) for s in ("test", "calibration")}
+    every = {s: load_split(derived, s) for s in ("test", "calibration")}
+    assert all(len(every[s]) > len(want[s]) for s in want), "the fixture has derived rows"
+    assert remote["rows_by_split"] == {s: {"read": len(want[s]), "answered": len(want[s])} for s in want}
+    assert remote["derived_rows_left_out"] == {s: len(every[s]) - len(want[s]) for s in want}
+    assert temps["n_rows"] == len(want["calibration"]) and temps["requests"] == remote["requests"] == "canonical"
+    rows = [json.loads(x) for x in (tmp_path / "out" / "eval" / "predictions-test.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["labels"], r["target"]) for r in rows] == [
+        (r.id, r.question.labels, r.target) for r in want["test"]]
+    from rlcd.serving.canonical import canonical
+
+    def as_sent(q):  # a question the server's canonical requests ask exactly as sent
+        question = Question(**q)
+        return canonical(question).asked is question
+
+    assert sent and all(as_sent(q) for q in sent), "every question sent in its canonical form"
+    assert not all(as_sent(r.question.model_dump(exclude_none=True)) for r in every["test"]), \
+        "the fixture writes some questions in another form"
+    sent.clear()
+    evaluate_remote("http://fake", derived, tmp_path / "raw", client=client, progress=False, canonical=False)
+    assert json.loads((tmp_path / "raw" / "remote.json").read_text())["requests"] == "as_asked"
+    assert not all(as_sent(q) for q in sent), "--as-asked sends the rows as written"

@@ -147,20 +147,61 @@ def _collator(model, data_dir: Path):
     return model.collator(image_root=data_dir)
 
 
-def _records(config: dict, split: str) -> list[Record]:
+def original_records(data_dir: Path, split: str) -> list[Record]:
     """The split's original rows: derived question forms (`rlcd data derive`) are for training and for
-    `rlcd probe coherence`, never calibrated on or scored as originals."""
+    `rlcd probe coherence`, never calibrated on or scored as originals ([] when the split has no file)."""
     from rlcd.data.io import load_split
 
-    data_dir = Path(config["data_dir"])
+    data_dir = Path(data_dir)
     rows = load_split(data_dir, split) if (data_dir / f"{split}.jsonl").is_file() else []
     return [r for r in rows if r.derived is None]
 
 
+def scored_records(data_dir: Path, split: str, *, canonical: bool = True) -> list[Record]:
+    """The rows an evaluation of `split` scores, on every path (`rlcd evaluate` and its temperature fit, `rlcd
+    calibrate`, `evaluate --remote`, the bf16 and ONNX parity gates): the original rows (`original_records`), each
+    in the canonical form `rlcd serve` asks it by default (`serving.canonical.canonical_record`: options in
+    canonical order, duplicates once with their targets summed, a yes/no choice or score as a noul); with
+    `canonical` False (`--as-asked`) as the data writes them."""
+    from rlcd.serving.canonical import canonical_records
+
+    return canonical_records(original_records(data_dir, split), canonical)
+
+
+def requests_form(canonical: bool) -> str:
+    """What evaluation.json, temperatures.json and the gates record as the form the rows were asked in."""
+    return "canonical" if canonical else "as_asked"
+
+
+def _records(config: dict, split: str, canonical: bool = False) -> list[Record]:
+    return scored_records(Path(config["data_dir"]), split, canonical=canonical)
+
+
+def _form(q) -> tuple:
+    """A question's form, option order included (pydantic's == on a mapping of criteria ignores its order)."""
+    return q.type, q.instructions, tuple(q.labels), tuple(q.descriptions())
+
+
 def _score(model, config: dict, split: str, records: list[Record], placement: Placement,
            progress: bool, source=None, order_votes: int = 1, vote_combine: str = DEFAULT_COMBINE) -> list[dict]:
+    """Prediction rows of `records`; `source` (a feature or cut-state cache) serves the rows it holds in the form
+    they are asked, the rest (rows asked in a canonical form other than the written one: the caches hold each
+    row as written) run live."""
+    collator = _collator(model, Path(config["data_dir"]))
     usable = source is not None and source.cache.has(split, (r.id for r in records))
-    return predict_rows(model, records, _collator(model, Path(config["data_dir"])), split=split,
+    if usable:
+        written = {r.id: _form(r.question) for r in original_records(Path(config["data_dir"]), split)}
+        live = [r for r in records if written.get(r.id) != _form(r.question)]
+        if live:
+            held = [r for r in records if written.get(r.id) == _form(r.question)]
+            rows = {row["id"]: row for row in
+                    predict_rows(model, held, collator, split=split, device=placement.torch_device,
+                                 progress=progress, source=source, order_votes=order_votes,
+                                 vote_combine=vote_combine)
+                    + predict_rows(model, live, collator, split=split, device=placement.torch_device,
+                                   progress=progress, order_votes=order_votes, vote_combine=vote_combine)}
+            return [rows[r.id] for r in records]
+    return predict_rows(model, records, collator, split=split,
                         device=placement.torch_device, progress=progress, source=source if usable else None,
                         order_votes=order_votes, vote_combine=vote_combine)
 
@@ -192,20 +233,24 @@ def _features(model, config: dict, use: bool, say: Callable[[str], None] | None 
 
 
 def _calibration_key(run: Run, placement: Placement, which: str = "best", order_votes: int = 1,
-                     vote_combine: str = DEFAULT_COMBINE) -> dict[str, Any]:
+                     vote_combine: str = DEFAULT_COMBINE, canonical: bool = True) -> dict[str, Any]:
     """What the temperatures depend on: the evaluated checkpoint, the calibration data, the placement, the order
-    votes and their combination (recorded only when > 1: a file without the key was fitted on plain answers) and the
-    fit's guard (`rlcd.calibrate.GUARD`: a file fitted before the held-out guard has none, so it is refitted)."""
+    votes and their combination (recorded only when > 1: a file without the key was fitted on plain answers), the
+    form the rows were asked in (`requests`: canonical or as_asked; a file without it was fitted as asked, so it is
+    refitted) and the fit's guard (`rlcd.calibrate.GUARD`: a file fitted before the held-out guard has none, so it
+    is refitted)."""
     from rlcd.data.io import sha256_file
 
     cal = run.data_dir / "calibration.jsonl"
     return {"checkpoint_sha256": ckpt.weights_sha256(run.require_checkpoint(which)),
             "calibration_sha256": sha256_file(cal) if cal.is_file() else None, **placement.to_dict(),
-            **({"order_votes": order_votes, "vote_combine": vote_combine} if order_votes > 1 else {}), "guard": GUARD}
+            **({"order_votes": order_votes, "vote_combine": vote_combine} if order_votes > 1 else {}), "guard": GUARD,
+            "requests": requests_form(canonical)}
 
 
 def fit_temperatures(run: Run, calibration_rows: list[dict], placement: Placement,
-                     which: str = "best", order_votes: int = 1, vote_combine: str = DEFAULT_COMBINE) -> dict[str, Any]:
+                     which: str = "best", order_votes: int = 1, vote_combine: str = DEFAULT_COMBINE,
+                     canonical: bool = True) -> dict[str, Any]:
     """Fit the per-type temperatures on the calibration predictions and store them in eval/temperatures.json.
 
     The one calibration path: `rlcd calibrate RUN` ends here, and `rlcd evaluate RUN` reuses the stored
@@ -214,18 +259,20 @@ def fit_temperatures(run: Run, calibration_rows: list[dict], placement: Placemen
     """
     temps, infos = fit_per_type(calibration_rows)
     out = {"temperatures": temps, "calibration": infos, "n_rows": len(calibration_rows),
-           **_calibration_key(run, placement, which, order_votes, vote_combine)}
+           **_calibration_key(run, placement, which, order_votes, vote_combine, canonical)}
     write_json(run.temperatures_path, out)
     return out
 
 
 def stored_temperatures(run: Run, placement: Placement, which: str = "best",
-                        order_votes: int = 1, vote_combine: str = DEFAULT_COMBINE) -> dict[str, Any] | None:
-    """eval/temperatures.json when it matches this checkpoint, calibration data, placement and order votes."""
+                        order_votes: int = 1, vote_combine: str = DEFAULT_COMBINE,
+                        canonical: bool = True) -> dict[str, Any] | None:
+    """eval/temperatures.json when it matches this checkpoint, calibration data, placement, order votes and the form
+    the rows are asked in."""
     if not run.temperatures_path.is_file():
         return None
     stored = json.loads(run.temperatures_path.read_text())
-    key = _calibration_key(run, placement, which, order_votes, vote_combine)
+    key = _calibration_key(run, placement, which, order_votes, vote_combine, canonical)
     same = all(stored.get(k) == v for k, v in key.items()) and stored.get("order_votes", 1) == order_votes
     return stored if same else None
 
@@ -256,14 +303,16 @@ def frozen_data_changes(run: Run, allow: bool = False, say: Callable[[str], None
 
 def calibrate_run(run: Run | Path, *, placement: Placement | None = None, which: str = "best",
                   progress: bool = True, allow_data_change: bool = False,
-                  feature_cache: bool = True) -> dict[str, Any]:
+                  feature_cache: bool = True, canonical: bool = True) -> dict[str, Any]:
     """Fit per-type temperatures on the calibration partition with the merged `which` checkpoint
-    (holding the run's lock; refused when the run's frozen data changed, unless `allow_data_change`)."""
+    (holding the run's lock; refused when the run's frozen data changed, unless `allow_data_change`); each row
+    asked in its canonical form (`scored_records`) unless `canonical` is False (`--as-asked`)."""
     run = run if isinstance(run, Run) else Run.open(run)
     run.require_checkpoint(which)
     changed = frozen_data_changes(run, allow_data_change, echo)
     with run.lock("calibrate"):
-        out = _calibrate_run(run, placement=placement, which=which, progress=progress, feature_cache=feature_cache)
+        out = _calibrate_run(run, placement=placement, which=which, progress=progress, feature_cache=feature_cache,
+                             canonical=canonical)
         if changed:
             out["data_changed"] = changed
             write_json(run.temperatures_path, out)
@@ -271,21 +320,23 @@ def calibrate_run(run: Run | Path, *, placement: Placement | None = None, which:
 
 
 def _calibrate_run(run: Run, *, placement: Placement | None, which: str, progress: bool,
-                   feature_cache: bool = True) -> dict[str, Any]:
+                   feature_cache: bool = True, canonical: bool = True) -> dict[str, Any]:
     placement = placement or resolve_placement("cpu")
     model, config, _ = load_checkpoint_model(run, which, placement=placement)
-    rows = _score(model, config, "calibration", _records(config, "calibration"), placement, progress,
+    rows = _score(model, config, "calibration", _records(config, "calibration", canonical), placement, progress,
                   _features(model, config, feature_cache))
-    return fit_temperatures(run, rows, placement, which)
+    return fit_temperatures(run, rows, placement, which, canonical=canonical)
 
 
 def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
                  print_fn: Callable[[str], None] | None = None, which: str = "best",
                  progress: bool = True, allow_data_change: bool = False,
                  feature_cache: bool = True, export: bool = True, command: str = "evaluate",
-                 order_votes: int = 1, vote_combine: str = DEFAULT_COMBINE) -> dict[str, Any]:
+                 order_votes: int = 1, vote_combine: str = DEFAULT_COMBINE, canonical: bool = True) -> dict[str, Any]:
     """Score every held-out split, calibrate, write eval/ and export/, and render the report (see
-    `_evaluate_run`), holding the run's lock; refused when the data the run froze at its start changed,
+    `_evaluate_run`), holding the run's lock; each row asked in the canonical form `rlcd serve` asks it
+    (`scored_records`; `canonical` False: as the data writes it, `--as-asked`), recorded as meta.requests;
+    refused when the data the run froze at its start changed,
     unless `allow_data_change` (then the changed files are recorded in evaluation.json's meta).
     `order_votes` N > 1: the voted answers are evaluated (module docstring; no export/ is written).
     `export=False` writes no export/ (a sweep's runs: `rlcd export RUN` writes it later). The test split's
@@ -301,13 +352,13 @@ def evaluate_run(run: Run | Path, *, placement: Placement | None = None,
     with run.lock("evaluate"):
         return _evaluate_run(run, placement=placement, print_fn=print_fn, which=which, progress=progress,
                              data_changed=changed, feature_cache=feature_cache, export=export, command=command,
-                             order_votes=order_votes, vote_combine=vote_combine)
+                             order_votes=order_votes, vote_combine=vote_combine, canonical=canonical)
 
 
 def _evaluate_run(run: Run, *, placement: Placement | None, print_fn: Callable[[str], None] | None,
                   which: str, progress: bool, data_changed: list[str],
                   feature_cache: bool = True, export: bool = True, command: str = "evaluate",
-                  order_votes: int = 1, vote_combine: str = DEFAULT_COMBINE) -> dict[str, Any]:
+                  order_votes: int = 1, vote_combine: str = DEFAULT_COMBINE, canonical: bool = True) -> dict[str, Any]:
     """Score every held-out split, calibrate, write eval/ and export/, and render the report.
 
     `which`: the dev-selected checkpoint ("best", the recipe) or the "last" one (what the final
@@ -324,7 +375,7 @@ def _evaluate_run(run: Run, *, placement: Placement | None, print_fn: Callable[[
     placement = placement or resolve_placement("cpu")
     say = print_fn or (lambda _: None)
     model, config, state = load_checkpoint_model(run, which, placement=placement)
-    records = {split: _records(config, split) for split in SPLITS}
+    records = {split: _records(config, split, canonical) for split in SPLITS}
     if order_votes > 1:
         say(f"order votes: each choice question in {order_votes} option orders, combined by {vote_combine}, scored "
             "live (the feature and "
@@ -335,22 +386,23 @@ def _evaluate_run(run: Run, *, placement: Placement | None, print_fn: Callable[[
              for split in SPLITS}
     for split, rows in preds.items():
         write_jsonl(run.predictions_path(split), rows)
-    stored = stored_temperatures(run, placement, which, order_votes, vote_combine)
+    stored = stored_temperatures(run, placement, which, order_votes, vote_combine, canonical)
     if stored is not None:
         say(f"temperatures: {run.temperatures_path} (fitted by `rlcd calibrate` on this checkpoint)")
     else:
         say(f"temperatures: fitting one per type on {len(preds['calibration'])} calibration rows -> "
             f"{run.temperatures_path}")
-    cal = stored or fit_temperatures(run, preds["calibration"], placement, which, order_votes, vote_combine)
+    cal = stored or fit_temperatures(run, preds["calibration"], placement, which, order_votes, vote_combine, canonical)
     temps, infos = cal["temperatures"], cal["calibration"]
     data_dir = Path(config["data_dir"])
-    baseline = majority_baseline(_records(config, "train"), records["test"]) if records["test"] else None
+    baseline = majority_baseline(_records(config, "train"), _records(config, "test")) if records["test"] else None
     meta = {
         **_run_meta(run, config, state, which),
         "data_hashes": data_hashes(data_dir),
         "calibration": infos,
         "temperatures_source": str(run.temperatures_path.relative_to(run.root)),
         "placement": placement.to_dict(),
+        "requests": requests_form(canonical),
         "training_progress": run.training_progress(),
         **({"data_changed": {"files": data_changed, "allowed": True}} if data_changed else {}),
         **({"order_votes": order_votes, "vote_combine": vote_combine} if order_votes > 1 else {}),
@@ -438,8 +490,9 @@ def other_data_name(data_dir: Path, name: str | None) -> str:
 def evaluate_on_data(run: Run | Path, data_dir: Path, *, name: str | None = None, recalibrate: bool = False,
                      placement: Placement | None = None, which: str = "best", progress: bool = True,
                      print_fn: Callable[[str], None] | None = None, order_votes: int = 1,
-                     vote_combine: str = DEFAULT_COMBINE) -> dict[str, Any]:
-    """Score the run's model on another processed data set; write RUN/eval-NAME/ (and nothing else).
+                     vote_combine: str = DEFAULT_COMBINE, canonical: bool = True) -> dict[str, Any]:
+    """Score the run's model on another processed data set; write RUN/eval-NAME/ (and nothing else). Rows are
+    OTHER's original ones, each asked in its canonical form unless `canonical` is False (`scored_records`).
 
     Temperatures: the run's own (eval/temperatures.json when fitted on this checkpoint and placement,
     else fitted here on the run's calibration split without writing eval/), or with `recalibrate` fitted
@@ -460,8 +513,7 @@ def evaluate_on_data(run: Run | Path, data_dir: Path, *, name: str | None = None
     view = run.on_data(other_data_name(other, name))
     run.require_checkpoint(which)
     placement = placement or resolve_placement("cpu")
-    records = {split: [r for r in load_split(other, split) if r.derived is None]  # original rows (see _records)
-               for split in SPLITS if (other / f"{split}.jsonl").is_file()}
+    records = {split: scored_records(other, split, canonical=canonical) for split in SPLITS}
     records = {split: rows for split, rows in records.items() if rows}
     if not records or (recalibrate and not records.get("calibration")):
         raise RunError(f"--data {other}: " + ("calibration.jsonl has no rows to fit on" if records
@@ -469,13 +521,13 @@ def evaluate_on_data(run: Run | Path, data_dir: Path, *, name: str | None = None
     with run.lock("evaluate --data"):  # eval-NAME/ and eval/temperatures.json's reader: one writer, as evaluate
         return _evaluate_on_data(run, view, other, records, recalibrate=recalibrate, placement=placement,
                                  which=which, progress=progress, print_fn=print_fn, order_votes=order_votes,
-                                 vote_combine=vote_combine)
+                                 vote_combine=vote_combine, canonical=canonical)
 
 
 def _evaluate_on_data(run: Run, view: Run, other: Path, records: dict[str, list[Record]], *, recalibrate: bool,
                       placement: Placement, which: str, progress: bool,
                       print_fn: Callable[[str], None] | None, order_votes: int = 1,
-                      vote_combine: str = DEFAULT_COMBINE) -> dict[str, Any]:
+                      vote_combine: str = DEFAULT_COMBINE, canonical: bool = True) -> dict[str, Any]:
     from rlcd.data.io import load_split, sha256_file, write_jsonl
     from rlcd.metrics import majority_baseline
     from rlcd.report import evaluation_from_predictions, write_evaluation, write_report
@@ -490,20 +542,23 @@ def _evaluate_on_data(run: Run, view: Run, other: Path, records: dict[str, list[
     if recalibrate:
         temps, infos = fit_per_type(preds["calibration"])
         source = {"source": f"fitted on {other / 'calibration.jsonl'} (--recalibrate)", "n_rows": len(preds["calibration"]),
-                  "calibration_sha256": sha256_file(other / "calibration.jsonl"), "guard": GUARD}
+                  "calibration_sha256": sha256_file(other / "calibration.jsonl"), "guard": GUARD,
+                  "requests": requests_form(canonical)}
     else:
-        stored = stored_temperatures(run, placement, which, order_votes, vote_combine)
+        stored = stored_temperatures(run, placement, which, order_votes, vote_combine, canonical)
         if stored is not None:
             temps, infos = stored["temperatures"], stored["calibration"]
             source = {"source": str(run.temperatures_path.relative_to(run.root)), "n_rows": stored.get("n_rows"),
-                      "calibration_sha256": stored.get("calibration_sha256"), "guard": stored.get("guard")}
+                      "calibration_sha256": stored.get("calibration_sha256"), "guard": stored.get("guard"),
+                      "requests": stored.get("requests")}
         else:
-            own = _score(model, config, "calibration", _records(config, "calibration"), placement, progress,
+            own = _score(model, config, "calibration", _records(config, "calibration", canonical), placement, progress,
                          order_votes=order_votes, vote_combine=vote_combine)
             temps, infos = fit_per_type(own)
             source = {"source": "fitted here on the run's own calibration split (no matching eval/temperatures.json)",
                       "n_rows": len(own), "guard": GUARD,
-                      "calibration_sha256": _calibration_key(run, placement, which)["calibration_sha256"]}
+                      "calibration_sha256": _calibration_key(run, placement, which)["calibration_sha256"],
+                      "requests": requests_form(canonical)}
     say(f"temperatures: {source['source']}")
     for split, rows in preds.items():
         write_jsonl(view.predictions_path(split), rows)
@@ -513,7 +568,8 @@ def _evaluate_on_data(run: Run, view: Run, other: Path, records: dict[str, list[
                                         **({"order_votes": order_votes, "vote_combine": vote_combine}
                                            if order_votes > 1 else {})})
     train_rows = load_split(other, "train") if (other / "train.jsonl").is_file() else []
-    baseline = majority_baseline(train_rows, records["test"]) if records.get("test") and train_rows else None
+    baseline = (majority_baseline(train_rows, original_records(other, "test"))
+                if records.get("test") and train_rows else None)
     meta = {
         **_run_meta(run, config, state, which),
         "trained_on": str(config["data_dir"]),
@@ -524,6 +580,7 @@ def _evaluate_on_data(run: Run, view: Run, other: Path, records: dict[str, list[
         "temperatures_source": source["source"],
         "majority_baseline_from": str(other / "train.jsonl") if baseline is not None else None,
         "placement": placement.to_dict(),
+        "requests": requests_form(canonical),
         **({"order_votes": order_votes, "vote_combine": vote_combine} if order_votes > 1 else {}),
     }
     meta.update(_test_look(view, other, preds, meta["checkpoint_sha256"], "evaluate --data", warn))

@@ -66,7 +66,8 @@ def check_precision(run: Any, precision: str = "bfloat16", *, max_flips: float |
     meta = read_export_meta(run.export_dir)
     records = test_records(run)
     units, why = cpu_bf16_units()
-    say(f"precision: scoring {len(records)} test rows on the CPU in float32, then {precision} ({why})")
+    say(f"precision: scoring {len(records)} original test rows, as the server asks them, on the CPU in float32, "
+        f"then {precision} ({why})")
     logits = {}
     for dtype in ("float32", precision):
         model, _ = load_export(run.export_dir, placement=Placement("cpu", dtype))
@@ -78,7 +79,8 @@ def check_precision(run: Any, precision: str = "bfloat16", *, max_flips: float |
     passed = report["flip_rate"] <= max_flips
     doc = {
         "format": FORMAT, "precision": precision, "device": "cpu", "cpu": {"bf16_units": units, "detected": why},
-        "split": "test", "split_file": str(run.data_dir / "test.jsonl"), "max_flips": max_flips,
+        "split": "test", "rows": "original, canonical (as the server asks them)",
+        "split_file": str(run.data_dir / "test.jsonl"), "max_flips": max_flips,
         "reference": "the run's export/ on the CPU, backbone float32 (scorer float32 in both)",
         "export": {k: meta.get(k) for k in IDENTITY}, "result": report, "passed": passed,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -31,8 +31,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rlcd.analysis.probes import (CASE_ROWS_PER_CALL, CONFIDENCE, RESAMPLES, ScoreFn, load_run_model, model_scorer,
-                                  percentile_interval, scored_checkpoint, softmax, write_json_atomic)
+from rlcd.analysis.probes import (AS_ASKED, CASE_ROWS_PER_CALL, CONFIDENCE, RESAMPLES, ScoreFn, load_run_model,
+                                  model_scorer, percentile_interval, scored_checkpoint, softmax, write_json_atomic)
 from rlcd.data.derive import FAMILIES, FORMS, PER_OPTION, apply_derived, derive_records, parse_forms
 from rlcd.run import Run
 from rlcd.schema import Record
@@ -146,7 +146,8 @@ def probe_coherence_scores(score_fn: ScoreFn, records: Sequence[Record], *, form
                   for fam in FAMILIES if any(FORMS[f] == fam for f in forms)}
     per_form = {f: {"family": FORMS[f], **_block([it for it in items if it["form"] == f], **kw)} for f in forms}
     out: dict[str, Any] = {
-        "format": FORMAT, "tol": tol, "resamples": resamples, "seed": seed, "confidence": CONFIDENCE,
+        "format": FORMAT, "requests": "as_asked", "requests_note": AS_ASKED,
+        "tol": tol, "resamples": resamples, "seed": seed, "confidence": CONFIDENCE,
         "forms": list(forms), "per_option": per_option, "families": {k: FAMILIES[k] for k in per_family},
         "temperatures": temps or None, "n_base": len(base), "n_derived": len(items),
         "n_excluded": len(excluded), "exclusions": _count(e["reason"] for e in excluded),

@@ -77,6 +77,10 @@ from rlcd.run import Run
 from rlcd.schema import QUESTION_TYPES, Record, text_of
 
 ORDER_FORMAT = "rlcd.probe_order/2"
+AS_ASKED = ("asked as written: these probes measure the model's own sensitivity to a question's form; "
+            "`rlcd serve`, `rlcd evaluate` and every other path answer each question in its canonical form by "
+            "default (docs/SERVING.md), so option order, duplicated options and a yes/no choice asked as a noul "
+            "do not move the served answers")
 NOISE_FORMAT = "rlcd.probe_noise/1"
 TIE_TOL = 1e-9
 ALL_ORDERS_MAX_K = 4  # choice questions up to this K are asked in all K! - 1 other orders
@@ -546,6 +550,7 @@ def probe_order_scores(score_fn: ScoreFn, records: Sequence[Record], *, max_perm
         by_k[k_bucket(r["k"])].append(r)
     out: dict[str, Any] = {
         "format": ORDER_FORMAT,
+        "requests": "as_asked", "requests_note": AS_ASKED,
         "n_records": len(records),
         "max_perms": max_perms,
         "votes": vote_list,

@@ -33,7 +33,8 @@ DEFAULT_CHUNK_ROWS = 256  # rows per committed part
 class PredictorSpec:
     """How to build the job's Predictor, in each process that scores (picklable: a Ray actor builds its own).
     `run`: a run (or export) dir, torch; or `export`: a portable ONNX export dir, onnxruntime (no state cache).
-    `threads`: torch's intra-op threads, or onnxruntime's; None leaves the library's default."""
+    `threads`: torch's intra-op threads, or onnxruntime's; None leaves the library's default. `device` / `dtype`:
+    as asked (`auto`), or as `resolved()` pinned them with `reason`, why (what the start-up line says)."""
 
     run: str | None = None
     export: str | None = None
@@ -44,6 +45,28 @@ class PredictorSpec:
     state_cache_mb: float = 256.0
     canonical: bool = True
     vote_combine: str = "logmean"
+    reason: str = ""
+
+    def placement(self) -> Any:
+        """The torch Placement the job's Predictor loads onto (None for a portable export: onnxruntime, float32):
+        `--device` / `--dtype` resolved for the run, so `--dtype auto` honours its bf16 parity gate exactly as
+        single `rlcd predict` and `rlcd serve` do (`rlcd.device.cpu_auto_dtype`)."""
+        if self.export is not None:
+            return None
+        from rlcd.device import Placement, resolve_placement
+
+        p = resolve_placement(self.device, self.dtype, run=self.run)
+        return Placement(p.device, p.dtype, self.reason) if self.reason and not p.reason else p
+
+    def resolved(self) -> "PredictorSpec":
+        """This spec with its placement pinned (device, dtype and why), resolved once where the job starts: every
+        process that scores (a Ray actor too) loads the same placement, and `identity` records it."""
+        import dataclasses
+
+        p = self.placement()
+        if p is None:
+            return self
+        return dataclasses.replace(self, device=p.device, dtype=p.dtype, reason=p.reason)
 
     def load(self) -> Any:
         if self.export is not None:
@@ -55,17 +78,19 @@ class PredictorSpec:
             import torch
 
             torch.set_num_threads(int(self.threads))
-        from rlcd.device import resolve_placement
         from rlcd.predict import Predictor
 
-        return Predictor.from_run(self.run, placement=resolve_placement(self.device, self.dtype), lazy=True,
+        return Predictor.from_run(self.run, placement=self.placement(), lazy=True,
                                   state_cache_mb=self.state_cache_mb, order_votes=self.order_votes,
                                   canonical=self.canonical, vote_combine=self.vote_combine)
 
     def identity(self) -> dict[str, Any]:
-        """What a resumed job must share with its start: the model and the options that change answers."""
+        """What a resumed job must share with its start: the model, the placement it runs on (device and dtype:
+        float32 and bfloat16 answers differ by up to ~1e-3) and the options that change answers."""
         src = Path(self.export or self.run).resolve()
-        return {"model": str(src), "portable": self.export is not None, "order_votes": self.order_votes,
+        p = self.placement()
+        where = {"device": p.device, "dtype": p.dtype} if p is not None else {"device": "cpu", "dtype": "float32"}
+        return {"model": str(src), "portable": self.export is not None, **where, "order_votes": self.order_votes,
                 "canonical": self.canonical, "vote_combine": self.vote_combine}
 
 

@@ -85,9 +85,8 @@ def serving_section(run_dir: Path, *, sizes: tuple[int, ...], repeats: int, stat
 
     from ..predict import Predictor
 
-    # as asked: transformers' pipeline renders a question as sent, so both sides must (canonical requests would
-    # reorder a choice's options on rlcd's side only)
-    pred = Predictor.from_run(run_dir, placement=placement, canonical=False)
+    # default settings on both sides: the export's remote code asks canonical forms as rlcd serve does
+    pred = Predictor.from_run(run_dir, placement=placement)
     pipe = pipeline("decision", model=str(run_dir / "export" / "hf"), trust_remote_code=True,
                     device=placement.torch_device, dtype=placement.torch_dtype)
     state = make_state(pred.model.tokenizer, state_tokens, seed)

@@ -331,6 +331,7 @@ def probe_order(
             add(f"choice K {bucket}", n, "voted", vb)
     console = result_console()
     console.print(table)
+    console.print(f"Questions {result['requests_note']}.", highlight=False)
     console.print(f"choice orders: all K!-1 for K <= 4 ({co['all']} questions); above, the reversal + a seeded sample "
                   f"of at most {result['max_perms']} orders ({co['sampled']} questions). Intervals: percentile "
                   f"bootstrap over cases, {result['resamples']} resamples, seed {result['seed']}.", highlight=False)
@@ -453,6 +454,7 @@ def probe_coherence(
     add("all forms", result["overall"])
     console = result_console()
     console.print(table)
+    console.print(f"Questions {result['requests_note']}.", highlight=False)
     console.print(f"{result['n_base']} base questions, {result['n_derived']} derived ({result['n_excluded']} not "
                   f"derivable: {result['exclusions'] or 'none'}); base answers' mean gap to exact "
                   f"{_num(result['base_mean_gap'])}. Intervals: percentile bootstrap over cases, {result['resamples']} "

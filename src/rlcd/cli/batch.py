@@ -74,10 +74,15 @@ def predict_batch(*, run: Optional[Path], export: Optional[Path], input: Optiona
         image_root = image_root or data
     spec = PredictorSpec(run=None if export is not None else str(run), export=str(export) if export else None,
                          device=device, dtype=dtype, threads=threads, order_votes=order_votes,
-                         state_cache_mb=state_cache_mb, canonical=canonical, vote_combine=vote_combine)
+                         state_cache_mb=state_cache_mb, canonical=canonical, vote_combine=vote_combine).resolved()
     source = input if input is not None else data / f"{split}.jsonl"
     job = {"input": input_identity(source), **spec.identity()}
     writer = PartWriter.check(output, job, resume=resume)
+    if not quiet and spec.export is None:  # the start-up line: where the model runs, and why that dtype
+        from rlcd.progress import echo
+
+        why = f" ({spec.reason})" if spec.reason else " (as --device / --dtype ask)"
+        echo(f"predict: the model runs on {spec.device} {spec.dtype}{why}")
     skip = writer.next_line - 1
     rows = (scan(input, skip_through=skip, seen=writer.seen) if input is not None
             else scan_split(data, split, skip_through=skip, seen=writer.seen))

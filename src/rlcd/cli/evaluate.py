@@ -20,13 +20,17 @@ NoCacheOpt = Annotated[bool, typer.Option("--no-cache", help="run the backbone e
                                            "feature cache matches the model (a head-only run reads it by default)")]
 AllowDataChangeOpt = Annotated[bool, typer.Option("--allow-data-change", help="score even though the run's data "
                                                    "files changed since it started (recorded in the outputs)")]
+EvalAsAskedOpt = Annotated[bool, typer.Option(
+    "--as-asked", help="score every row as the data writes it; by default each row is asked in the canonical form "
+                       "`rlcd serve` asks it (options sorted, duplicates once, a yes/no choice or score as a noul; "
+                       "docs/SERVING.md), so the evaluation is that of what the server answers")]
 CheckpointOpt = Annotated[Which, typer.Option("--checkpoint", help="best: the dev-selected checkpoint (the "
                                               "recipe); last: the one the final update left")]
 
 
 def calibrate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = DType.auto,
               checkpoint: CheckpointOpt = Which.best, allow_data_change: AllowDataChangeOpt = False,
-              no_cache: NoCacheOpt = False) -> None:
+              no_cache: NoCacheOpt = False, as_asked: EvalAsAskedOpt = False) -> None:
     """Fit one temperature per decision type on the calibration split (merged best or last checkpoint).
 
     Writes eval/temperatures.json; `rlcd evaluate` and the export use these temperatures when they
@@ -38,7 +42,7 @@ def calibrate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = 
 
     r = Run.open(run_path(run, None))
     echo_json(calibrate_run(r, placement=placement(device, dtype), which=checkpoint.value,
-                            allow_data_change=allow_data_change, feature_cache=not no_cache))
+                            allow_data_change=allow_data_change, feature_cache=not no_cache, canonical=not as_asked))
 
 
 OutOpt = Annotated[Optional[str], typer.Option(
@@ -79,6 +83,7 @@ def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = D
                  "--max-lost", metavar="SHARE", min=0.0, max=1.0,
                  help="with --remote: the share of rows read that may go unanswered; above it DIR is still written and "
                       "the command exits 3 (1 accepts any loss)")] = 0.05,
+             as_asked: EvalAsAskedOpt = False,
              ) -> None:
     """Score dev/calibration/test with the merged best (or last) checkpoint, calibrate, write eval/ and export/.
 
@@ -103,7 +108,7 @@ def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = D
     if remote is not None:  # votes: each choice question sent in N orders within its request, averaged here
         _evaluate_remote(run, remote, data=data, out=out, split=split, api_key_env=api_key_env, model=remote_model,
                          concurrency=concurrency, recalibrate=recalibrate, order_votes=order_votes, max_lost=max_lost,
-                         vote_combine=vote_combine.value)
+                         vote_combine=vote_combine.value, as_asked=as_asked)
         return
     for name, value, default in (("--split", split, "test"), ("--api-key-env", api_key_env, None),
                                  ("--remote-model", remote_model, None), ("--concurrency", concurrency, 4),
@@ -117,15 +122,16 @@ def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = D
     if data is not None:
         print_summary(evaluate_on_data(r, data, name=out, recalibrate=recalibrate, placement=placement(device, dtype),
                                        print_fn=echo, which=checkpoint.value, order_votes=order_votes,
-                                       vote_combine=vote_combine.value))
+                                       vote_combine=vote_combine.value, canonical=not as_asked))
         return
     print_summary(evaluate_run(r, placement=placement(device, dtype), print_fn=echo, which=checkpoint.value,
                                allow_data_change=allow_data_change, feature_cache=not no_cache,
-                               order_votes=order_votes, vote_combine=vote_combine.value))
+                               order_votes=order_votes, vote_combine=vote_combine.value, canonical=not as_asked))
 
 
 def _evaluate_remote(run, url: str, *, data, out, split: str, api_key_env, model, concurrency: int,
-                     recalibrate: bool, order_votes: int, max_lost: float = 0.05, vote_combine: str = "logmean") -> None:
+                     recalibrate: bool, order_votes: int, max_lost: float = 0.05, vote_combine: str = "logmean",
+                     as_asked: bool = False) -> None:
     """`rlcd evaluate --remote URL --data D --out DIR`: checks the options, then `rlcd.remote.evaluate_remote`."""
     import os
 
@@ -154,7 +160,8 @@ def _evaluate_remote(run, url: str, *, data, out, split: str, api_key_env, model
         raise OptionError(str(e)) from None
     try:
         ev = evaluate_remote(url, data, Path(out), split=split, api_key=key, model=model, concurrency=concurrency,
-                             votes=order_votes, vote_combine=vote_combine, print_fn=echo, max_lost=max_lost)
+                             votes=order_votes, vote_combine=vote_combine, print_fn=echo, max_lost=max_lost,
+                             canonical=not as_asked)
     except RowsLost as e:  # DIR is written: its summary first, then the one-line error and exit 3
         print_summary(e.evaluation)
         raise

@@ -43,7 +43,7 @@ from .collate import Batch, Collator, n_image_tokens, pad_rows, process_images
 from .families.base import fork_cache_rows, out_cache
 from .families.qwen35 import SUFFIX_CHUNK, mrope_positions  # noqa: F401 (mrope_positions: public API)
 from .head import CandidateScorer
-from .paths import CALL_OVERHEAD, sharing_pays
+from .paths import CALL_OVERHEAD, request_tokens, sharing_pays
 from .prompt import DEFAULT_MAX_TOKENS, DEFAULT_NOUL, EncodedRow, PromptEncoder
 from .state_cache import (PrefixState, RowFeatures, image_digest, max_state_tokens, prefix_key, row_key, snapshot_row,
                           stack_states)
@@ -547,7 +547,8 @@ class DecisionModel(nn.Module):
     def case_features_with_usage(self, cases: Sequence[CaseInputs], *, max_rows: int = 64, exact: bool = False,
                                  path: str = "auto", state_cache: Any = None, row_cache: Any = None
                                  ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], list[dict]]:
-        """`case_features` plus per-case usage: {input_tokens (the request's tokens, its shared prefix once),
+        """`case_features` plus per-case usage: {input_tokens (`paths.request_tokens`: the request's tokens, the part
+        its rows share once, whatever path, cache or batch),
         prefix_tokens (0 on the full path), cached_tokens (the prefix tokens the state cache supplied, not
         run), cached_rows (rows the row cache supplied), rows, full_tokens, image_tokens, calls (of the whole
         batch), batched_requests, path}.
@@ -614,7 +615,7 @@ class DecisionModel(nn.Module):
         for c, cut, w, t in zip(cases, plan, warm, todo):
             full_tokens = sum(len(r) for r in c.rows)
             p = cut or 0
-            usages.append({"input_tokens": p + sum(len(r) - p for r in c.rows) if cut is not None else full_tokens,
+            usages.append({"input_tokens": request_tokens(c.rows),
                            "prefix_tokens": p, "cached_tokens": p if w is not None else 0,
                            "cached_rows": len(c.rows) - len(t), "rows": len(c.rows),
                            "full_tokens": full_tokens, "image_tokens": c.n_img, "calls": calls,
@@ -842,7 +843,7 @@ class DecisionModel(nn.Module):
         cut = self.plan_paths([CaseInputs(rows, n_img=image_tokens)])[0]
         full = sum(len(r) for r in rows)
         p = cut or 0
-        return {"input_tokens": p + sum(len(r) - p for r in rows) if cut is not None else full, "prefix_tokens": p,
+        return {"input_tokens": request_tokens(rows), "prefix_tokens": p,
                 "full_tokens": full, "rows": len(rows), "path": "prefix" if cut is not None else "full"}
 
     # ------------------------------------------------------------------ records -> cases

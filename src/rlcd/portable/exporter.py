@@ -105,10 +105,13 @@ def check_supported(meta: dict) -> None:
 
 
 def test_records(run: Run) -> list:
-    from rlcd.data.io import load_split
+    """The test rows a parity gate scores: those `rlcd evaluate` scores (`rlcd.evaluate.scored_records`: original
+    rows only, derived forms left out, each in the canonical form `rlcd serve` asks it), so the gate's rows and the
+    export's temperatures, fitted on the same kind of rows, describe what the server answers."""
+    from rlcd.evaluate import scored_records
 
     path = run.data_dir / "test.jsonl"
-    records = load_split(run.data_dir, "test") if path.is_file() else []
+    records = scored_records(run.data_dir, "test")
     if not records:
         raise RunError(f"{path}: no test rows to check the export against; the parity gate scores the run's "
                        "test split")
@@ -322,7 +325,7 @@ def export_onnx(run: Run | Path, out: Path, *, quantize: str | None = None, max_
                        graph_bytes=(tmp / GRAPH).stat().st_size, axes=graph_axes(tmp / GRAPH))
         write_json(tmp / MANIFEST, doc)
 
-        say(f"onnx: parity gate on {len(records)} test rows (torch vs onnxruntime)")
+        say(f"onnx: parity gate on {len(records)} original test rows, as the server asks them (torch vs onnxruntime)")
         ref = torch_logits(model, records)
         rows, temps = parity_rows(records), meta["temperatures"]
         reports = {"float32": compare(rows, ref, onnx_logits(PortableModel(tmp), records), temps)}

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from rlcd.model.paths import sharing_pays
+from rlcd.model.paths import request_tokens, sharing_pays
 
 
 @dataclass
@@ -78,10 +78,8 @@ def pack_case(rows: Sequence) -> list[Sequence_]:
 
 
 def processed_tokens(rows: Sequence) -> int:
-    """Tokens the layout runs for a case (usage.input_tokens, as the torch path counts them)."""
-    cut = case_cut(rows)
-    full = sum(len(r) for r in rows)
-    return full if cut is None else cut + sum(len(r) - cut for r in rows)
+    """usage.input_tokens of a case, as the torch path counts it (`rlcd.model.paths.request_tokens`)."""
+    return request_tokens(rows)
 
 
 def group_sequences(lengths: Sequence[int], *, max_rows: int = 64, waste: float = 0.25) -> list[list[int]]:

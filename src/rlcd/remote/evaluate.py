@@ -20,6 +20,10 @@ and `RowsLost` is raised (exit 3); a calibration split with no answered row says
 Answers rebuilt from a top answer and a confidence (no ``probabilities`` sent) are scored and counted as
 reconstructed. With ``order_votes`` N > 1 each choice question is also asked in N-1 other orders
 (`rlcd.order_votes`) inside the same request and the answers are combined in candidate space (`vote_combine`).
+
+The rows are the ones `rlcd evaluate` scores (`rlcd.evaluate.scored_records`): original rows only (derived question
+forms, `rlcd data derive`, are left out, counted in ``derived_rows_left_out``), each sent in the canonical form
+`rlcd serve` asks it (``requests``: canonical; ``--as-asked``: as the data writes it).
 """
 
 from __future__ import annotations
@@ -185,15 +189,18 @@ def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "te
                     model: str | None = None, concurrency: int = 4, votes: int = 1,
                     vote_combine: str = DEFAULT_COMBINE, progress: bool = True,
                     timeout_s: float = 120.0, retries: int = 4, print_fn: Callable[[str], None] | None = None,
-                    client: SystemOneClient | None = None, max_lost: float = MAX_LOST) -> dict[str, Any]:
+                    client: SystemOneClient | None = None, max_lost: float = MAX_LOST,
+                    canonical: bool = True) -> dict[str, Any]:
     """Score `data_dir`'s `split` (and its calibration split, for the temperatures) on the System One server at
-    `url`; write `out_dir` (see the module doc) and return the evaluation dict. Inputs and the server are checked
+    `url`; write `out_dir` (see the module doc) and return the evaluation dict. The rows are those `rlcd evaluate`
+    scores (`rlcd.evaluate.scored_records`): original rows only, each sent in its canonical form (what `rlcd serve`
+    asks anyway), or as the data writes it with `canonical` False (`--as-asked`). Inputs and the server are checked
     before anything is written; `RowsLost` (after writing) when more than `max_lost` of the rows read are
     unanswered."""
     from rlcd.calibrate import GUARD, fit_per_type
-    from rlcd.data.io import load_split, write_jsonl
+    from rlcd.data.io import write_jsonl
     from rlcd.errors import OptionError, RunError
-    from rlcd.evaluate import SPLITS, _test_look, check_other_data
+    from rlcd.evaluate import SPLITS, _test_look, check_other_data, original_records, requests_form, scored_records
     from rlcd.gate import default_gates
     from rlcd.metrics import majority_baseline
     from rlcd.report import evaluation_from_predictions, write_evaluation, write_report
@@ -212,12 +219,13 @@ def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "te
     if not (data / f"{split}.jsonl").is_file():
         raise RunError(f"--data {data}: no {split}.jsonl to evaluate (--split names another)")
     out_dir = check_out_dir(out_dir)
-    records = {split: load_split(data, split)}
+    records = {split: scored_records(data, split, canonical=canonical)}
     if split != "calibration" and (data / "calibration.jsonl").is_file():
-        records["calibration"] = load_split(data, "calibration")
+        records["calibration"] = scored_records(data, "calibration", canonical=canonical)
+    derived = {s: _derived_rows(data, s) for s in records}
     records = {s: r for s, r in records.items() if r}
     if split not in records:
-        raise RunError(f"--data {data}: {split}.jsonl has no rows")
+        raise RunError(f"--data {data}: {split}.jsonl has no original rows")
     own = client is None
     client = client or SystemOneClient(url, api_key=api_key, timeout_s=timeout_s, retries=retries)
     try:
@@ -265,7 +273,8 @@ def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "te
               "rows_scored": n_read - len(unanswered), "rows_unanswered": len(unanswered),
               "unanswered_by_kind": dict(Counter(u["kind"] for u in unanswered)), "rows_by_split": by_split,
               "max_lost": max_lost,
-              "reconstructed": dict(reconstructed), "data": str(data), "split": split}
+              "reconstructed": dict(reconstructed), "data": str(data), "split": split,
+              "requests": requests_form(canonical), "derived_rows_left_out": derived}
     write_json(out_dir / "remote.json", remote)
     for s, rows in preds.items():
         write_jsonl(view.predictions_path(s), rows)
@@ -274,17 +283,17 @@ def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "te
     temps, infos = fit_per_type(cal)
     source = _temperature_source(data, by_split.get("calibration"), lost_by_split.get("calibration"))
     write_json(view.temperatures_path, {"temperatures": temps, "calibration": infos, "n_rows": len(cal),
-                                        "source": source, "guard": GUARD})
+                                        "source": source, "guard": GUARD, "requests": requests_form(canonical)})
     say(f"temperatures: {source}")
     for qtype, info in infos.items():
         if "fitted_temperature" in info:
             say(f"temperatures: {qtype} kept at T = 1: {info['reason']}")
-    train_rows = load_split(data, "train") if (data / "train.jsonl").is_file() else []
+    train_rows = original_records(data, "train")
     # on the rows the model was scored on: a baseline over rows the model never answered compares nothing
     baseline = majority_baseline(train_rows, preds[split]) if train_rows else None
     meta = {"run": f"{name} at {client.base}", "model": name, "remote": remote, "evaluated_on": str(data),
             "data_hashes": data_hashes(data), "calibration": infos, "temperatures_source": source,
-            "order_votes": votes, "vote_combine": vote_combine,
+            "order_votes": votes, "vote_combine": vote_combine, "requests": requests_form(canonical),
             "majority_baseline_from": str(data / "train.jsonl") if baseline else None,
             "majority_baseline_on": f"the {len(preds[split])} answered {split} rows" if baseline else None}
     if split == "test":
@@ -310,6 +319,13 @@ def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "te
                        f"{out_dir} is written (eval/unanswered.jsonl says why each row was lost), "
                        "--max-lost 1 accepts it", ev)
     return ev
+
+
+def _derived_rows(data: Path, split: str) -> int:
+    """How many derived rows (`rlcd data derive`) `split` holds: left out, as `rlcd evaluate` leaves them out."""
+    from rlcd.data.io import load_split
+
+    return sum(1 for r in load_split(data, split) if r.derived is not None)
 
 
 def _temperature_source(data: Path, counts: dict[str, int] | None, lost: Counter | None) -> str:

@@ -45,7 +45,10 @@ def coherence(ctx: Context) -> Section | None:
                f"|derived answer - f(original answer)|; a violation: deviation > {tol}. Gap: total variation of the "
                "derived answer to its exact target (implied: of f(original answer)); the original answers' mean gap "
                f"is {fmt(doc.get('base_mean_gap'), 3)}. {'Calibrated' if doc.get('calibrated') else 'Raw'} "
-               f"probabilities; 95% percentile bootstrap over cases ({doc.get('resamples')} resamples)."))
+               f"probabilities; 95% percentile bootstrap over cases ({doc.get('resamples')} resamples). Every form "
+               "is asked as written, to measure the model's own coherence: the evaluation above (and `rlcd serve`) "
+               "asks each question in its canonical form, which makes the order and yes/no-choice forms agree by "
+               "construction."))
     names = doc.get("families") or {}
     rows = []
     for fam, b in per_family.items():

@@ -52,7 +52,9 @@ def fragile(ctx: Context) -> Section | None:
                f"{doc.get('max_perms')}; score: levels reversed; noul: false/true wording swapped, the consistent "
                "answer being the complement). A flip: the top answer, mapped back, changes. Flip rates per "
                f"(question, order) comparison, 95% percentile bootstrap over cases ({doc.get('resamples')} resamples); "
-               "`rlcd probe order` wrote this file."))
+               "`rlcd probe order` wrote this file. The questions are asked as written, to measure the model's own "
+               "sensitivity to order: the numbers above this section (and `rlcd serve`) ask each question in its "
+               "canonical form, whose answer does not depend on the order its options are sent in."))
     rows = []
     for t, b in per_type.items():
         c = (doc.get("counts") or {}).get(t, {})

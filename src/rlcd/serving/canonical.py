@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rlcd.schema import Question
+from rlcd.schema import Question, Record
 
 # (meaning of the false option, meaning of the true option)
 YES_NO_MEANINGS = (("no", "yes"), ("false", "true"))
@@ -123,6 +123,33 @@ def asked_forms(questions: Sequence[Question], on: bool = True) -> tuple[list[Ca
     return canon, [c.asked for c in canon]
 
 
+def fold(c: Canonical, values: Sequence[float]) -> list[float]:
+    """A distribution over the caller's options folded onto the asked ones: asked option j gets the sum of the
+    caller options it answers (``sum_{i: source[i] = j} values[i]``). The exact target of the asked form: the
+    mapping back gives each caller option ``p[source[i]] / shares[i]``, whose fold is ``p`` again."""
+    out = [0.0] * c.asked.k
+    for i, v in enumerate(values):
+        out[c.source[i]] += float(v)
+    return out
+
+
+def canonical_record(rec: Record) -> Record:
+    """`rec` asked in its canonical form: the question `canonical(rec.question).asked`, its target and posterior
+    folded onto the asked options (`fold`); the same id, state, group and case. `rec` itself when the question is
+    asked as written. What `rlcd evaluate`, `rlcd calibrate`, the export gates and `evaluate --remote` score by
+    default: the rows of a run's evaluation are the rows its server is asked (docs/SERVING.md)."""
+    c = canonical(rec.question)
+    if c.asked is rec.question:
+        return rec
+    posterior = None if rec.posterior is None else fold(c, rec.posterior)
+    return rec.model_copy(update={"question": c.asked, "target": fold(c, rec.target), "posterior": posterior})
+
+
+def canonical_records(records: Sequence[Record], on: bool = True) -> list[Record]:
+    """`canonical_record` of each record (with `on`; else the records as written: `--as-asked`)."""
+    return [canonical_record(r) for r in records] if on else list(records)
+
+
 def answer_logits(c: Canonical, logits: Any, temperatures: Mapping[str, float]) -> tuple[Any, float]:
     """(logits, temperature) over the caller's options whose softmax(logits / temperature) is the mapped-back
     answer: ``p_caller[i] = p[source[i]] / shares[i]``, with ``p = softmax(logits / T_asked)`` the asked
@@ -149,4 +176,4 @@ def answer_logits(c: Canonical, logits: Any, temperatures: Mapping[str, float]) 
 
 
 __all__ = ["Canonical", "YES_NO_MEANINGS", "answer_logits", "as_noul", "asked_forms",
-           "canonical", "canonical_questions", "yes_no"]
+           "canonical", "canonical_questions", "canonical_record", "canonical_records", "fold", "yes_no"]

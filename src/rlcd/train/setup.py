@@ -217,8 +217,25 @@ def _resume_start(run: Run, d: Dist, held: contextlib.ExitStack, *, steps: int |
     check_tracker(config.get("log", "none"))
     placement = resolve_placement(device, dtype if dtype != "auto" else config.get("dtype", "auto"),
                                   local_rank=d.local_rank if d.active else None)
+    trained = trained_dtype(run, config)
+    if trained is not None and placement.dtype != trained:
+        asked = f"--dtype {dtype}" if dtype != "auto" else f"--dtype auto (here: {placement.dtype})"
+        raise ResumeRefused(f"refusing to resume {run.root} with {asked}: the run trains its backbone in {trained} "
+                            f"(config.json, metrics.jsonl) and one run is one precision; resume with --dtype "
+                            f"{trained}, or start a new run (--init {run.root} keeps its weights) to train in "
+                            f"{placement.dtype}")
     loaded = ckpt.load(run.checkpoint("last"), map_location=str(placement.torch_device))
     return Start(config, samples, placement, loaded=loaded)
+
+
+def trained_dtype(run: Run, config: dict) -> str | None:
+    """The backbone dtype the run has trained in: config.json's `dtype` when it names one, else (`auto`) the one its
+    sessions resolved it to (metrics.jsonl's session events); None when neither says. A resume keeps it: config.json
+    records one precision for the whole run, so a resume in another one is refused rather than recorded."""
+    if config.get("dtype", "auto") != "auto":
+        return str(config["dtype"])
+    sessions = [row.get("dtype") for row in run.metrics() if row.get("event") == "session" and row.get("dtype")]
+    return str(sessions[-1]) if sessions else None
 
 
 def _new_start(run: Run, d: Dist, *, data_dir: Path | None, model: str, recipe: Recipe | None, steps: int | None,
@@ -270,7 +287,7 @@ def setup(run_dir: Path, *, held: contextlib.ExitStack, data_dir: Path | None = 
                         device=device, dtype=dtype, log=log, init=init))
     config, loaded, fingerprint = start.config, start.loaded, {}
     deviation = precision_deviation(start.placement)
-    if deviation is not None:  # recorded in config.json (never silent); a resume in float32 keeps the record
+    if deviation is not None:  # recorded in config.json (never silent); a resume keeps the precision (trained_dtype)
         config["precision_deviation"] = deviation
 
     def load_weights(model) -> None:
