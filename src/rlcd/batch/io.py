@@ -218,6 +218,21 @@ def input_identity(path: Path) -> dict[str, Any]:
     return {"path": str(Path(path).resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
+def said(value: Any) -> str:
+    """A job.json value in words for a refusal: the input file as its path, size and modification time; another
+    mapping as ``key value, ...``; anything else as itself (strings unquoted)."""
+    import datetime as _dt
+
+    if isinstance(value, Mapping):
+        if {"path", "bytes", "mtime_ns"} <= set(value):
+            when = _dt.datetime.fromtimestamp(value["mtime_ns"] / 1e9, _dt.timezone.utc).isoformat(timespec="seconds")
+            return f"{value['path']}, {value['bytes']} bytes, modified {when}"
+        return ", ".join(f"{k} {said(v)}" for k, v in value.items()) or "nothing"
+    if value is None:
+        return "not recorded"
+    return str(value)
+
+
 class PartWriter:
     """The output of one job (see the module docstring). `open(output, job, resume)` checks the files first:
     an existing FILE or an unfinished job without `resume`, or a resume of another job, is a UserError
@@ -257,8 +272,8 @@ class PartWriter:
         diff = sorted(k for k in set(old) | set(self.job) if old.get(k) != self.job.get(k))
         if diff:
             k = diff[0]
-            raise UserError(f"--resume refused: {k} differs from the job's start ({old.get(k)!r} then, "
-                            f"{self.job.get(k)!r} now); run it as it began, or remove {self.parts} to start again")
+            raise UserError(f"--resume refused: {k} differs from the job's start ({said(old.get(k))} then, "
+                            f"{said(self.job.get(k))} now); run it as it began, or remove {self.parts} to start again")
         for part in self.committed():
             for o in self.read_part(part):
                 self._count(o)

@@ -402,7 +402,9 @@ def load_backbone(spec: str | Path = DEFAULT_PRESET, *, dtype: torch.dtype = tor
             log.info("backbone: building preset %s (random weights, seed %s) on %s", spec, seed, onto)
             return build_random(spec, hidden=hidden, seed=seed, dtype=dtype, device=device)
         if p["kind"] == "package-gguf":
-            log.info("backbone: loading preset %s from the GGUF file of the installed %s package onto %s", spec,
+            if spec == "gemma3-270m":  # a missing package is said first, not after a line calling it installed
+                packaged.require_gemma3()
+            log.info("backbone: loading preset %s from the GGUF file of the %s package onto %s", spec,
                      p.get("package", "python"), onto)
             return _load_package_gguf(spec, p, dtype=dtype, device=device)
         log.info("backbone: loading preset %s = %s@%s from the Hugging Face hub (or its local cache) onto %s", spec,
