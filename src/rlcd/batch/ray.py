@@ -178,9 +178,11 @@ def run_ray(spec: PredictorSpec, rows: Iterable[Row], writer: PartWriter, *, add
                     outcomes.append(Outcome(int(line), None if rid is None else str(rid), d.get("response"),
                                             d.get("reject")))
                 writer.commit(outcomes)
-                done += len(outcomes)
                 if progress is not None:
-                    progress.update(progress.start + done)
+                    progress.update(progress.start + done + len(outcomes))
+                    if not done:  # the actors have loaded their models: the eta counts scoring from here
+                        progress.ready()
+                done += len(outcomes)
         finally:
             if started:
                 ray.shutdown()
