@@ -330,6 +330,50 @@ def test_ray_cli_job_has_the_same_answers_rejects_and_layout(ray_cluster, run_di
     assert not parts_dir(out).exists()
 
 
+def test_a_ray_address_where_nothing_listens_is_one_line_in_bounded_time_and_writes_nothing(run_dir, tmp_path):
+    """`--ray --ray-address 127.0.0.1:PORT` with nothing there hung minutes in Ray's retry warnings and left
+    FILE.parts behind (blocking the next run). Now: one line, exit 2, in seconds, nothing written. A subprocess
+    with a timeout, so the old hang fails the test instead of stalling it."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("ray")
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write_input(src, good_requests(1, 1))
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "rlcd.cli", "predict", str(run_dir), "--input", str(src), "--output",
+                          str(out), "--ray", "--ray-address", f"127.0.0.1:{port}"], capture_output=True, text=True,
+                         timeout=90, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert time.monotonic() - t0 < 60
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and "no Ray cluster answers there" in lines[0], res.stderr
+    assert "Traceback" not in res.stderr
+    assert not out.exists() and not parts_dir(out).exists()
+
+
+def test_the_ray_job_asks_for_its_actors_with_compute_not_the_deprecated_concurrency():
+    pytest.importorskip("ray")
+    from ray.data import ActorPoolStrategy
+
+    from rlcd.batch.local import PredictorSpec
+    from rlcd.batch.ray import predict_dataset
+
+    class Dataset:
+        def map_batches(self, fn, **kw):
+            self.kw = kw
+            return self
+
+    ds = predict_dataset(Dataset(), PredictorSpec(run="r"), num_actors=3)
+    assert "concurrency" not in ds.kw, "Ray 2.51+ warns that `concurrency` is deprecated"
+    assert isinstance(ds.kw["compute"], ActorPoolStrategy) and ds.kw["compute"].min_size == 3 == ds.kw["compute"].max_size
+
+
 def test_without_ray_the_ray_option_is_one_line(run_dir, tmp_path):
     import importlib.util
 
