@@ -171,6 +171,44 @@ def test_parquet_in_and_out(run_dir, predictor, tmp_path):
     assert reject["line"] == len(requests) + 1 and reject["field"] == "id"
 
 
+def _column_requests():
+    """Requests whose question sets differ row to row (Parquet gives every row every key of a struct column)."""
+    noul = {"type": "noul", "instructions": "Is the customer angry?"}
+    score = {"type": "score", "instructions": "How urgent is it?", "criteria": ["not", "a bit", "quite", "very"]}
+    choice = {"type": "choice", "instructions": "Which department?", "criteria": ["billing", "shipping", "returns"]}
+    sets = [{"a": noul}, {"a": noul, "b": score}, {"b": score, "c": choice}, {"c": choice}, {"a": noul, "c": choice}]
+    return [{"id": f"r{i}", "state": STATES[i % len(STATES)] if i % len(STATES) != 1 else "a text state",
+             "questions": qs} for i, qs in enumerate(sets * 2)]
+
+
+@pytest.mark.parametrize("questions_as", ["json text", "struct"])
+def test_parquet_with_the_request_fields_as_columns(run_dir, predictor, tmp_path, questions_as):
+    """A new user's Parquet: `id`, `state` and `questions` columns. A JSON-text `questions` column was rejected
+    ("must be an object"), and in a struct column Parquet fills the keys a row lacks with null, so rows whose
+    question sets differ were rejected (6 of 9). JSON text is parsed; null-filled questions and fields dropped."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    requests = _column_requests()
+    questions = [r["questions"] for r in requests]
+    column = [json.dumps(q) for q in questions] if questions_as == "json text" else questions
+    table = pa.table({"id": [r["id"] for r in requests], "state": [r["state"] for r in requests],
+                      "questions": column})
+    if questions_as == "struct":
+        assert pa.types.is_struct(table.schema.field("questions").type)
+        assert table.column("questions").to_pylist()[0]["b"] is None, "Parquet fills a missing question with null"
+    pq.write_table(table, tmp_path / "in.parquet")
+    out = tmp_path / "out.jsonl"
+    res = invoke(["predict", run_dir, "--input", tmp_path / "in.parquet", "--output", out, "--device", "cpu",
+                  "--quiet"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert (summary["answered"], summary["rejected"]) == (len(requests), 0), rejects_path(out).read_text()
+    answers = read_output(out)
+    assert [sorted(a["answers"]) for a in answers] == [sorted(q) for q in questions]
+    check_against_predictor(predictor, requests, answers)
+
+
 def test_a_processed_split_is_one_request_per_record(run_dir, predictor, tmp_path):
     from conftest import synth_processed
 

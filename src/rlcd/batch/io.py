@@ -149,6 +149,31 @@ def scan(path: Path, *, skip_through: int = 0, seen: set[str] | None = None) -> 
             yield _row(line, obj, seen)
 
 
+OBJECT_COLUMNS = ("questions", "assets", "image")  # request fields that are JSON objects: a text column is JSON
+
+
+def from_columns(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """A Parquet row with the request's fields as columns, as the request a JSONL line would give. A column a row
+    leaves empty (null) is absent. An object field (OBJECT_COLUMNS) stored as text is JSON text, parsed (left as
+    it is when it does not parse: the request check then says why). In a struct column Parquet gives every row
+    every key any row has, the missing ones null: a question that is null is absent, and so is a question's
+    null `instructions`/`criteria`. (Inside a `criteria` mapping a null stays: there it means "no description".)"""
+    out: dict[str, Any] = {}
+    for k, v in obj.items():
+        if v is None and k != "id":
+            continue
+        if k in OBJECT_COLUMNS and isinstance(v, str) and "request" not in obj:
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError:
+                pass
+        if k == "questions" and isinstance(v, Mapping):
+            v = {qid: ({f: x for f, x in q.items() if x is not None} if isinstance(q, Mapping) else q)
+                 for qid, q in v.items() if q is not None}
+        out[k] = v
+    return out
+
+
 def _scan_parquet(path: Path, skip_through: int, seen: set[str]) -> Iterator[Row]:
     import pyarrow.parquet as pq
 
@@ -157,7 +182,7 @@ def _scan_parquet(path: Path, skip_through: int, seen: set[str]) -> Iterator[Row
         for obj in batch.to_pylist():
             line += 1
             if line > skip_through:
-                yield _row(line, {k: v for k, v in obj.items() if v is not None or k == "id"}, seen)
+                yield _row(line, from_columns(obj), seen)
 
 
 def split_request(record: Any) -> dict[str, Any]:
