@@ -171,6 +171,44 @@ def test_parquet_in_and_out(run_dir, predictor, tmp_path):
     assert reject["line"] == len(requests) + 1 and reject["field"] == "id"
 
 
+def _column_requests():
+    """Requests whose question sets differ row to row (Parquet gives every row every key of a struct column)."""
+    noul = {"type": "noul", "instructions": "Is the customer angry?"}
+    score = {"type": "score", "instructions": "How urgent is it?", "criteria": ["not", "a bit", "quite", "very"]}
+    choice = {"type": "choice", "instructions": "Which department?", "criteria": ["billing", "shipping", "returns"]}
+    sets = [{"a": noul}, {"a": noul, "b": score}, {"b": score, "c": choice}, {"c": choice}, {"a": noul, "c": choice}]
+    return [{"id": f"r{i}", "state": STATES[i % len(STATES)] if i % len(STATES) != 1 else "a text state",
+             "questions": qs} for i, qs in enumerate(sets * 2)]
+
+
+@pytest.mark.parametrize("questions_as", ["json text", "struct"])
+def test_parquet_with_the_request_fields_as_columns(run_dir, predictor, tmp_path, questions_as):
+    """A new user's Parquet: `id`, `state` and `questions` columns. A JSON-text `questions` column was rejected
+    ("must be an object"), and in a struct column Parquet fills the keys a row lacks with null, so rows whose
+    question sets differ were rejected (6 of 9). JSON text is parsed; null-filled questions and fields dropped."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    requests = _column_requests()
+    questions = [r["questions"] for r in requests]
+    column = [json.dumps(q) for q in questions] if questions_as == "json text" else questions
+    table = pa.table({"id": [r["id"] for r in requests], "state": [r["state"] for r in requests],
+                      "questions": column})
+    if questions_as == "struct":
+        assert pa.types.is_struct(table.schema.field("questions").type)
+        assert table.column("questions").to_pylist()[0]["b"] is None, "Parquet fills a missing question with null"
+    pq.write_table(table, tmp_path / "in.parquet")
+    out = tmp_path / "out.jsonl"
+    res = invoke(["predict", run_dir, "--input", tmp_path / "in.parquet", "--output", out, "--device", "cpu",
+                  "--quiet"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert (summary["answered"], summary["rejected"]) == (len(requests), 0), rejects_path(out).read_text()
+    answers = read_output(out)
+    assert [sorted(a["answers"]) for a in answers] == [sorted(q) for q in questions]
+    check_against_predictor(predictor, requests, answers)
+
+
 def test_a_processed_split_is_one_request_per_record(run_dir, predictor, tmp_path):
     from conftest import synth_processed
 
@@ -328,6 +366,50 @@ def test_ray_cli_job_has_the_same_answers_rejects_and_layout(ray_cluster, run_di
     check_against_predictor(predictor, requests, answers)
     assert {json.loads(ln)["line"] for ln in rejects_path(out).read_text().splitlines()} == set(bad)
     assert not parts_dir(out).exists()
+
+
+def test_a_ray_address_where_nothing_listens_is_one_line_in_bounded_time_and_writes_nothing(run_dir, tmp_path):
+    """`--ray --ray-address 127.0.0.1:PORT` with nothing there hung minutes in Ray's retry warnings and left
+    FILE.parts behind (blocking the next run). Now: one line, exit 2, in seconds, nothing written. A subprocess
+    with a timeout, so the old hang fails the test instead of stalling it."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("ray")
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there
+    src, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    write_input(src, good_requests(1, 1))
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "rlcd.cli", "predict", str(run_dir), "--input", str(src), "--output",
+                          str(out), "--ray", "--ray-address", f"127.0.0.1:{port}"], capture_output=True, text=True,
+                         timeout=90, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert time.monotonic() - t0 < 60
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and "no Ray cluster answers there" in lines[0], res.stderr
+    assert "Traceback" not in res.stderr
+    assert not out.exists() and not parts_dir(out).exists()
+
+
+def test_the_ray_job_asks_for_its_actors_with_compute_not_the_deprecated_concurrency():
+    pytest.importorskip("ray")
+    from ray.data import ActorPoolStrategy
+
+    from rlcd.batch.local import PredictorSpec
+    from rlcd.batch.ray import predict_dataset
+
+    class Dataset:
+        def map_batches(self, fn, **kw):
+            self.kw = kw
+            return self
+
+    ds = predict_dataset(Dataset(), PredictorSpec(run="r"), num_actors=3)
+    assert "concurrency" not in ds.kw, "Ray 2.51+ warns that `concurrency` is deprecated"
+    assert isinstance(ds.kw["compute"], ActorPoolStrategy) and ds.kw["compute"].min_size == 3 == ds.kw["compute"].max_size
 
 
 def test_without_ray_the_ray_option_is_one_line(run_dir, tmp_path):

@@ -88,6 +88,36 @@ def test_help_wraps_sentences_at_the_terminal_not_at_the_source_lines():
     assert reflow("\bkept\nas is") == "\bkept\nas is" and reflow(None) is None
 
 
+def _commands(group, path=()):
+    """(path, click command) for every visible command of the app."""
+    for name, cmd in getattr(group, "commands", {}).items():
+        if getattr(cmd, "hidden", False):
+            continue
+        yield (*path, name), cmd
+        yield from _commands(cmd, (*path, name))
+
+
+def test_help_never_cuts_an_option_name_at_80_columns():
+    """`serve --help` at 80 columns showed `--max-request-by…`: rich shrank the option-name column with an
+    ellipsis. Every command's help at 80 columns shows each of its option names whole."""
+    import re
+
+    import typer.main
+
+    group = typer.main.get_command(app)
+    checked = 0
+    for path, cmd in _commands(group):
+        out = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "80"})
+        assert out.exit_code == 0, (path, out.output)
+        shown = set(re.findall(r"--[A-Za-z0-9][A-Za-z0-9-]*", out.output))
+        for param in cmd.params:
+            for name in [*param.opts, *param.secondary_opts]:
+                if name.startswith("--") and not getattr(param, "hidden", False):
+                    assert name in shown, (" ".join(path), name, out.output)
+                    checked += 1
+    assert checked > 100 and any(p == ("serve",) for p, _ in _commands(group))
+
+
 def test_version():
     from importlib.metadata import version
 

@@ -39,7 +39,8 @@ def test_each_arm_carries_its_own_runs_accuracy_and_the_dimensions(tmp_path):
     rows = {r[0]: dict(zip(cols, r)) for r in rec["table"]["rows"]}
     ra = next(v for k, v in rows.items() if k.startswith("rlcd a "))
     rb = next(v for k, v in rows.items() if k.startswith("rlcd b "))
-    assert (ra["accuracy"], rb["accuracy"]) == (0.61, 0.74)
+    own = "accuracy on rlcd's test split (calibrated)"
+    assert (ra[own], rb[own]) == (0.61, 0.74)
     assert ra["JevBench overall"] == pytest.approx(82.3) and ra["MEA"] == pytest.approx(52.3) and ra["LOG"] is None
     assert rb["CHO"] == 0.0 and rb["BAT"] == pytest.approx(90.0)
     assert rows["uniform answer"]["JevBench overall"] == 89.4 and rows["uniform answer"]["MEA"] is None
@@ -57,3 +58,18 @@ def test_an_arm_without_an_evaluation_is_refused_unless_given_one(tmp_path, caps
     ev.write_text(json.dumps({"calibrated": {"overall": {"accuracy": 0.5}}}))
     assert to_bench.main([str(lost), "--eval", str(ev), "--results-dir", str(tmp_path / "out")]) == 0
     assert not (ROOT / "benchmarks" / "results" / "jb-test.json").exists()
+
+
+def test_two_different_accuracies_never_share_a_column(tmp_path):
+    """rlcd's arms are scored on rlcd's own test split; the leaderboard's uniform answer (0.398) on JevBench's
+    items. One column named "accuracy" held both; now each column says what it measured, and each row fills its own."""
+    a = _arm(tmp_path, "a", 0.61, {})
+    assert to_bench.main([str(a), "--name", "jb-test", "--results-dir", str(tmp_path / "out")]) == 0
+    rec = json.loads((tmp_path / "out" / "jb-test.json").read_text())["results"]
+    cols = rec["table"]["columns"]
+    assert "accuracy" not in cols
+    own, jev = "accuracy on rlcd's test split (calibrated)", "accuracy on JevBench items (leaderboard)"
+    rows = {r[0]: dict(zip(cols, r)) for r in rec["table"]["rows"]}
+    ra = next(v for k, v in rows.items() if k.startswith("rlcd a "))
+    assert (ra[own], ra[jev]) == (0.61, None)
+    assert (rows["uniform answer"][own], rows["uniform answer"][jev]) == (None, 0.398)

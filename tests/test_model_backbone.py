@@ -174,3 +174,34 @@ def test_mrope_positions_match_transformers(tmp_path):
     for i in range(3):
         real = b.attention_mask[i].bool()
         torch.testing.assert_close(ours[i, real], hf[i, real], atol=1e-6, rtol=1e-6)
+
+
+# ------------------------------------------------------------------ issue 70: a bad .gguf is one line
+
+
+def _bad_ggufs(base):
+    import struct
+
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "empty.gguf").write_bytes(b"")
+    (base / "junk.gguf").write_bytes(b"<html>not a model</html>" * 40)
+    # a GGUF header promising 3 tensors and 2 metadata entries, cut after the counts: a download that stopped
+    (base / "cut.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 3, 2) + b"\x05\x00")
+    return {"empty.gguf": "is empty (0 bytes)", "junk.gguf": "does not start with the GGUF magic bytes",
+            "cut.gguf": "truncated or corrupt", "missing.gguf": "no such .gguf file"}
+
+
+def test_an_empty_corrupt_or_missing_gguf_is_one_line_for_train_and_prepare(tmp_path):
+    """Before: a 160-line traceback (empty: "cannot mmap an empty file"; cut: a struct error) and a missing file
+    called an "unknown backbone". Each is one line, exit 2, nothing written, for `train` and `data prepare`."""
+    from conftest import synth_processed, user_error
+
+    data = synth_processed(tmp_path, 6, seed=1)
+    for name, says in _bad_ggufs(tmp_path / "models").items():
+        model = tmp_path / "models" / name
+        user_error(["train", tmp_path / f"run-{name}", "--data", data, "--model", model, "--steps", "1"],
+                   contains=says, max_lines=2)
+        assert not (tmp_path / f"run-{name}").exists()
+        user_error(["data", "prepare", tmp_path / "synth.jsonl", "--out", tmp_path / f"p-{name}", "--model", model],
+                   contains=says, max_lines=2)
+        assert not (tmp_path / f"p-{name}").exists()

@@ -88,3 +88,47 @@ def test_speed_below_one_per_second_is_seconds_per_unit():
 @pytest.mark.parametrize("seconds, text", [(0, "0s"), (42.4, "42s"), (185, "3m05s"), (7620, "2h07m")])
 def test_duration(seconds, text):
     assert duration(seconds) == text
+
+
+def test_the_clock_starts_when_the_model_is_ready(clock):
+    """A batch job made its bar, then loaded the model for 80 s, then scored 2 rows/s: the eta said `1m25s` for
+    seconds of work left. After `ready()` rate and eta count the scoring only (plain lines and the bar alike)."""
+    out = io.StringIO()
+    p = Progress("predict", 40, stream=out, bar=False, lines=4)
+    clock.t += 80.0  # loading
+    p.ready()
+    clock.t += 6.0
+    p.update(12)
+    assert out.getvalue().splitlines() == ["predict: 12/40 rows (30%), 2.0 rows/s, eta 14s"]
+    bar_out = io.StringIO()
+    with Progress("predict", 40, stream=bar_out, bar=True) as b:
+        clock.t += 80.0
+        b.ready()
+        clock.t += 6.0
+        b.update(12)
+    assert re.search(r"12/40 rows 2\.0 rows/s eta 14s", bar_out.getvalue()), bar_out.getvalue()
+
+
+def test_the_batch_job_starts_the_clock_after_loading_the_model(tmp_path):
+    from rlcd.batch.io import PartWriter
+    from rlcd.batch.local import run_local
+
+    events = []
+
+    class Predictor:
+        @property
+        def model(self):
+            events.append("model loaded")
+
+    class Bar:
+        start = 0
+
+        def ready(self):
+            events.append("clock started")
+
+        def update(self, done, info=""):
+            events.append("update")
+
+    writer = PartWriter.check(tmp_path / "out.jsonl", {"model": "m"}, resume=False)
+    run_local(Predictor(), [], writer, progress=Bar())
+    assert events == ["model loaded", "clock started"]

@@ -349,17 +349,19 @@ def test_a_server_that_dies_mid_run_is_said_and_fails_above_max_lost(tmp_path, d
     with pytest.raises(RowsLost) as err:
         evaluate_remote("http://fake", data_dir, tmp_path / "a", client=client(), progress=False, concurrency=1)
     msg = str(err.value)
-    assert f"{lost} of {len(test) + len(cal)} rows" in msg and f"request_failed {lost}" in msg
+    assert f"{lost} of {len(test) + len(cal)} rows" in msg and "request_failed" in msg and "not_sent" in msg
+    assert "stopped sending once failed requests had lost" in msg, "sending stops once the bound is lost"
     assert f"test {n_test_answered} of {len(test)}, calibration 0 of {len(cal)}" in msg and "--max-lost 0.05" in msg
     temps = json.loads((tmp_path / "a" / "eval" / "temperatures.json").read_text())
     assert temps["temperatures"] == {"choice": 1.0, "noul": 1.0, "score": 1.0}
     assert temps["source"] == (f"none: none of the {len(cal)} rows of {data_dir / 'calibration.jsonl'} got a usable "
-                               f"answer (request_failed {len(cal)}): T = 1")
+                               f"answer (not_sent {len(cal)}): T = 1"), "sending stopped before the calibration requests"
     remote = json.loads((tmp_path / "a" / "remote.json").read_text())
     assert remote["rows_by_split"] == {"test": {"read": len(test), "answered": n_test_answered},
                                        "calibration": {"read": len(cal), "answered": 0}}
     assert err.value.evaluation["majority_baseline"]["n"] == n_test_answered
-    # the share is a bound: exactly at it passes, just under it fails
+    # the share is a bound: exactly at it passes, just under it fails (failures in a row would stop it first)
+    monkeypatch.setattr(remote_eval, "FAILURES_IN_A_ROW", 10_000)
     share = lost / (len(test) + len(cal))
     evaluate_remote("http://fake", data_dir, tmp_path / "b", client=client(), progress=False, concurrency=1,
                     max_lost=share)
@@ -649,3 +651,184 @@ def test_remote_evaluation_scores_the_original_rows_in_canonical_form_as_rlcd_ev
     evaluate_remote("http://fake", derived, tmp_path / "raw", client=client, progress=False, canonical=False)
     assert json.loads((tmp_path / "raw" / "remote.json").read_text())["requests"] == "as_asked"
     assert not all(as_sent(q) for q in sent), "--as-asked sends the rows as written"
+
+
+# ------------------------------------------------------------------ issue 70: --out, a dead server, a wrong model
+
+
+def _uniform_answers(body):
+    out = {}
+    for qid, q in body["questions"].items():
+        if q["type"] == "noul":
+            out[qid] = {"type": "noul", "noul": 0.5}
+        else:
+            k = len(q["criteria"])
+            labels = list(q["criteria"]) if q["type"] == "choice" else [str(i) for i in range(k)]
+            out[qid] = {"type": q["type"], "probabilities": {lab: 1 / k for lab in labels},
+                        **({"score": (k - 1) / 2, "legend": {}} if q["type"] == "score" else {})}
+    return {"model": body["model"], "answers": out, "usage": {"input_tokens": 1, "output_tokens": 0}}
+
+
+def test_a_non_empty_out_is_refused_without_force_and_force_clears_the_old_evaluation(tmp_path, data_dir, monkeypatch):
+    """A new user re-ran into the same DIR with another --split: the old predictions-dev.jsonl stayed beside the new
+    files and `rlcd compare` paired it. Now a non-empty DIR is refused (nothing touched) and --force starts clean."""
+    import rlcd.remote.evaluate as remote_eval
+
+    monkeypatch.setattr(remote_eval, "SystemOneClient", lambda url, **kw: SystemOneClient(url, transport=_server(["m"])))
+    out = tmp_path / "out"
+    args = ["evaluate", "--remote", "http://fake", "--data", str(data_dir), "--out", str(out)]
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    res = CliRunner().invoke(app, [*args, "--split", "dev"])
+    assert res.exit_code == 0, res.output
+    assert (out / "eval" / "predictions-dev.jsonl").is_file()
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    user_error([*args, "--split", "test"], contains="--force")
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before, "a refusal touches nothing"
+    res = CliRunner().invoke(app, [*args, "--split", "test", "--force"])
+    assert res.exit_code == 0, res.output
+    assert not (out / "eval" / "predictions-dev.jsonl").exists(), "the earlier evaluation's files are gone"
+    assert json.loads((out / "remote.json").read_text())["split"] == "test"
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    user_error([*args[:-1], str(tmp_path / "mine"), "--force"], contains="not a remote evaluation")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "mine"
+    user_error(["evaluate", tmp_path, "--force"], contains="goes with --remote")
+
+
+def _loopback_server(answered_requests):
+    """A real HTTP System One server on 127.0.0.1 that answers `/v1/models` and its first `answered_requests`
+    requests, then shuts down (its port refuses connections): a server killed mid-run. Returns (url, thread)."""
+    import http.server
+    import threading
+
+    seen = [0]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _send(self, obj):
+            data = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._send({"models": [{"name": "m"}]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            seen[0] += 1
+            self._send(_uniform_answers(body))
+            if seen[0] >= answered_requests:
+                threading.Thread(target=die, daemon=True).start()
+
+    def die():  # stop serving and close the port: later connections are refused
+        server.shutdown()
+        server.server_close()
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+
+    def close():
+        thread.join(10)
+    return f"http://127.0.0.1:{server.server_address[1]}", close
+
+
+def test_a_server_killed_mid_run_stops_the_evaluation_with_exit_3_in_bounded_time(tmp_path, data_dir, monkeypatch):
+    """The server answers 2 requests and dies. Before: every remaining request was retried 4 times with back-off,
+    counted as progress, and with --max-lost 1 the command even exited 0. Now one line says requests fail, sending
+    stops after FAILURES_IN_A_ROW failures in a row (the rest `not_sent`), DIR keeps what was answered, exit 3."""
+    import rlcd.remote.evaluate as remote_eval
+    from rlcd.data.io import load_split
+    from typer.testing import CliRunner
+
+    from rlcd.cli import app
+
+    FAILURES_IN_A_ROW = 3  # the fixture's 7 requests: 2 answered, 3 failed, 2 never sent
+    monkeypatch.setattr(remote_eval, "FAILURES_IN_A_ROW", FAILURES_IN_A_ROW)
+    test, cal = load_split(data_dir, "test"), load_split(data_dir, "calibration")
+    outgoing, _ = build_requests({"test": test, "calibration": cal}, "m")
+    assert len(outgoing) > FAILURES_IN_A_ROW + 2, "the fixture has more requests than the stop needs"
+    url, close = _loopback_server(2)
+    real = SystemOneClient
+    monkeypatch.setattr(remote_eval, "SystemOneClient",  # the CLI's client, with its back-off sleeps skipped
+                        lambda u, **kw: real(u, **{**kw, "sleep": lambda _: None}))
+    t0 = time.monotonic()
+    res = CliRunner().invoke(app, ["evaluate", "--remote", url, "--data", str(data_dir), "--out", str(tmp_path / "d"),
+                                   "--concurrency", "1", "--max-lost", "1"])
+    close()
+    assert time.monotonic() - t0 < 60
+    assert res.exit_code == 3, res.output
+    failing = [ln for ln in res.stderr.splitlines() if "requests are failing" in ln]
+    assert len(failing) == 1 and "no response" in failing[0], res.stderr
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("rlcd: error:")]
+    assert len(errors) == 1 and f"stopped after {FAILURES_IN_A_ROW} requests in a row failed" in errors[0], res.stderr
+    unanswered = [json.loads(x) for x in (tmp_path / "d" / "eval" / "unanswered.jsonl").read_text().splitlines()]
+    kinds = {k: sum(u["kind"] == k for u in unanswered) for k in ("request_failed", "not_sent")}
+    assert kinds["not_sent"] > 0 and all(u["reason"].startswith("not sent: stopped") for u in unanswered
+                                         if u["kind"] == "not_sent")
+    failed_requests = {u["id"] for u in unanswered if u["kind"] == "request_failed"}
+    assert 0 < len(failed_requests) <= sum(len(o.asked) for o in outgoing[2:2 + FAILURES_IN_A_ROW])
+    remote = json.loads((tmp_path / "d" / "remote.json").read_text())
+    assert remote["rows_scored"] == sum(len(o.asked) for o in outgoing[:2])
+
+
+def test_a_dead_server_loses_rows_past_max_lost_and_stops_sending(tmp_path, data_dir):
+    """With the default --max-lost the failed requests alone decide it: sending stops once they lost more than the
+    share allows (the rest are `not_sent`), long before FAILURES_IN_A_ROW would."""
+    from rlcd.remote.evaluate import RowsLost
+
+    calls = []
+
+    def dying(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"models": [{"name": "m"}]})
+        calls.append(1)
+        if len(calls) > 1:
+            raise httpx.ConnectError("connection refused")
+        return httpx.Response(200, json=_uniform_answers(json.loads(request.content)))
+
+    client = SystemOneClient("http://fake", retries=0, transport=httpx.MockTransport(dying))
+    with pytest.raises(RowsLost) as err:
+        evaluate_remote("http://fake", data_dir, tmp_path / "a", client=client, progress=False, concurrency=1,
+                        failures_in_a_row=1000)
+    assert "stopped sending once failed requests had lost" in str(err.value)
+    assert "more than --max-lost 0.05 allows" in str(err.value)
+    unanswered = [json.loads(x) for x in (tmp_path / "a" / "eval" / "unanswered.jsonl").read_text().splitlines()]
+    assert any(u["kind"] == "not_sent" for u in unanswered)
+    n_read = json.loads((tmp_path / "a" / "remote.json").read_text())["rows_read"]
+    failed = sum(u["kind"] == "request_failed" for u in unanswered)
+    assert failed > 0.05 * n_read and len(calls) < 10
+
+
+def test_a_model_a_strict_server_does_not_serve_is_exit_2_and_nothing_written(tmp_path, data_dir, monkeypatch):
+    """`rlcd serve --strict-model` answers 404 for another name: every request is refused alike, so the command
+    stops after a few, says the server's reason in one line, exits 2 and writes nothing (SERVING.md says so)."""
+    import rlcd.remote.evaluate as remote_eval
+    from rlcd.remote.evaluate import FAILURES_IN_A_ROW
+
+    calls = []
+
+    def strict(request):
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"models": [{"name": "run"}]})
+        calls.append(1)
+        return httpx.Response(404, json={"detail": [{"loc": ["body", "model"], "type": "value_error",
+                                                     "msg": "unknown model 'other'; this server serves 'run'"}]})
+
+    monkeypatch.setattr(remote_eval, "SystemOneClient",
+                        lambda u, **kw: SystemOneClient(u, transport=httpx.MockTransport(strict)))
+    out = tmp_path / "out"
+    res = user_error(["evaluate", "--remote", "http://fake", "--data", data_dir, "--out", out, "--remote-model",
+                      "other"], code=2, contains="unknown model 'other'; this server serves 'run'", max_lines=4)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("rlcd: error:")]
+    assert len(errors) == 1 and "nothing written" in errors[0], res.stderr
+    assert not out.exists()
+    assert len(calls) <= FAILURES_IN_A_ROW + 4, "it stops asking once every request is refused alike"

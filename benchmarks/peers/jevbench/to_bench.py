@@ -8,7 +8,8 @@ whose run has none on this machine. An arm with neither is refused (no accuracy,
 benchmarks/results/NAME.json (default jevbench-demo) (`rlcd.bench.report.save_result`; then `rlcd bench report`): rlcd's arms
 beside the JevBench leaderboard's published jevbench-mini scores, each with its accuracy, and the pass rate of
 every relation the arms ran. rlcd's accuracy is its own evaluation's (`rlcd evaluate`, the test split, calibrated):
-JevBench uses no gold answers. The published numbers are the ones the issue quotes and jevbench 0.1.0's README
+JevBench uses no gold answers. The two are different numbers and sit in two columns, each named for what it
+measures (OWN_ACCURACY, JEV_ACCURACY). The published numbers are the ones the issue quotes and jevbench 0.1.0's README
 states (uniform 89.4 at 39.8% accuracy; the models' accuracies are on the leaderboard's site, not in the package).
 """
 
@@ -27,6 +28,10 @@ KEY = ("option_permutation", "clone_symmetry", "option_clone", "noul_as_choice",
 COLUMNS = ("option_permutation (choice)", "option_permutation (score reversed)", *KEY[1:])
 # JevBench's five dimensions ("pillars"), scored 0-100 like the overall when their groups ran
 PILLARS = ("REP", "BAT", "MEA", "LOG", "CHO")
+# two different accuracies, never under one name: rlcd's arms are scored on rlcd's own test split (JevBench items carry
+# no gold answers); the leaderboard's accuracy is on JevBench's items
+OWN_ACCURACY = "accuracy on rlcd's test split (calibrated)"
+JEV_ACCURACY = "accuracy on JevBench items (leaderboard)"
 
 
 def _score(x: float | None) -> float | None:
@@ -68,10 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         pillars = a.get("pillars") or {}
         rows.append([f"rlcd {a['name']} ({a['server'].get('backbone', '?')}, "
                      f"{'canonical' if a['server'].get('canonical_requests') else 'as asked'})",
-                     _score(a.get("overall")), round(accs[a["name"]][0], 4), *(_score(pillars.get(k)) for k in PILLARS),
+                     _score(a.get("overall")), round(accs[a["name"]][0], 4), None,
+                     *(_score(pillars.get(k)) for k in PILLARS),
                      *_cells(a), a["groups"].get("BAT.isolation"), "measured here"])
     for name, score, accuracy in PUBLISHED:
-        rows.append([name, score, accuracy, *([None] * len(PILLARS)), *([None] * len(COLUMNS)), None,
+        rows.append([name, score, None, accuracy, *([None] * len(PILLARS)), *([None] * len(COLUMNS)), None,
                      "leaderboard (published)"])
     relations = sorted({r for a in arms for r in a["relations"]})
     out = {
@@ -81,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         "errors": {a["name"]: a["errors"] for a in arms},
         "wall_seconds": {a["name"]: a["wall_seconds"] for a in arms},
         "accuracy_source": {n: src for n, (_, src) in accs.items()},
-        "table": {"columns": ["model", "JevBench overall", "accuracy", *PILLARS, *COLUMNS, "BAT.isolation", "source"],
+        "table": {"columns": ["model", "JevBench overall", OWN_ACCURACY, JEV_ACCURACY, *PILLARS, *COLUMNS,
+                              "BAT.isolation", "source"],
                   "rows": rows},
         "relations_table": {"columns": ["relation", *(a["name"] for a in arms)],
                             "rows": [[r, *(a["relations"].get(r) for a in arms)] for r in relations]},

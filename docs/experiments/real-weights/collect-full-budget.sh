@@ -19,4 +19,5 @@ done
 cp "$OUT"/compare-{head-vs-control,head-vs-top4,control-vs-top4}-*.json "$OUT/cut-states.json" "$OUT/features.json" \
   "$DOCS/" 2>/dev/null || true
 grep "^==" "$OUT/run.log" > "$DOCS/stamps.txt" || true
+PYTHONPATH="$PWD/src" .venv/bin/python -m rlcd.relpaths "$DOCS"  # committed JSON names paths relative to the repo (runs/...), not this machine's
 .venv/bin/python docs/experiments/real-weights/table_full_budget.py "$DOCS" | tee "$DOCS/tables.md"

@@ -29,4 +29,5 @@ done
 cp "$OUT/lpft.log" "$OUT/lpft-last.log" "$DOCS/lpft/" 2>/dev/null || true
 cp "$OUT"/compare-*.json "$DOCS/" 2>/dev/null || true
 cp "$OUT/features-extract.log" "$DOCS/features.log" 2>/dev/null || true
+PYTHONPATH="$PWD/src" .venv/bin/python -m rlcd.relpaths "$DOCS"  # committed JSON names paths relative to the repo (runs/...), not this machine's
 .venv/bin/python docs/experiments/real-weights/table_head_only.py "$DOCS"

@@ -14,4 +14,5 @@ for run in head "top$K-ce" "top$K-rlcd" "top$K-ce-head5e4" "top$K-ce-head5e4-lor
   cp "$OUT/$run/config.json" "$DOCS/$run.config.json"
 done
 cp "$OUT"/compare-*.json "$OUT/timing.json" "$OUT/cut-states.json" "$OUT/features.json" "$OUT/cut-states.first.json" "$DOCS/" 2>/dev/null || true
+PYTHONPATH="$PWD/src" .venv/bin/python -m rlcd.relpaths "$DOCS"  # committed JSON names paths relative to the repo (runs/...), not this machine's
 .venv/bin/python docs/experiments/real-weights/table_top_layers.py "$DOCS" | tee "$DOCS/tables.md"

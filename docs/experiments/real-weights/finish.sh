@@ -49,4 +49,5 @@ for metric in nll accuracy brier; do
     $RLCD compare "$OUT/tiny-rlcd$sfx" "$OUT/tiny-ce$sfx" --metric $metric --grouped --json-out "$DOCS/compare-${pre}tiny-rlcd-vs-ce-$metric.json"
   done
 done
+PYTHONPATH="$PWD/src" .venv/bin/python -m rlcd.relpaths "$DOCS"  # committed JSON names paths relative to the repo (runs/...), not this machine's
 stamp done

@@ -87,5 +87,6 @@ cp "$RUN/config.json" "$DOCS/$NAME-top$K.config.json"
 cp "$cut" "$DOCS/$NAME.cut$K.json"
 cp "$OUT"/bb-compare/compare-*-vs-"$NAME-top$K"-*.json "$DOCS/"
 cp "$OUT/bb-stamps.txt" "$DOCS/stamps.txt"
+PYTHONPATH="$PWD/src" "$PY" -m rlcd.relpaths "$DOCS"  # committed JSON names paths relative to the repo (runs/...), not this machine's
 "$PY" "$HERE/table_backbones.py" "$DOCS" | tee "$DOCS/tables.md"
 stamp "done $NAME-top$K"

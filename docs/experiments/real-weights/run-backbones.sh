@@ -178,5 +178,6 @@ json.dump({"ref": ref, "backbones": names, "steps": steps, "threads": threads, "
 PY
 stamp "tables"
 cp "$OUT/bb-stamps.txt" "$DOCS/stamps.txt"
+PYTHONPATH="$PWD/src" "$PY" -m rlcd.relpaths "$DOCS"  # committed JSON names paths relative to the repo (runs/...), not this machine's
 "$PY" "$HERE/table_backbones.py" "$DOCS" | tee "$DOCS/tables.md"
 stamp done

@@ -59,4 +59,5 @@ for split in dev test; do
       --json-out "$RES/compare-fp32-vs-bf16-$split-nll-$t.json" > /dev/null 2>&1
   done
 done
+PYTHONPATH="$PWD/src" .venv/bin/python -m rlcd.relpaths "$RES"  # committed JSON names paths relative to the repo (runs/...), not this machine's
 stamp done

@@ -71,6 +71,7 @@ collect() {  # what the page cites, copied into $DOCS as it comes (a re-run refr
            "$OUT"/jevbench-table/jevbench-forms.*; do
     [ ! -s "$f" ] || cp "$f" "$DOCS/"
   done
+  PYTHONPATH="$PWD/src" $PY -m rlcd.relpaths "$DOCS"  # committed JSON names paths relative to the repo (runs/...), not this machine's
 }
 mkdir -p "$OUT" "$BASE"
 if [ ! -f "$BASE/processed/test.jsonl" ]; then

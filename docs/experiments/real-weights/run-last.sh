@@ -48,4 +48,5 @@ for metric in nll accuracy brier; do
   $RLCD compare "$OUT/tiny-rlcd-last" "$OUT/tiny-ce-last" --metric "$metric" --grouped \
     --json-out "$DOCS/compare-last-tiny-rlcd-vs-ce-$metric.json"
 done
+PYTHONPATH="$PWD/src" .venv/bin/python -m rlcd.relpaths "$DOCS"  # committed JSON names paths relative to the repo (runs/...), not this machine's
 stamp done

@@ -53,4 +53,5 @@ for metric in nll accuracy brier; do
   $RLCD compare "$OUT/tiny-rlcd" "$OUT/tiny-ce" --metric "$metric" --grouped \
     --json-out "$DOCS/compare-tiny-rlcd-vs-ce-$metric.json"
 done
+PYTHONPATH="$PWD/src" .venv/bin/python -m rlcd.relpaths "$DOCS"  # committed JSON names paths relative to the repo (runs/...), not this machine's
 stamp done

@@ -149,6 +149,31 @@ def scan(path: Path, *, skip_through: int = 0, seen: set[str] | None = None) -> 
             yield _row(line, obj, seen)
 
 
+OBJECT_COLUMNS = ("questions", "assets", "image")  # request fields that are JSON objects: a text column is JSON
+
+
+def from_columns(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """A Parquet row with the request's fields as columns, as the request a JSONL line would give. A column a row
+    leaves empty (null) is absent. An object field (OBJECT_COLUMNS) stored as text is JSON text, parsed (left as
+    it is when it does not parse: the request check then says why). In a struct column Parquet gives every row
+    every key any row has, the missing ones null: a question that is null is absent, and so is a question's
+    null `instructions`/`criteria`. (Inside a `criteria` mapping a null stays: there it means "no description".)"""
+    out: dict[str, Any] = {}
+    for k, v in obj.items():
+        if v is None and k != "id":
+            continue
+        if k in OBJECT_COLUMNS and isinstance(v, str) and "request" not in obj:
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError:
+                pass
+        if k == "questions" and isinstance(v, Mapping):
+            v = {qid: ({f: x for f, x in q.items() if x is not None} if isinstance(q, Mapping) else q)
+                 for qid, q in v.items() if q is not None}
+        out[k] = v
+    return out
+
+
 def _scan_parquet(path: Path, skip_through: int, seen: set[str]) -> Iterator[Row]:
     import pyarrow.parquet as pq
 
@@ -157,7 +182,7 @@ def _scan_parquet(path: Path, skip_through: int, seen: set[str]) -> Iterator[Row
         for obj in batch.to_pylist():
             line += 1
             if line > skip_through:
-                yield _row(line, {k: v for k, v in obj.items() if v is not None or k == "id"}, seen)
+                yield _row(line, from_columns(obj), seen)
 
 
 def split_request(record: Any) -> dict[str, Any]:
@@ -218,6 +243,21 @@ def input_identity(path: Path) -> dict[str, Any]:
     return {"path": str(Path(path).resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
+def said(value: Any) -> str:
+    """A job.json value in words for a refusal: the input file as its path, size and modification time; another
+    mapping as ``key value, ...``; anything else as itself (strings unquoted)."""
+    import datetime as _dt
+
+    if isinstance(value, Mapping):
+        if {"path", "bytes", "mtime_ns"} <= set(value):
+            when = _dt.datetime.fromtimestamp(value["mtime_ns"] / 1e9, _dt.timezone.utc).isoformat(timespec="seconds")
+            return f"{value['path']}, {value['bytes']} bytes, modified {when}"
+        return ", ".join(f"{k} {said(v)}" for k, v in value.items()) or "nothing"
+    if value is None:
+        return "not recorded"
+    return str(value)
+
+
 class PartWriter:
     """The output of one job (see the module docstring). `open(output, job, resume)` checks the files first:
     an existing FILE or an unfinished job without `resume`, or a resume of another job, is a UserError
@@ -257,8 +297,8 @@ class PartWriter:
         diff = sorted(k for k in set(old) | set(self.job) if old.get(k) != self.job.get(k))
         if diff:
             k = diff[0]
-            raise UserError(f"--resume refused: {k} differs from the job's start ({old.get(k)!r} then, "
-                            f"{self.job.get(k)!r} now); run it as it began, or remove {self.parts} to start again")
+            raise UserError(f"--resume refused: {k} differs from the job's start ({said(old.get(k))} then, "
+                            f"{said(self.job.get(k))} now); run it as it began, or remove {self.parts} to start again")
         for part in self.committed():
             for o in self.read_part(part):
                 self._count(o)

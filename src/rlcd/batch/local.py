@@ -180,6 +180,8 @@ def run_local(predictor: Any, rows: Iterable[Row], writer: PartWriter, *, batch_
 
     writer.start()
     predictor.model  # noqa: B018 - loaded now (a lazy Predictor's), so scoring_seconds is the scoring alone
+    if progress is not None:
+        progress.ready()  # the eta counts scoring, not the loading
     t1, c1 = time.perf_counter(), time.process_time()
     for window in windows(rows, chunk_rows):
         writer.commit(score_rows(predictor, window, batch_size=batch_size, image_root=image_root, on_done=done))

@@ -6,7 +6,7 @@
 returns a lazy Dataset with one row per input row: `line`, `id`, `outcome` (JSON: `{"response": ...}` or
 `{"reject": {"field", "reason"}}`), `t0`/`t1` (the wall-clock span of the actor call that scored it) and `cpu` (that call's
 CPU seconds per row). `map_batches` runs `_Scorer`, a callable class: Ray starts
-`num_actors` actors (`concurrency`), each with `cpus_per_actor` CPUs and `gpus_per_actor` GPUs, each building
+`num_actors` actors (`compute=ActorPoolStrategy(size=num_actors)`), each with `cpus_per_actor` CPUs and `gpus_per_actor` GPUs, each building
 its own Predictor once (`PredictorSpec.load`) and scoring its batches with `rlcd.batch.local.score_rows`
 (the same grouping by state as the one-process job). Scheduling, retries, back-pressure and spilling are
 Ray Data's.
@@ -29,6 +29,7 @@ from rlcd.batch.local import DEFAULT_BATCH_SIZE, DEFAULT_CHUNK_ROWS, PredictorSp
 from rlcd.errors import UserError
 
 TODO = "todo.parquet"
+CONNECT_TIMEOUT_S = 5.0  # a cluster address that does not answer a TCP connect in this long is refused
 
 
 def require_ray() -> None:
@@ -36,6 +37,30 @@ def require_ray() -> None:
 
     if importlib.util.find_spec("ray") is None:
         raise UserError("--ray needs Ray Data: pip install 'rlcd[ray]'")
+
+
+def check_address(address: str | None) -> None:
+    """Refuse, in at most CONNECT_TIMEOUT_S and before anything is written, a cluster address (`address`, else
+    RAY_ADDRESS) where nothing answers: `ray.init` against it retries for minutes in warnings, and a job that
+    had begun would leave its ``FILE.parts`` behind. A plain TCP connect to HOST:PORT (``ray://`` too); ``auto``
+    and ``local`` are Ray's own and pass."""
+    import os
+    import socket
+
+    addr = address if address is not None else os.environ.get("RAY_ADDRESS")
+    if not addr or addr in ("auto", "local"):
+        return
+    where = f"--ray-address {addr}" if address is not None else f"RAY_ADDRESS={addr}"
+    host, sep, port = addr.split("://", 1)[-1].rstrip("/").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UserError(f"{where}: give HOST:PORT of a Ray cluster's head (e.g. 127.0.0.1:6379), ray://HOST:PORT "
+                        "or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        why = "timed out" if isinstance(e, socket.timeout) else (e.strerror or type(e).__name__).lower()
+        raise UserError(f"{where}: no Ray cluster answers there ({why} within {CONNECT_TIMEOUT_S:g} s); start one "
+                        "with `ray start --head`, or leave --ray-address out for a local cluster") from None
 
 
 class _Scorer:
@@ -107,9 +132,12 @@ def predict_dataset(ds: Any, spec: PredictorSpec | str | Path, *, batch_size: in
     kw: dict[str, Any] = {"num_cpus": cpus_per_actor}
     if gpus_per_actor:
         kw["num_gpus"] = gpus_per_actor
+    from ray.data import ActorPoolStrategy
+
     return ds.map_batches(_Scorer, fn_constructor_kwargs={"spec": spec, "batch_size": batch_size,
                                                           "image_root": str(image_root) if image_root else None},
-                          batch_size=rows_per_call, batch_format="numpy", concurrency=num_actors, **kw)
+                          batch_size=rows_per_call, batch_format="numpy",
+                          compute=ActorPoolStrategy(size=num_actors), **kw)  # `concurrency` is deprecated
 
 
 def write_todo(rows: Iterable[Row], path: Path) -> int:
@@ -151,6 +179,7 @@ def run_ray(spec: PredictorSpec, rows: Iterable[Row], writer: PartWriter, *, add
     cluster of `num_cpus` CPUs started here and stopped at the end)."""
     import ray
 
+    check_address(address)
     t0 = time.perf_counter()
     writer.start()
     todo = writer.parts / TODO
@@ -178,9 +207,11 @@ def run_ray(spec: PredictorSpec, rows: Iterable[Row], writer: PartWriter, *, add
                     outcomes.append(Outcome(int(line), None if rid is None else str(rid), d.get("response"),
                                             d.get("reject")))
                 writer.commit(outcomes)
-                done += len(outcomes)
                 if progress is not None:
-                    progress.update(progress.start + done)
+                    progress.update(progress.start + done + len(outcomes))
+                    if not done:  # the actors have loaded their models: the eta counts scoring from here
+                        progress.ready()
+                done += len(outcomes)
         finally:
             if started:
                 ray.shutdown()
@@ -189,4 +220,4 @@ def run_ray(spec: PredictorSpec, rows: Iterable[Row], writer: PartWriter, *, add
     return summary(writer, n, time.perf_counter() - t0, (last - first) if n else None, cpu if n else None)
 
 
-__all__ = ["predict_dataset", "run_ray", "write_todo", "require_ray", "TODO"]
+__all__ = ["predict_dataset", "run_ray", "write_todo", "require_ray", "check_address", "TODO"]

@@ -44,6 +44,29 @@ def reflow(text: str | None) -> str | None:
     return "\n\n".join(out)
 
 
+def _option_names_whole() -> None:
+    """typer's rich help lays options out in a table whose columns rich shrinks to the terminal, cutting an option
+    name with an ellipsis at 80 columns (`--max-request-by…`). Its name columns (all but the type and help
+    columns) are made no_wrap, so the help text wraps narrower instead and a name is never cut. typer builds the
+    table with `rich_utils.Table` and lets `add_row` create the columns: a subclass marks them there."""
+    import typer.rich_utils as ru
+    from rich.table import Table
+
+    if getattr(ru.Table, "_rlcd_whole_names", False):
+        return
+
+    class OptionsTable(Table):
+        _rlcd_whole_names = True
+
+        def add_row(self, *cells: Any, **kw: Any) -> None:
+            super().add_row(*cells, **kw)
+            if len(self.columns) > 2:  # the options panel; the commands panel sets its own columns
+                for column in self.columns[:-2]:
+                    column.no_wrap = True
+
+    ru.Table = OptionsTable
+
+
 def _reflow_all(command: Any) -> None:
     command.help = reflow(command.help)
     for sub in getattr(command, "commands", {}).values():
@@ -56,6 +79,7 @@ class RlcdGroup(TyperGroup):
     def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
         _reflow_all(self)
+        _option_names_whole()
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:

@@ -64,9 +64,10 @@ def predict_batch(*, run: Optional[Path], export: Optional[Path], input: Optiona
         file_format(input, "--input")
     file_format(output, "--output")
     if ray:
-        from rlcd.batch.ray import require_ray
+        from rlcd.batch.ray import check_address, require_ray
 
         require_ray()
+        check_address(ray_address)  # bounded, before anything is written
         file_format(Path("todo.parquet"), "--ray")  # its todo file is Parquet: pyarrow
     if image_root is not None and not image_root.is_dir():
         raise typer.BadParameter(f"{image_root}: not a directory", param_hint="--image-root")

@@ -290,6 +290,11 @@ def derive_cmd(
     manifest = derive_dir(src, out, chosen, per_option=per_option)
     d = manifest["derive"]
     console.print(f"{d['base_rows']} base rows, {d['derived_written']} derived rows written, {d['excluded']} "
-                  f"instances excluded {d['exclusions'] or ''}-> {out}", highlight=False)
+                  f"instances excluded {_counts_said(d['exclusions'])}-> {out}", highlight=False)
     for form, by_split in d["per_form"].items():
         console.print(f"  {form:16s} " + "  ".join(f"{s} {n}" for s, n in by_split.items()), highlight=False)
+
+
+def _counts_said(counts: dict | None) -> str:
+    """{'removed_all_mass': 3, 'label_clash': 1} as "(removed_all_mass 3, label_clash 1) ", nothing when empty."""
+    return f"({', '.join(f'{k} {v}' for k, v in counts.items())}) " if counts else ""

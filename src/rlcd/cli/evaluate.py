@@ -84,6 +84,9 @@ def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = D
                  help="with --remote: the share of rows read that may go unanswered; above it DIR is still written and "
                       "the command exits 3 (1 accepts any loss)")] = 0.05,
              as_asked: EvalAsAskedOpt = False,
+             force: Annotated[bool, typer.Option(
+                 "--force", help="with --remote: replace an earlier remote evaluation in --out DIR (its files are "
+                                 "removed first)")] = False,
              ) -> None:
     """Score dev/calibration/test with the merged best (or last) checkpoint, calibrate, write eval/ and export/.
 
@@ -96,7 +99,8 @@ def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = D
     one request per state; temperatures fitted on its answers to D's calibration split; DIR/eval/ holds what a
     run's eval/ holds (predictions, evaluation.json, report, thresholds.json) plus unanswered.jsonl, and
     DIR/remote.json says what was asked of whom. `rlcd compare RUN DIR` pairs it with any run by case. More than
-    --max-lost (5%) of the rows unanswered (a server that died mid-run): DIR is written and the command exits 3.
+    --max-lost (5%) of the rows unanswered, or a server that stops answering mid-run: sending stops, DIR is
+    written and the command exits 3. A non-empty DIR is refused; --force replaces an earlier remote evaluation.
     """
     from rlcd.cli._common import check_order_votes, run_path
     from rlcd.errors import OptionError
@@ -108,9 +112,9 @@ def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = D
     if remote is not None:  # votes: each choice question sent in N orders within its request, averaged here
         _evaluate_remote(run, remote, data=data, out=out, split=split, api_key_env=api_key_env, model=remote_model,
                          concurrency=concurrency, recalibrate=recalibrate, order_votes=order_votes, max_lost=max_lost,
-                         vote_combine=vote_combine.value, as_asked=as_asked)
+                         vote_combine=vote_combine.value, as_asked=as_asked, force=force)
         return
-    for name, value, default in (("--split", split, "test"), ("--api-key-env", api_key_env, None),
+    for name, value, default in (("--split", split, "test"), ("--api-key-env", api_key_env, None), ("--force", force, False),
                                  ("--remote-model", remote_model, None), ("--concurrency", concurrency, 4),
                                  ("--max-lost", max_lost, 0.05)):
         if value != default:
@@ -131,7 +135,7 @@ def evaluate(run: RunArg = None, device: DeviceOpt = "auto", dtype: DTypeOpt = D
 
 def _evaluate_remote(run, url: str, *, data, out, split: str, api_key_env, model, concurrency: int,
                      recalibrate: bool, order_votes: int, max_lost: float = 0.05, vote_combine: str = "logmean",
-                     as_asked: bool = False) -> None:
+                     as_asked: bool = False, force: bool = False) -> None:
     """`rlcd evaluate --remote URL --data D --out DIR`: checks the options, then `rlcd.remote.evaluate_remote`."""
     import os
 
@@ -161,9 +165,10 @@ def _evaluate_remote(run, url: str, *, data, out, split: str, api_key_env, model
     try:
         ev = evaluate_remote(url, data, Path(out), split=split, api_key=key, model=model, concurrency=concurrency,
                              votes=order_votes, vote_combine=vote_combine, print_fn=echo, max_lost=max_lost,
-                             canonical=not as_asked)
-    except RowsLost as e:  # DIR is written: its summary first, then the one-line error and exit 3
-        print_summary(e.evaluation)
+                             canonical=not as_asked, force=force)
+    except RowsLost as e:  # DIR is written (when any row was answered): its summary first, then one line, exit 3
+        if e.evaluation is not None:
+            print_summary(e.evaluation)
         raise
     print_summary(ev)
 

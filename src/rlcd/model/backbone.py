@@ -301,12 +301,19 @@ def _load_gguf(path: Path, *, dtype: torch.dtype, device: Any, preset: str | Non
                tokenizer: Any = None, sha256: str | None = None, **extra: Any) -> Backbone:
     from ..data.io import sha256_file
 
+    check_gguf(path)
     directory, name = gguf_source(path)
-    if tokenizer is None:  # any .gguf file: its tokenizer converted once, cached under the file's sha256
-        sha256 = sha256 or sha256_file(Path(directory) / name)
-        tokenizer = gguf_tokenizer(Path(directory) / name, "gguf-" + Path(name).stem, digest=sha256)
-    parts = CAUSAL_LM.from_pretrained(directory, local=True, dtype=dtype, device=device, gguf_file=name,
-                                      tokenizer=tokenizer, gguf_sha256=sha256)
+    try:
+        if tokenizer is None:  # any .gguf file: its tokenizer converted once, cached under the file's sha256
+            sha256 = sha256 or sha256_file(Path(directory) / name)
+            tokenizer = gguf_tokenizer(Path(directory) / name, "gguf-" + Path(name).stem, digest=sha256)
+        parts = CAUSAL_LM.from_pretrained(directory, local=True, dtype=dtype, device=device, gguf_file=name,
+                                          tokenizer=tokenizer, gguf_sha256=sha256)
+    except BackboneError:
+        raise
+    except Exception:  # a file that parses badly is the user's (truncated, corrupt); anything else keeps its traceback
+        check_gguf(path, parse=True)
+        raise
     return _backbone(CAUSAL_LM, parts, preset or "gguf", "gguf", path=str(Path(directory) / name), gguf_file=name,
                      **extra)
 
@@ -395,7 +402,9 @@ def load_backbone(spec: str | Path = DEFAULT_PRESET, *, dtype: torch.dtype = tor
             log.info("backbone: building preset %s (random weights, seed %s) on %s", spec, seed, onto)
             return build_random(spec, hidden=hidden, seed=seed, dtype=dtype, device=device)
         if p["kind"] == "package-gguf":
-            log.info("backbone: loading preset %s from the GGUF file of the installed %s package onto %s", spec,
+            if spec == "gemma3-270m":  # a missing package is said first, not after a line calling it installed
+                packaged.require_gemma3()
+            log.info("backbone: loading preset %s from the GGUF file of the %s package onto %s", spec,
                      p.get("package", "python"), onto)
             return _load_package_gguf(spec, p, dtype=dtype, device=device)
         log.info("backbone: loading preset %s = %s@%s from the Hugging Face hub (or its local cache) onto %s", spec,
@@ -403,7 +412,7 @@ def load_backbone(spec: str | Path = DEFAULT_PRESET, *, dtype: torch.dtype = tor
         return _load_hub(spec, p["hub_id"], p["revision"], dtype=dtype, device=device, cache_dir=cache_dir,
                          family=family_named(p["family"]))
     path = Path(spec).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    if path.suffix == ".gguf" and not path.is_dir():
         log.info("backbone: loading GGUF file %s onto %s", path, onto)
         return _load_gguf(path, dtype=dtype, device=device)
     if path.is_dir():
@@ -419,6 +428,38 @@ def load_backbone(spec: str | Path = DEFAULT_PRESET, *, dtype: torch.dtype = tor
     raise BackboneError(unknown_backbone_message(spec))
 
 
+def check_gguf(path: Path, *, parse: bool = False) -> None:
+    """One line (BackboneError) for a `.gguf` file that cannot be a model: missing, empty, or not starting with the
+    GGUF magic bytes; with `parse`, also one whose header or tensor table does not read (truncated or corrupt:
+    gguf's own reader, run only after loading failed). Without these a load prints transformers' 160-line
+    traceback for what is a user's bad download."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise BackboneError(f"{path}: no such .gguf file" + (" (it is a directory)" if path.is_dir() else ""))
+    size = path.stat().st_size
+    if size == 0:
+        raise BackboneError(f"{path} is empty (0 bytes), not a GGUF model file; download it again")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise BackboneError(f"{path} is not a GGUF model file (it does not start with the GGUF magic bytes; "
+                            f"{size} bytes)")
+    if not parse:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:
+        return
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - whatever the reader trips on, the file is at fault
+        why = " ".join(str(e).split())[:120] or type(e).__name__
+        raise BackboneError(f"{path} is not a readable GGUF file ({size} bytes; {why}): it is truncated or "
+                            "corrupt; download it again") from None
+
+
 def unknown_backbone_message(spec: Any) -> str:
     return (f"unknown backbone {str(spec)!r}: use a preset ({', '.join(PRESETS)}), a local model directory, "
             "a .gguf file, or a hub id owner/name[@revision]")
@@ -427,7 +468,10 @@ def unknown_backbone_message(spec: Any) -> str:
 def check_backbone_spec(spec: str) -> str:
     """Cheap check that `spec` names a backbone (no loading): preset, existing directory, .gguf file or hub id."""
     path = Path(spec).expanduser()
-    if spec in PRESETS or path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+    if spec not in PRESETS and path.suffix == ".gguf":
+        check_gguf(path)
+        return spec
+    if spec in PRESETS or path.is_dir():
         return spec
     if _is_hub_id(spec):
         return spec  # a hub id; whether it loads offline is only known when loading
@@ -454,5 +498,5 @@ def save_backbone(backbone: Backbone, directory: str | Path) -> Path:
 
 
 __all__ = ["Backbone", "BackboneError", "PRESETS", "DEFAULT_PRESET", "load_backbone", "save_backbone",
-           "build_random", "check_backbone_spec", "config_hash", "language_linear_names", "freeze_all",
+           "build_random", "check_backbone_spec", "check_gguf", "config_hash", "language_linear_names", "freeze_all",
            "LORA_TARGET_REGEX", "make_image_processor", "tiny_config"]

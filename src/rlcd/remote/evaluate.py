@@ -15,8 +15,11 @@ its reason and counted in evaluation.json's ``meta.remote``; rows read == rows s
 in ``rows_by_split``. Every comparison is made on the rows the model was scored on: the majority baseline is the
 training majority's score on the answered rows of the split (the uniform answer and the Bayes floor come from the
 scored prediction rows themselves). When more than ``max_lost`` (default 5%) of the rows read got no usable answer
-(a server that died mid-run, a wrong model), DIR is still written -- unanswered.jsonl says why each row was lost --
-and `RowsLost` is raised (exit 3); a calibration split with no answered row says so (T = 1), never "no split".
+(a server that died mid-run), DIR is still written -- unanswered.jsonl says why each row was lost -- and `RowsLost`
+is raised (exit 3); sending stops early once that is certain or the server stops answering (`_send`). When no test
+row was answered because every request was refused (a wrong model), nothing is written (exit 2). DIR must be new
+or empty; ``force`` replaces an earlier remote evaluation. A calibration split with no answered row says so
+(T = 1), never "no split".
 Answers rebuilt from a top answer and a confidence (no ``probabilities`` sent) are scored and counted as
 reconstructed. With ``order_votes`` N > 1 each choice question is also asked in N-1 other orders
 (`rlcd.order_votes`) inside the same request and the answers are combined in candidate space (`vote_combine`).
@@ -48,15 +51,16 @@ MAX_QUESTIONS = 64  # System One's limit per request (transformers: 1..64)
 FLOOR = 1e-12  # a probability of 0 becomes log(1e-12): the metrics' own floor
 FORMAT = "rlcd.remote_evaluation/1"
 MAX_LOST = 0.05  # the share of rows read that may go unanswered before the evaluation fails (exit 3)
+FAILURES_IN_A_ROW = 8  # requests failed one after another (after their retries) that stop the run: the server is gone
 
 
 class RowsLost(UserError):
-    """More rows than ``--max-lost`` allows got no usable answer; DIR is written (``evaluation`` holds its
-    evaluation dict), the command exits 3."""
+    """More rows than ``--max-lost`` allows got no usable answer, or the server stopped answering; DIR is written
+    when any row was answered (``evaluation`` holds its evaluation dict, else None), the command exits 3."""
 
     exit_code = 3
 
-    def __init__(self, message: str, evaluation: dict[str, Any]):
+    def __init__(self, message: str, evaluation: dict[str, Any] | None):
         super().__init__(message)
         self.evaluation = evaluation
 
@@ -145,8 +149,8 @@ def read_answers(out: Outgoing, reply, how: str = DEFAULT_COMBINE
     answers = reply.body.get("answers") if reply.error is None and isinstance(reply.body, dict) else None
     for a in out.asked:
         base = {"id": a.record.id, "split": a.split}
-        if reply.error is not None:
-            bad.append({**base, "kind": "request_failed", "reason": reply.error})
+        if reply.error is not None:  # attempts 0: never sent, the run stopped first
+            bad.append({**base, "kind": "request_failed" if reply.attempts else "not_sent", "reason": reply.error})
             continue
         if not isinstance(answers, dict):
             bad.append({**base, "kind": "malformed", "reason": "the response has no answers object"})
@@ -171,8 +175,10 @@ def read_answers(out: Outgoing, reply, how: str = DEFAULT_COMBINE
     return scored, bad
 
 
-def check_out_dir(out: Path) -> Path:
-    """DIR for a remote evaluation: new, or empty, or an earlier remote evaluation (replaced); never a run."""
+def check_out_dir(out: Path, force: bool = False) -> Path:
+    """DIR for a remote evaluation: new or empty; with `force` also an earlier remote evaluation, which
+    `clear_out_dir` empties before the new one is written (a file left from the old one would be read as the new
+    one's: `rlcd compare` pairs whatever predictions-*.jsonl it finds). Never a run, never another directory."""
     from rlcd.errors import OptionError
 
     out = Path(out).expanduser()
@@ -180,9 +186,22 @@ def check_out_dir(out: Path) -> Path:
         raise OptionError(f"--out {out}: exists and is not a directory")
     if (out / Run.CONFIG).is_file():
         raise OptionError(f"--out {out} is a run directory; a remote evaluation goes into a new or empty directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / "remote.json").is_file():
-        raise OptionError(f"--out {out} is not empty; give a new or empty directory (or an earlier remote evaluation's)")
+    if out.is_dir() and any(out.iterdir()):
+        if not (out / "remote.json").is_file():
+            raise OptionError(f"--out {out} is not empty and not a remote evaluation; give a new or empty directory")
+        if not force:
+            raise OptionError(f"--out {out} holds an earlier remote evaluation; give a new directory, or --force to "
+                              "replace it (its files are removed first)")
     return out
+
+
+def clear_out_dir(out: Path) -> None:
+    """Empty an earlier remote evaluation (`check_out_dir` with force let it through) before the new one is written."""
+    import shutil
+
+    if out.is_dir() and (out / "remote.json").is_file():
+        for p in out.iterdir():
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
 
 
 def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "test", api_key: str | None = None,
@@ -190,13 +209,17 @@ def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "te
                     vote_combine: str = DEFAULT_COMBINE, progress: bool = True,
                     timeout_s: float = 120.0, retries: int = 4, print_fn: Callable[[str], None] | None = None,
                     client: SystemOneClient | None = None, max_lost: float = MAX_LOST,
-                    canonical: bool = True) -> dict[str, Any]:
+                    canonical: bool = True, force: bool = False,
+                    failures_in_a_row: int | None = None) -> dict[str, Any]:
     """Score `data_dir`'s `split` (and its calibration split, for the temperatures) on the System One server at
     `url`; write `out_dir` (see the module doc) and return the evaluation dict. The rows are those `rlcd evaluate`
     scores (`rlcd.evaluate.scored_records`): original rows only, each sent in its canonical form (what `rlcd serve`
     asks anyway), or as the data writes it with `canonical` False (`--as-asked`). Inputs and the server are checked
     before anything is written; `RowsLost` (after writing) when more than `max_lost` of the rows read are
-    unanswered."""
+    unanswered. Sending stops early (`_send`) once the failed requests alone lose more than `max_lost`, or after
+    `failures_in_a_row` (default FAILURES_IN_A_ROW) requests failed one after another; the rows not sent are `not_sent`, and a stop for lost
+    connections is `RowsLost` (exit 3) whatever `max_lost` says. `force` replaces an earlier remote evaluation in
+    `out_dir` (`check_out_dir`)."""
     from rlcd.calibrate import GUARD, fit_per_type
     from rlcd.data.io import write_jsonl
     from rlcd.errors import OptionError, RunError
@@ -218,7 +241,7 @@ def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "te
     data = check_other_data(data_dir, recalibrate=False)
     if not (data / f"{split}.jsonl").is_file():
         raise RunError(f"--data {data}: no {split}.jsonl to evaluate (--split names another)")
-    out_dir = check_out_dir(out_dir)
+    out_dir = check_out_dir(out_dir, force)
     records = {split: scored_records(data, split, canonical=canonical)}
     if split != "calibration" and (data / "calibration.jsonl").is_file():
         records["calibration"] = scored_records(data, "calibration", canonical=canonical)
@@ -236,7 +259,10 @@ def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "te
         say(line)
         outgoing, skipped = build_requests(records, name, votes)
         started = _dt.datetime.now(_dt.timezone.utc)
-        results = _send(client, outgoing, concurrency, progress, sum(len(r) for r in records.values()))
+        n_read = sum(len(r) for r in records.values())
+        results, stopped = _send(client, outgoing, concurrency, progress, n_read, say=say,
+                                 may_lose=max_lost * n_read - len(skipped),
+                                 failures_in_a_row=failures_in_a_row or FAILURES_IN_A_ROW)
         finished = _dt.datetime.now(_dt.timezone.utc)
     finally:
         if own:
@@ -256,15 +282,19 @@ def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "te
     order = {s: {r.id: i for i, r in enumerate(recs)} for s, recs in records.items()}
     for s in preds:
         preds[s].sort(key=lambda row: order[s][row["id"]])
-    n_read = sum(len(r) for r in records.values())
     assert n_read == sum(len(p) for p in preds.values()) + len(unanswered), "every row is scored or unanswered"
     by_split = {s: {"read": len(records[s]), "answered": len(preds[s])} for s in records}
     lost_by_split = {s: Counter(u["kind"] for u in unanswered if u["split"] == s) for s in records}
     if not preds[split]:
-        raise RunError(f"--remote {url}: no usable answer for any of the {len(records[split])} {split} rows "
-                       f"(first reason: {unanswered[0]['reason'] if unanswered else 'none'})")
+        first = next((u["reason"] for u in unanswered if u["kind"] != "not_sent"), None) or \
+            (unanswered[0]["reason"] if unanswered else "none")
+        msg = f"--remote {url}: no usable answer for any of the {len(records[split])} {split} rows (first reason: {first})"
+        if stopped is not None and stopped.lost_connection:  # the server answered /v1/models, then went away
+            raise RowsLost(f"{msg}; {stopped.why}; nothing written", None)
+        raise RunError(msg + "; nothing written")
 
     view = Run(out_dir)
+    clear_out_dir(out_dir)
     view.eval_dir.mkdir(parents=True, exist_ok=True)
     remote = {"format": FORMAT, "url": client.base, "model": name, "served_models": served,
               "started": started.isoformat(timespec="seconds"), "finished": finished.isoformat(timespec="seconds"),
@@ -311,13 +341,17 @@ def evaluate_remote(url: str, data_dir: Path, out_dir: Path, *, split: str = "te
     write_report(view, ev=ev)
     say(f"report: {view.report_md}, {view.report_html}")
     lost = len(unanswered)
-    if lost > max_lost * n_read:
+    over = lost > max_lost * n_read
+    if over or (stopped is not None and stopped.lost_connection):
         kinds = ", ".join(f"{k} {v}" for k, v in remote["unanswered_by_kind"].items())
         per = ", ".join(f"{s} {c['answered']} of {c['read']}" for s, c in by_split.items())
-        raise RowsLost(f"--remote {client.base}: {lost} of {n_read} rows ({lost / n_read:.1%}) got no usable answer "
-                       f"({kinds}; answered: {per}), more than --max-lost {max_lost:g} allows; "
-                       f"{out_dir} is written (eval/unanswered.jsonl says why each row was lost), "
-                       "--max-lost 1 accepts it", ev)
+        why = f"{stopped.why}; " if stopped is not None else ""
+        bound = (f"more than --max-lost {max_lost:g} allows" if over else
+                 f"within --max-lost {max_lost:g}, but the server stopped answering")
+        raise RowsLost(f"--remote {client.base}: {why}{lost} of {n_read} rows ({lost / n_read:.1%}) got no usable "
+                       f"answer ({kinds}; answered: {per}), {bound}; {out_dir} is written (eval/unanswered.jsonl "
+                       "says why each row was lost)" + (", --max-lost 1 accepts it" if over and stopped is None else ""),
+                       ev)
     return ev
 
 
@@ -342,23 +376,62 @@ def _temperature_source(data: Path, counts: dict[str, int] | None, lost: Counter
     return f"fitted per type on the remote's answers to {cal}"
 
 
-def _send(client: SystemOneClient, outgoing: list[Outgoing], concurrency: int, progress: bool, total: int) -> list:
+@dataclass
+class Stopped:
+    """Why `_send` stopped sending: `why` in words; `lost_connection` when the last failures got no response."""
+
+    why: str
+    lost_connection: bool
+
+
+def _send(client: SystemOneClient, outgoing: list[Outgoing], concurrency: int, progress: bool, total: int, *,
+          say: Callable[[str], None], may_lose: float = math.inf, failures_in_a_row: int = FAILURES_IN_A_ROW
+          ) -> tuple[list, Stopped | None]:
+    """The replies to `outgoing` in order, and why sending stopped early (None when every request went out).
+    The first failed request is said in one line. Sending stops once the rows of failed requests exceed
+    `may_lose` (the evaluation would fail whatever the rest answer) or after `failures_in_a_row` failed requests
+    in a row (a server that is gone: each failure costs its retries' back-off); the requests not sent get a reply
+    with ``attempts=0`` saying why. The progress counts answered and failed rows apart."""
     import threading
 
     from rlcd.progress import Progress
+    from rlcd.remote.client import Reply
 
+    state = {"done": 0, "failed_rows": 0, "in_a_row": 0, "said": False, "stopped": None}
+    lock = threading.Lock()
     with Progress("remote", total, unit="rows", enabled=progress and bool(outgoing)) as bar:
-        done, lock = [0], threading.Lock()
 
-        def one(out: Outgoing):
+        def one(out: Outgoing) -> Reply:
+            with lock:
+                stopped = state["stopped"]
+            if stopped is not None:
+                return Reply(None, error=f"not sent: {stopped.why}", attempts=0)
             reply = client.decide(out.body)
             with lock:
-                done[0] += len(out.asked)
-                bar.update(done[0])
+                state["done"] += len(out.asked)
+                if reply.error is None:
+                    state["in_a_row"] = 0
+                else:
+                    state["failed_rows"] += len(out.asked)
+                    state["in_a_row"] += 1
+                    if not state["said"]:
+                        state["said"] = True
+                        say(f"remote: requests are failing: {reply.error} (stopping after {failures_in_a_row} "
+                            "failed requests in a row, or once more rows are lost than --max-lost allows)")
+                    if state["stopped"] is None and state["in_a_row"] >= failures_in_a_row:
+                        state["stopped"] = Stopped(f"stopped after {state['in_a_row']} requests in a row failed "
+                                                   f"(last: {reply.error})", reply.status is None)
+                    elif state["stopped"] is None and state["failed_rows"] > may_lose:
+                        state["stopped"] = Stopped(f"stopped sending once failed requests had lost "
+                                                   f"{state['failed_rows']} rows (last: {reply.error})",
+                                                   reply.status is None)
+                failed = state["failed_rows"]
+                bar.update(state["done"], info=f"{failed} rows failed" if failed else "")
             return reply
 
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            return list(pool.map(one, outgoing))
+            replies = list(pool.map(one, outgoing))
+    return replies, state["stopped"]
 
 
 __all__ = ["MAX_LOST", "RowsLost", "build_requests", "check_out_dir", "evaluate_remote", "map_answer", "read_answers"]

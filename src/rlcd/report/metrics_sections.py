@@ -46,6 +46,18 @@ def calibration_flags(effect: Mapping[str, Any], split: str) -> list[Text]:
     return flags
 
 
+def bound_note(info: dict) -> str:
+    """The fit's `at_bound` ("lower"/"upper") in words: which bound T stopped at and what that says."""
+    side = info.get("at_bound")
+    if side == "upper":
+        return (f"stopped at the upper bound T = {fmt(info.get('temperature'), 3)}: the fit wanted a higher T (answers "
+                "far too sharp for the calibration rows)")
+    if side == "lower":
+        return (f"stopped at the lower bound T = {fmt(info.get('temperature'), 3)}: the fit wanted a lower T (answers "
+                "far too flat for the calibration rows)")
+    return ""
+
+
 def temperatures(ctx: Context) -> Section:
     s = Section("Temperatures")
     cal_info = ctx.meta.get("calibration") if isinstance(ctx.meta.get("calibration"), dict) else {}
@@ -55,7 +67,7 @@ def temperatures(ctx: Context) -> Section:
         info = cal_info.get(t, {}) if cal_info else {}
         rows.append([t, fmt(temp, 3), fmt_interval(cis.get(t), 3),
                      info.get("n"), info.get("loss_before"), info.get("loss_after"), info.get("iterations"),
-                     info.get("converged"), info.get("reason") or info.get("at_bound") or ""])
+                     info.get("converged"), info.get("reason") or bound_note(info)])
     s.add(Table(["type", "T", "95% CI (refit per resample)", "calibration rows", "loss at T=1", "loss at T",
                  "LBFGS iterations", "converged", "note"], rows))
     s.add(Text("The interval refits each type's temperature on every bootstrap resample of the calibration cases "

@@ -50,6 +50,9 @@ EXTENSION_KEYS = ("x_gate",)
 # unknown fields are ignored, but not those asking for an answer this server does not give (a streamed one, one at
 # another temperature than the calibrated): ignoring them would answer something else than what was asked
 REFUSED_KEYS = ("stream", "temperature")
+REFUSED_WHY = {"stream": "not supported: this server answers with one JSON response, never a stream; drop \"stream\"",
+               "temperature": "not supported: answers use the temperature fitted on the calibration split; drop "
+                              "\"temperature\""}
 QUESTION_KEYS = ("type", "instructions", "criteria")
 MAX_QID_CHARS = 256
 MAX_ASSETS = 4  # transformers' SystemOneRequest
@@ -186,8 +189,7 @@ def parse_request(request: Any, limits: Limits, *, served: tuple[str, ...] = (),
         raise PredictError("body", f"must be a JSON object, got {type(request).__name__}", status=400)
     refused = [k for k in REFUSED_KEYS if k in request]
     if refused:
-        raise PredictError(refused[0], f"unknown field; a request has {', '.join(REQUEST_KEYS)} (answers are not "
-                                       "streamed, and their temperature is the calibrated one)")
+        raise PredictError(refused[0], REFUSED_WHY[refused[0]])
     ignored = sorted(str(k) for k in request if k not in REQUEST_KEYS + EXTENSION_KEYS)
     gate = request.get("x_gate", False)
     if not isinstance(gate, bool):
