@@ -237,7 +237,6 @@ if [ "$COLLECT" = 1 ]; then
   cp "$OUT"/"$NAME"-d*-*.json "$OUT/sealed/manifest.json" "$COSTS" "$STAMPS" "$DOCS/" 2>/dev/null || true
   [ ! -f "$DOCS/manifest.json" ] || mv "$DOCS/manifest.json" "$DOCS/sealed.manifest.json"
   for d in "$OUT"/d*/manifest.json; do cp "$d" "$DOCS/$(basename "$(dirname "$d")").manifest.json"; done
-  # this machine's absolute paths -> relative to the repo
-  sed -i "s#$PWD/##g" "$DOCS"/*.json 2>/dev/null || true
+  "$PY" -m rlcd.relpaths "$DOCS"  # committed JSON names paths relative to the repo (runs/...), not this machine's
 fi
 stamp "done"
