@@ -73,7 +73,7 @@ def _keep_real_detection(monkeypatch):
 def _pass_gate(run, monkeypatch, bound: float = 0.5):
     from rlcd.precision import check_precision
 
-    return check_precision(run, max_flips=bound)
+    return check_precision(run, max_flips=bound, max_dp=1.0)
 
 
 def test_auto_on_an_avx2_cpu_stays_float32_and_says_so_once(run, monkeypatch, caplog):
@@ -165,9 +165,79 @@ def test_bf16_backbone_against_fp32_within_tolerance(run):
     assert sizes["float32"] > 0 and sizes["bfloat16"] * 2 == sizes["float32"]
 
 
+def _logit(p: float) -> list[float]:
+    """Two-class logits whose softmax (T = 1) is [p, 1 - p]."""
+    return [float(np.log(p)), float(np.log(1 - p))]
+
+
+def _hand(pairs: list[tuple[float, float]]) -> tuple[list, list, list]:
+    """Rows (one case each, gold class 0) and float32 / bf16 logits from (p_float32, p_bf16) of class 0 per row."""
+    rows = [{"id": f"c{i}:q", "case_id": f"c{i}", "type": "noul", "target": [1.0, 0.0]} for i in range(len(pairs))]
+    return rows, [_logit(a) for a, _ in pairs], [_logit(b) for _, b in pairs]
+
+
+LIMITS = {"max_flips": 0.005, "max_dp": 0.02, "max_nll_delta": 0.005}
+
+
+def test_a_near_tie_flip_within_the_noise_floor_is_not_counted():
+    """18 decisions (the issue's tiny-llama run): 17 kept, each moved by up to 1e-4, and one near tie (float32
+    margin 1e-4) flipped by a dp of 1e-4. bf16 showed it moves margins by up to 2e-4 on decisions it kept, so
+    a margin of 1e-4 is inside its noise: the flip is reported, not counted, and the gate passes (before this rule
+    it refused: 1/18 = 5.6% > 0.5%)."""
+    from rlcd.precision import judge
+
+    kept = [(0.6 + 0.02 * i, 0.6 + 0.02 * i + (1e-4 if i % 2 else -1e-4)) for i in range(17)]
+    rows, a, b = _hand(kept + [(0.50005, 0.49995)])
+    report, refused = judge(rows, a, b, {}, **LIMITS)
+    assert report["flips"] == 1 and report["noise_floor"] == pytest.approx(2e-4, rel=1e-6)
+    (flip,) = report["flipped"]
+    assert flip["id"] == "c17:q" and flip["margin"] == pytest.approx(1e-4, rel=1e-6) and flip["counted"] is False
+    assert report["counted_flips"] == 0 and refused == []
+
+
+def test_a_flip_with_a_margin_above_the_noise_floor_counts_and_refuses():
+    """The same kept decisions (floor 2e-4) and a decision at p = 0.53 (margin 0.06) that bf16 turns to 0.49:
+    far outside bf16's measured noise, a change of meaning: counted, and its |dp| 0.04 crosses --max-dp too."""
+    from rlcd.precision import judge
+
+    kept = [(0.6 + 0.02 * i, 0.6 + 0.02 * i + (1e-4 if i % 2 else -1e-4)) for i in range(17)]
+    rows, a, b = _hand(kept + [(0.53, 0.49)])
+    report, refused = judge(rows, a, b, {}, **LIMITS)
+    assert report["flipped"][0]["counted"] is True and report["counted_flips"] == 1
+    assert len(refused) == 2
+    assert refused[0].startswith("1 flips beyond the noise floor 0.0002 (5.56% > --max-flips 0.50%)")
+    assert refused[1] == "max |dp| 0.04 > --max-dp 0.02"
+    _, loose = judge(rows, a, b, {}, **{**LIMITS, "max_dp": 0.05})
+    assert loose == refused[:1]  # the flip alone still refuses
+
+
+def test_the_floor_comes_from_kept_decisions_only():
+    """Every decision flipped: no kept decision measured the noise, the floor is 0 and every flip counts (a flip
+    never excuses itself, though its own margin is always below twice its own |dp|)."""
+    from rlcd.precision import flip_rule
+
+    rule = flip_rule([[0.5001, 0.4999], [0.51, 0.49]], [[0.4999, 0.5001], [0.49, 0.51]])
+    assert rule["noise_floor"] == 0 and rule["counted"] == 2
+    assert all(f["margin"] < 2 * f["dp"] for f in rule["flipped"])
+
+
+def test_the_gate_refuses_a_measurably_worse_forecaster_and_a_large_dp_without_flips():
+    """No flip at all, but bf16 moves every decision 0.03 towards the wrong class: max |dp| 0.03 > 0.02 refuses,
+    and with --max-dp loosened the NLL delta (+0.06 nats on every case: its interval well above +0.005) still does."""
+    from rlcd.precision import judge
+
+    rows, a, b = _hand([(0.8, 0.77)] * 60)
+    report, refused = judge(rows, a, b, {}, **LIMITS)
+    assert report["flips"] == 0 and len(refused) == 2 and refused[0] == "max |dp| 0.03 > --max-dp 0.02"
+    assert refused[1].startswith("NLL delta 95% interval above +0.005")
+    _, loose = judge(rows, a, b, {}, **{**LIMITS, "max_dp": 0.05})
+    assert len(loose) == 1 and loose[0].startswith("NLL delta 95% interval above +0.005")
+
+
 def test_the_gate_passes_records_and_refuses(run, monkeypatch):
-    """A random tiny model's decisions are near ties: bf16 flips some of them (13/72 here), so the default bound
-    (0.5%) refuses it and a loose one passes; both write the record `--dtype auto` reads."""
+    """A random tiny model's decisions are near ties, and bf16 moves its probabilities by up to 0.06: the default
+    limits refuse it (max |dp| > 0.02, whatever the flips), loose ones pass; both write the record `--dtype auto`
+    reads, with every flip's margin, |dp| and whether it counted."""
     from typer.testing import CliRunner
 
     from rlcd.cli import app
@@ -177,25 +247,30 @@ def test_the_gate_passes_records_and_refuses(run, monkeypatch):
     res = CliRunner().invoke(app, ["export", str(run), "--precision", "bfloat16"])
     assert res.exit_code == 1, res.output
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("rlcd: error:")]
-    assert len(lines) == 1 and "bfloat16 backbone fails the parity gate (--max-flips 0.50%)" in lines[0], res.stderr
+    assert len(lines) == 1 and "bfloat16 backbone fails the parity gate (" in lines[0], res.stderr
+    assert "> --max-dp 0.02" in lines[0] and "beyond the noise floor" in lines[0]
     assert "Traceback" not in res.output
     doc = json.loads(record_path(run).read_text())
     r = doc["result"]
     assert doc["passed"] is False and doc["max_flips"] == 0.005 and r["rows"] == 72 and r["flips"] > 0.005 * 72
+    assert doc["limits"]["max_dp"] == 0.02 and doc["refused"] and lines[0].count(";") >= len(doc["refused"])
     assert set(r["nll"]) == {"float32", "bfloat16", "delta", "delta_95"}
     assert r["nll"]["delta"] == pytest.approx(r["nll"]["bfloat16"] - r["nll"]["float32"])
     assert r["nll"]["delta_95"][0] <= r["nll"]["delta"] <= r["nll"]["delta_95"][1]
-    assert 0 < r["max_abs_dp"] <= 0.1
+    assert 0.02 < r["max_abs_dp"] <= 0.1
     assert len(r["flipped"]) == r["flips"] and all(0 <= f["margin"] <= 2 * f["dp"] for f in r["flipped"])
+    assert r["counted_flips"] == sum(f["margin"] > r["noise_floor"] for f in r["flipped"]) == \
+        sum(f["counted"] for f in r["flipped"])
     assert parity_verdict(run)[0] is False
     from rlcd.device import resolve_placement
 
     p = resolve_placement("auto", "auto", run=run)
     assert p.dtype == "float32" and "parity gate refused" in p.reason
-    res = CliRunner().invoke(app, ["export", str(run), "--precision", "bfloat16", "--max-flips", "0.5"])
+    res = CliRunner().invoke(app, ["export", str(run), "--precision", "bfloat16", "--max-flips", "0.5",
+                                   "--max-dp", "0.2"])
     assert res.exit_code == 0, res.output
     doc2 = json.loads(record_path(run).read_text())
-    assert doc2["passed"] is True and doc2["result"]["flips"] == r["flips"]  # the same scoring, another bound
+    assert doc2["passed"] is True and doc2["refused"] == [] and doc2["result"]["flips"] == r["flips"]
     assert doc2["export"] == {k: json.loads((run / "export" / "model.json").read_text())[k]
                               for k in ("checkpoint_sha256", "backbone_fingerprint", "selected_step")}
     assert parity_verdict(run)[0] is True
@@ -211,6 +286,8 @@ def test_precision_mistakes_are_one_line_and_write_nothing(run, tmp_path):
     user_error(["export", run, "--format", "onnx", "--out", tmp_path / "o", "--precision", "bfloat16"],
                contains="--precision goes with the torch export")
     user_error(["export", run, "--max-flips", "0.1"], contains="--max-flips goes with --format onnx or --precision")
+    user_error(["export", run, "--max-dp", "0.1"], contains="--max-dp goes with --precision")
+    user_error(["export", run, "--precision", "bfloat16", "--max-dp", "1.5"], contains="a probability difference")
     assert sorted(p.name for p in (run / "export").iterdir()) == before and not record_path(run).exists()
     assert not (tmp_path / "o").exists()
 

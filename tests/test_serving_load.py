@@ -53,19 +53,29 @@ def _concurrent(url: str, n: int, body=REQ, timeout: float = 60.0) -> list[httpx
     return asyncio.run(go())
 
 
-def test_batcher_gathers_what_queued_while_the_model_ran():
-    seen = []
+def _gated_scorer(seen: list):
+    """A fake `score_many` that records each batch and holds the first until `release` is set."""
+    started, release = threading.Event(), threading.Event()
 
     def score_many(items):
         seen.append(list(items))
-        time.sleep(0.2)
+        started.set()
+        release.wait(30)
         return [(x, {}) for x in items]
 
+    return score_many, started, release
+
+
+def test_batcher_gathers_what_queued_while_the_model_ran():
+    seen = []
+    score_many, started, release = _gated_scorer(seen)
     b = Batcher(score_many, BatchingConfig(window_ms=1.0, max_batch_questions=3), size_of=lambda p: (1, 0))
-    with b.arriving():  # as the server does: requests on their way make the model thread wait its window
-        futures = [b.submit(i) for i in range(7)]
+    futures = [b.submit(0)]
+    assert started.wait(10)  # the model is busy with request 0
+    futures += [b.submit(i) for i in range(1, 7)]  # these queue while it runs
+    release.set()
     assert [f.result(10)[0] for f in futures] == list(range(7))  # every request gets its own result, in order
-    assert seen[0] == [0, 1, 2] and all(len(x) <= 3 for x in seen) and sum(map(len, seen)) == 7
+    assert seen == [[0], [1, 2, 3], [4, 5, 6]]  # gathered into the next batches, up to max_batch_questions
     b.close()
     off = Batcher(score_many, BatchingConfig(window_ms=0.0), size_of=lambda p: (1, 0))
     seen.clear()
@@ -74,24 +84,40 @@ def test_batcher_gathers_what_queued_while_the_model_ran():
     off.close()
 
 
-def test_a_lone_request_does_not_wait_for_the_window():
-    """The window is for requests on their way: with none arriving, a request is scored at once."""
+def test_an_idle_model_dispatches_a_lone_request_at_once():
+    """Continuous batching: a request reaching an idle model is scored at once, even while another request is
+    being prepared and the window is a minute long (before: the model thread waited the window for the one on its
+    way, and this request's answer took 60 s)."""
     seen = []
 
     def score_many(items):
-        seen.append((time.perf_counter(), list(items)))
+        seen.append(list(items))
         return [(x, {}) for x in items]
 
-    b = Batcher(score_many, BatchingConfig(window_ms=2000.0), size_of=lambda p: (1, 0))
-    t0 = time.perf_counter()
-    assert b.submit("a").result(10)[0] == "a"
-    assert seen[0][0] - t0 < 1.0, "a lone request waited for the 2 s window"
-    with b.arriving():  # another request on its way: the window is waited, and both share a batch
-        first = b.submit("b")
+    b = Batcher(score_many, BatchingConfig(window_ms=60_000.0), size_of=lambda p: (1, 0))
+    with b.arriving():  # another request on its way, never submitted while we wait
+        with b.arriving():
+            lone = b.submit("a")
+        assert lone.result(10)[0] == "a"
+    assert seen == [["a"]]
+    b.close()
+
+
+def test_a_busy_model_waits_the_window_for_requests_on_their_way():
+    """Behind a busy model, the batch gathered next also waits (up to the window) for a request still being
+    prepared: both share the next forward."""
+    seen = []
+    score_many, started, release = _gated_scorer(seen)
+    b = Batcher(score_many, BatchingConfig(window_ms=60_000.0), size_of=lambda p: (1, 0))
+    first = b.submit("a")
+    assert started.wait(10)
+    queued = b.submit("b")  # queued while "a" runs
+    with b.arriving():  # "c" is being prepared when "a" ends
+        release.set()
         time.sleep(0.3)
-        second = b.submit("c")
-    assert first.result(10)[0] == "b" and second.result(10)[0] == "c"
-    assert seen[1][1] == ["b", "c"]
+        late = b.submit("c")
+    assert [f.result(10)[0] for f in (first, queued, late)] == ["a", "b", "c"]
+    assert seen == [["a"], ["b", "c"]]
     b.close()
 
 

@@ -537,6 +537,28 @@ def test_gemma3_a_state_longer_than_the_window_is_not_stored_and_answers_cold(ge
     _assert_cold_answers(dm, batch, results)
 
 
+def test_gemma3_a_lone_question_about_a_state_past_the_window_runs_as_one_full_forward(gemma):
+    """A single question about a state the window crops (71 tokens > 47): its state can never be stored, so the
+    planner counts no later reuse and runs it as with the cache off -- one full forward, not a prefix forward to
+    store nothing plus a suffix call (before: path "prefix", 2 calls)."""
+    dm, cache = gemma, StateCache(64 << 20)
+    sc = cache.scoped("gemma")
+    long = _gcase(dm, G_LONG, slice(0, 1))
+    assert dm.plan_paths([long], state_cut=True) == dm.plan_paths([long]) == [None]
+    assert dm.max_state_tokens == WINDOW - 1
+    results = dm.score_cases([long], state_cache=sc)
+    (_, usage), = results
+    assert usage["path"] == "full" and usage["calls"] == 1 and usage["cached_tokens"] == 0
+    assert cache.stats()["stores"] == 0
+    _assert_cold_answers(dm, [long], results)
+
+
+def test_max_state_tokens_is_none_without_sliding_layers():
+    from _tiny_export import build_tiny_model
+
+    assert build_tiny_model(0, "tiny-llama").max_state_tokens is None
+
+
 def _sliding_cache(sliding_window: int, keys: torch.Tensor):
     """A DynamicCache of one sliding-window layer and one full-attention layer after a forward of `keys`."""
     from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer

@@ -353,7 +353,12 @@ def run_serve_bench(run: Any, requests: int = 96, levels: tuple[int, ...] = (1, 
                            "requests_per_level": requests, "levels": list(levels), "sizes": list(sizes),
                            "malformed_fraction": malformed, "seed": seed, "window_ms": window, "modes": {}}
     # warm-up, not recorded: the first load on a cold model pays for allocator growth and first-shape
-    # kernels (on the GPU, seconds); without it whichever mode ran first looked slower at concurrency 1
+    # kernels (on the GPU, seconds); without it whichever mode ran first looked slower at concurrency 1.
+    # The whole plan once at concurrency 1 first: warmed on its first 16 requests only, the batched mode (run
+    # first) still met the plan's other shapes cold, and with batching off in *both* modes (--window-ms 0) the
+    # first read 1.33x the second's 1-question p50 at concurrency 1 (issue 73)
+    run_load(predictor, limits, plan, concurrency=1, batching=modes["unbatched"], timeout=timeout,
+             total_timeout=total_timeout, port=port)
     warm = plan[: min(len(plan), 16)]
     for cfg in modes.values():
         run_load(predictor, limits, warm, concurrency=min(4, max(levels)), batching=cfg, timeout=timeout,

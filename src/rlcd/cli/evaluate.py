@@ -212,8 +212,13 @@ def export(run: RunArg = None,
                                   "onnxruntime's dynamic quantization; shipped only if it passes the gate")] = None,
            max_flips: Annotated[Optional[float], typer.Option(
                "--max-flips", metavar="FRACTION", help="with --format onnx or --precision: the most test decisions the "
-                                                       "export may flip against torch float32 (default 0.005 = 0.5%); "
+                                                       "export may flip against torch float32 (default 0.005 = 0.5%; "
+                                                       "--precision counts only flips beyond its noise floor); "
                                                        "above it the command exits 1", show_default=False)] = None,
+           max_dp: Annotated[Optional[float], typer.Option(
+               "--max-dp", metavar="P", help="with --precision: the largest |dp| (probability moved on one test row) "
+                                             "the precision may show (default 0.02); above it the command exits 1",
+               show_default=False)] = None,
            precision: Annotated[Optional[Precision], typer.Option(
                "--precision", help="also score the test split on the CPU with the backbone in float32 and in this "
                                    "precision and record the parity in export/precision-bfloat16.json; `--dtype auto` "
@@ -228,7 +233,9 @@ def export(run: RunArg = None,
     the run's test split with torch and with onnxruntime, and writes DIR only when the decisions agree (manifest.json
     records the parity; `rlcd serve --export DIR` serves it without torch). --precision bfloat16 then scores the
     test split on the CPU with the backbone in float32 and in bfloat16 and records flips, max |dp| and the NLL delta
-    in export/precision-bfloat16.json (exit 1 above --max-flips); `--dtype auto` serves bf16 only after it passed.
+    in export/precision-bfloat16.json (exit 1 above --max-flips counting only the flips whose float32 margin exceeds
+    bf16's measured noise, above --max-dp, or with the NLL delta measurably positive); `--dtype auto` serves bf16
+    only after it passed.
     """
     from rlcd.cli._common import run_path
 
@@ -236,6 +243,8 @@ def export(run: RunArg = None,
     if format is Format.onnx and precision is not None:
         raise typer.BadParameter("--precision goes with the torch export (--format hf), not --format onnx",
                                  param_hint="--precision")
+    if max_dp is not None and precision is None:
+        raise typer.BadParameter("--max-dp goes with --precision", param_hint="--max-dp")
     if format is Format.onnx:
         if out is None:
             raise typer.BadParameter("--format onnx needs --out DIR (the directory to write)", param_hint="--out")
@@ -254,6 +263,9 @@ def export(run: RunArg = None,
     if max_flips is not None and not 0.0 <= max_flips <= 1.0:
         raise typer.BadParameter(f"{max_flips}: a fraction of the test rows in [0, 1] (0.005 = 0.5%)",
                                  param_hint="--max-flips")
+    if max_dp is not None and not 0.0 <= max_dp <= 1.0:
+        raise typer.BadParameter(f"{max_dp}: a probability difference in [0, 1] (0.02 = two points)",
+                                 param_hint="--max-dp")
     from rlcd.evaluate import export_run
     from rlcd.run import Run
 
@@ -274,5 +286,5 @@ def export(run: RunArg = None,
         from rlcd.progress import echo
 
         with r.lock("export --precision"):
-            check_precision(r, precision.value, max_flips=max_flips, say=echo)
+            check_precision(r, precision.value, max_flips=max_flips, max_dp=max_dp, say=echo)
     typer.echo(str(out_dir))

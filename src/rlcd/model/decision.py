@@ -526,7 +526,9 @@ class DecisionModel(nn.Module):
         `state_cut` (a state cache is on): the cut stops at the end of the state (`EncodedRow.prefix_len`), so
         it depends on the state and image alone and a later request about them finds it; the rule counts
         one later reuse of the prefix, `rows * cut > overhead`, so a single question about a long state
-        takes the prefix path and leaves its state in the cache.
+        takes the prefix path and leaves its state in the cache -- unless the cut is longer than a stored state
+        can be (`max_state_tokens`: Gemma 3's sliding window less one, 511 tokens on the 270M): that state is
+        never kept, so no reuse is counted and the case plans as with the cache off (no extra call).
         """
         if path not in ("auto", "prefix", "full"):
             raise ValueError(f"path must be 'auto', 'prefix' or 'full', not {path!r}")
@@ -536,7 +538,8 @@ class DecisionModel(nn.Module):
                 out.append(None)
                 continue
             cut = self._cut(c.rows, c.n_img, exact, state=state_cut)
-            if path == "auto" and not sharing_pays(len(c.rows) + int(state_cut), cut, overhead):
+            reuse = state_cut and (self.max_state_tokens is None or cut <= self.max_state_tokens)
+            if path == "auto" and not sharing_pays(len(c.rows) + int(reuse), cut, overhead):
                 out.append(None)
                 continue
             if c.n_img and cut < c.n_img + 2:  # the image is encoded once, so it must lie inside the prefix
@@ -636,6 +639,19 @@ class DecisionModel(nn.Module):
                                        else not getattr(cfg, "sliding_window", None))
             self._kv_only = got
         return got
+
+    @property
+    def max_state_tokens(self) -> int | None:
+        """The longest prefix whose state the state cache can keep: `sliding_window - 1` when the decoder has
+        sliding-window layers (they keep only their last `sliding_window - 1` positions: `state_cache.
+        max_state_tokens`), None when every layer keeps every position."""
+        if not hasattr(self, "_max_state"):
+            cfg = getattr(self.family.text_decoder(self._causal_lm()), "config", None)
+            types = getattr(cfg, "layer_types", None)
+            window = getattr(cfg, "sliding_window", None)
+            sliding = any(t == "sliding_attention" for t in types) if types else bool(window)
+            self._max_state = int(window) - 1 if sliding and window else None
+        return self._max_state
 
     def _full_features(self, cases: Sequence[CaseInputs], out: list[list[Any]], *, max_rows: int,
                        at_layer: int | None = None, keep: dict[int, tuple[int, Any]] | None = None) -> int:

@@ -2,12 +2,16 @@
 
 One batcher per server, with one model thread. `submit(prepared)` queues a validated request (a
 `Predictor.prepare` result) and returns a `concurrent.futures.Future` of its (logits, usage); the
-server awaits it with `asyncio.wrap_future`, so the event loop never runs or waits on the model. The
-model thread takes the first queued request, then gathers every request that queued while the
-previous batch ran, and those arriving within `window_ms`, up to `max_batch_questions` questions and
-`max_batch_tokens` tokens (the window is waited only while other requests are being prepared, inside
-`arriving()`: a lone request does not pay for it), and scores them with one `score_many` call (the predictor's batched path:
-each request's answers equal those it gets alone).
+server awaits it with `asyncio.wrap_future`, so the event loop never runs or waits on the model.
+Continuous batching (as vLLM's scheduler does): a request that reaches an *idle* model (nothing was
+queued when the last batch ended) is dispatched at once, with only what is already queued beside it,
+whatever the window and whoever else is being prepared; requests that queue while a batch runs form
+the next batch, up to `max_batch_questions` questions and `max_batch_tokens` tokens. Only then, for a
+batch gathered behind a busy model, the model thread also waits up to `window_ms` for requests still
+being prepared (inside `arriving()`, the server's preparation and `submit`). So a lone client never
+pays for the window (p50 at one client as without batching), and concurrent clients still share
+forwards. Each batch is one `score_many` call (the predictor's batched path: each request's answers
+equal those it gets alone).
 
 `window_ms=0` turns batching off: one request per forward, in arrival order.
 
@@ -140,8 +144,8 @@ class Batcher:
 
     @contextlib.contextmanager
     def arriving(self) -> Iterator[None]:
-        """Wrap a request's preparation and `submit`: while any request is inside, the model thread waits
-        the window for it; when none is, a batch starts at once."""
+        """Wrap a request's preparation and `submit`: while any request is inside, a batch gathered behind a
+        busy model waits the window for it; when none is, or the model was idle, a batch starts at once."""
         with self._arriving_lock:
             self._arriving += 1
         try:
@@ -179,13 +183,15 @@ class Batcher:
         except queue.Empty:
             return None
 
-    def _gather(self, first: _Item) -> list[_Item]:
+    def _gather(self, first: _Item, *, busy: bool) -> list[_Item]:
+        """`first` and what joins it: what is queued, and (`busy`: it queued while a batch ran) requests still
+        being prepared, for up to the window."""
         batch = [first]
         if not self.config.enabled:
             return batch
         c = self.config
         questions, tokens = first.questions, first.tokens
-        deadline = time.perf_counter() + c.window_ms / 1000.0
+        deadline = time.perf_counter() + (c.window_ms / 1000.0 if busy else 0.0)
         while True:
             if self._arriving == 0 and self.queue.empty():
                 return batch  # nobody else is on the way: waiting would only add latency
@@ -206,10 +212,11 @@ class Batcher:
 
     def _run(self) -> None:
         while not (self._stop.is_set() and self.queue.empty() and self._held is None):
+            busy = self._held is not None or not self.queue.empty()  # queued while the last batch ran
             first = self._next(0.05)
             if first is None:
                 continue
-            batch = [i for i in self._gather(first) if i.future.set_running_or_notify_cancel()]
+            batch = [i for i in self._gather(first, busy=busy) if i.future.set_running_or_notify_cancel()]
             if not batch:
                 continue
             t0 = time.perf_counter()
