@@ -122,9 +122,15 @@ def gap_line(run: Path) -> str:
     if g is None:
         return "calibrated gap to the Bayes floor: no test row carries a posterior"
     (lo, hi), uniform = g["ci95"], g["uniform_gap"]
+    from rlcd.calibrate import T_MAX, T_MIN
+
     verdict = "wholly below" if hi < uniform else "NOT wholly below"
+    temps = ev["temperatures"]
+    bound = [t for t, v in temps.items() if min(abs(v - T_MIN), abs(v - T_MAX)) < 1e-3]
     return (f"calibrated gap to the Bayes floor on {g['n']} test rows: {g['gap']:.4f} nats, 95% CI [{lo:.4f}, "
-            f"{hi:.4f}] (cases resampled), {verdict} the uniform answer's {uniform:.4f}")
+            f"{hi:.4f}] (cases resampled), {verdict} the uniform answer's {uniform:.4f}\n"
+            f"temperatures {', '.join(f'{t} {v:.2f}' for t, v in temps.items())}: "
+            + (f"at a bound ({T_MIN}, {T_MAX}): {', '.join(bound)}" if bound else f"none at a bound ({T_MIN}, {T_MAX})"))
 
 
 def _request(record: Any) -> dict:
