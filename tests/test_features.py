@@ -275,3 +275,30 @@ def test_merging_a_zero_lora_keeps_the_weights_bytes_and_so_the_cache_key():
     digest = weights_digest(m)
     m.merge()
     assert weights_digest(m) != digest, "a trained LoRA is folded into the weights"
+
+
+def test_choice_orders_given_caches_one_entry_per_row_and_the_run_reads_it(tmp_path, data_dir):
+    """`choice_orders=given` (the demo's extraction): every train choice row is cached once, in its given order,
+    not in its balanced set; the head-only run trains on that cache (every draw reads order 0), and its evaluation
+    finds the same cache rather than extracting again. The balanced cache of the same data is another key."""
+    from rlcd.data.io import load_split
+    from rlcd.data.sampling import n_orders
+
+    data = fresh_data(tmp_path, data_dir)
+    train_rows = load_split(data, "train")
+    balanced = sum(n_orders(r.question.k) if r.question.type == "choice" else 1 for r in train_rows)
+    assert balanced > len(train_rows), "the fixture has choice rows with several orders"
+    _train(tmp_path / "run", data, steps=4, recipe={"head_only": True, "choice_orders": "given"})
+    (cache,) = [d for d in cache_root(data).iterdir() if not d.name.startswith(".")]
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert manifest["key"]["orders"] == "given-v1"
+    assert manifest["splits"]["train"] == len(train_rows)
+    assert all(o == 0 for _, o in json.loads((cache / "train.index.json").read_text()))
+    found = find_features(_model(), data)
+    assert found is not None and found.root == cache, "evaluation reads the given-order cache"
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["recipe_deviations"]["choice_orders"] == {"value": "given", "pinned": "balanced"}
+    other = ensure_features(_model(), data, progress=False)
+    assert other.root != cache and other.manifest["splits"]["train"] == balanced
+    with pytest.raises(OptionError, match="choice_orders"):
+        Recipe(choice_orders="shuffled")

@@ -2,6 +2,7 @@
 
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -291,3 +292,37 @@ def test_summary_says_which_temperature_fits_did_not_converge_or_were_skipped(tm
     assert "warning: the noul temperature fit did not converge" in summary
     assert "note: score temperature not fitted: 4 calibration rows < 10: T = 1" in summary
     assert "choice temperature" not in summary
+
+
+def test_a_run_with_known_posteriors_opens_with_its_learning_curve(tmp_path):
+    """Where every dev and test row carries a posterior (synth data, `make demo`), report.md and report.html open
+    with the learning curve: dev NLL against updates between the uniform answer and the Bayes floor, and the final
+    test point -- the calibrated gap with its interval, the numbers of the headline's posterior block. Rows without
+    a posterior (the default fixture mixes sources) get no such section: there is no floor to draw."""
+    run, preds, temps, meta, mb = make_run(tmp_path)
+    for split, rows in preds.items():
+        for r in rows:
+            if r["posterior"] is None:
+                r["posterior"] = r["target"]
+        (run / "eval" / f"predictions-{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ev = evaluation_from_predictions(preds, temps, meta, majority_baseline=mb)
+    write_evaluation(run, ev)
+    with open(run / "metrics.jsonl", "a") as fh:
+        for step in (10, 20, 30, 40):
+            fh.write(json.dumps({"event": "eval", "step": step, "dev_nll": 2.0 - step / 40,
+                                 "dev_macro_accuracy": 0.3 + step / 100}) + "\n")
+    md = write_report(run).read_text()
+    html = (run / "eval" / "report.html").read_text()
+    assert md.index("## Learning curve") < md.index("## Headline: test split")
+    assert re.match(r"^# .+\n+## Learning curve", md)
+    assert html.index("<h2>Learning curve") < html.index("<h2>Headline") < html.index("<nav>")
+    assert (run / "eval" / "plots" / "learning_curve.png").read_bytes().startswith(PNG)
+    post = ev["calibrated"]["overall"]["posterior"]
+    section = md[md.index("## Learning curve"): md.index("## Headline")]
+    assert f"calibrated gap **{post['bayes_gap']:.4f}**" in section
+    assert f"vs {post['uniform_gap']:.4f} for the uniform answer" in section
+    floor = np.mean([M.nll(r["posterior"], r["target"]) for r in preds["dev"]])
+    assert f"→ {2.0 - 1.0 - floor:.4f} at step 40" in section  # the last dev NLL minus the dev rows' floor
+
+    plain, *_ = make_run(tmp_path / "mixed")
+    assert "## Learning curve" not in write_report(plain).read_text()

@@ -142,3 +142,36 @@ def test_the_fitted_temperature_lies_in_its_interval_on_flat_logits():
     lo, hi = U.temperature_intervals(rows, resamples=200)["noul"]
     assert info["converged"] and lo <= fitted <= hi, (fitted, lo, hi)
     assert fitted == pytest.approx(best_temperature(rows), rel=1e-6)
+
+
+def test_the_bayes_gap_interval_holds_the_headline_gap_and_names_the_uniform_answers():
+    """`bayes_gap_interval` (the demo's headline and the learning curve's test point): its point is the calibrated
+    `bayes_gap` and `uniform_gap` that `rlcd.metrics` reports on the same rows, its interval holds that point and
+    narrows as cases are added, and rows without a posterior are left out."""
+    from rlcd.uncertainty import bayes_gap_interval
+
+    rng = np.random.default_rng(0)
+
+    def rows(n_cases):
+        out = []
+        for c in range(n_cases):
+            for q in range(3):
+                k = int(rng.integers(2, 6))
+                post = rng.dirichlet(np.ones(k))
+                out.append({"id": f"c{c}:q{q}", "case_id": f"c{c}", "group": "g", "type": "choice",
+                            "target": post.tolist(), "posterior": post.tolist(),
+                            "logits": (np.log(post) * 1.7 + rng.normal(0, 0.5, k)).tolist()})
+        return out
+
+    temps = {"choice": 1.3, "noul": 1.0, "score": 1.0}
+    small, large = rows(20), rows(200)
+    g = bayes_gap_interval(small + [{**small[0], "id": "x", "posterior": None}], temps)
+    post = M.summarize(small, temps)["overall"]["posterior"]
+    assert g["n"] == len(small)
+    assert g["gap"] == pytest.approx(post["bayes_gap"], rel=1e-5)
+    assert g["uniform_gap"] == pytest.approx(post["uniform_gap"], rel=1e-5)
+    assert g["ci95"][0] < g["gap"] < g["ci95"][1]
+    wide = g["ci95"][1] - g["ci95"][0]
+    big = bayes_gap_interval(large, temps)
+    assert big["ci95"][1] - big["ci95"][0] < wide / 2
+    assert bayes_gap_interval([{**small[0], "posterior": None}], temps) is None

@@ -58,7 +58,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from rlcd.data.sampling import ORDERS_SCHEME, orders_of, with_fixed_order
+from rlcd.data.sampling import ORDERS_SCHEME, orders_of, orders_scheme, with_fixed_order
 from rlcd.errors import OptionError
 from rlcd.files import pid_alive, plain_mode
 from rlcd.model.collate import RowLabels
@@ -123,9 +123,10 @@ def _zero_lora_off(model):
             p.requires_grad_(flag)
 
 
-def feature_key(model, data_dir: Path, cut_states=None) -> dict[str, Any]:
+def feature_key(model, data_dir: Path, cut_states=None, choice_orders: str = "balanced") -> dict[str, Any]:
     """Everything the cached features depend on (see the module docstring); `cut_states`: the cut-state cache
-    (`rlcd.cut_cache.CutCache`) they are computed from, else the full backbone."""
+    (`rlcd.cut_cache.CutCache`) they are computed from, else the full backbone; `choice_orders`: which candidate
+    orders of a train choice row it keeps (`Recipe.choice_orders`; the key's "orders")."""
     from rlcd.data.io import sha256_file
 
     info = model.backbone_info
@@ -140,7 +141,7 @@ def feature_key(model, data_dir: Path, cut_states=None) -> dict[str, Any]:
         "splits": {f"{s}.jsonl": sha256_file(Path(data_dir) / f"{s}.jsonl") for s in SPLITS
                    if (Path(data_dir) / f"{s}.jsonl").is_file()},
         "dtype": dtype,
-        "orders": ORDERS_SCHEME,
+        "orders": orders_scheme(choice_orders),
         **({"lora": lora} if lora is not None else {}),  # absent for a zero LoRA: caches built before it stay valid
         **({"from_cut_states": cut_source(cut_states)} if cut_states is not None else {}),
     }
@@ -248,11 +249,11 @@ def cache_root(data_dir: Path) -> Path:
     return Path(data_dir) / FEATURES_DIR
 
 
-def cache_entries(split: str, records: Sequence[Record]) -> list[tuple[Record, int]]:
+def cache_entries(split: str, records: Sequence[Record], choice_orders: str = "balanced") -> list[tuple[Record, int]]:
     """(record in its fixed order, order) for every cached entry of a split."""
     out = []
     for r in records:
-        out.extend((with_fixed_order(r, o), o) for o in orders_of(r, split))
+        out.extend((with_fixed_order(r, o), o) for o in orders_of(r, split, choice_orders))
     return out
 
 
@@ -270,7 +271,8 @@ _CHUNK_SUFFIX = ("safetensors",)
 @torch.no_grad()
 def extract_split(model, records: Sequence[Record], collator, split: str, *, rows_per_call: int | None = None,
                   progress: Callable[[int], None] | None = None, shared: bool = True,
-                  lora_off: bool = True, cut_states=None, partial=None) -> tuple[dict[str, torch.Tensor], list]:
+                  lora_off: bool = True, cut_states=None, partial=None,
+                  choice_orders: str = "balanced") -> tuple[dict[str, torch.Tensor], list]:
     """The tensors and index of one split: every entry's (h_dec, h_cand) from the frozen backbone.
 
     Rows of one case (one state) share a prefix forward (`model.case_features`) when the model has it;
@@ -283,9 +285,10 @@ def extract_split(model, records: Sequence[Record], collator, split: str, *, row
     chunks it holds are read back instead of computed, each computed one is committed to it as
     `<split>-<chunk>.safetensors` (h_dec [n, H], h_cand [c, H], k [n], n_tokens [n] in the chunk's entry order),
     and the split is assembled from its files (one split in memory plus one chunk). Without it the chunks stay in
-    memory. Either way the tensors are those of one pass over the same calls.
+    memory. Either way the tensors are those of one pass over the same calls. `choice_orders`: "given" keeps one
+    entry per row (`Recipe.choice_orders`).
     """
-    entries = cache_entries(split, records)
+    entries = cache_entries(split, records, choice_orders)
     n = len(entries)
     was = model.training
     model.eval()
@@ -395,7 +398,8 @@ def check_writable(root: Path) -> None:
 
 
 def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callable[[str], None] | None = None,
-                    records: dict[str, list[Record]] | None = None, cut_states=None) -> FeatureCache:
+                    records: dict[str, list[Record]] | None = None, cut_states=None,
+                    choice_orders: str = "balanced") -> FeatureCache:
     """The cache of `model`'s frozen features over `data_dir`: loaded when a complete one with the same key
     exists, else extracted (all four splits) and published atomically. The extraction is resumable: its chunks
     are committed to `DATA/features/.partial-<KEY_ID>/` (`rlcd.partial`), a later call with the same key computes
@@ -403,12 +407,13 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
     same key waits for the first. Dead `.tmp-*` directories of killed publications are removed first (an
     extraction in progress elsewhere keeps its own). `cut_states`: a cut-state cache this model matches
     (`rlcd.cut_cache.find_cut_states(any_cut=True)`), or a function that looks one up, called only when
-    extraction is needed: extraction then runs only the layers above its cut."""
+    extraction is needed: extraction then runs only the layers above its cut. `choice_orders`: the candidate orders
+    kept per train choice row (`Recipe.choice_orders`; in the key)."""
     from safetensors.torch import save_file
 
     say = say or (lambda _: None)
     data_dir = Path(data_dir)
-    key = feature_key(model, data_dir)
+    key = feature_key(model, data_dir, choice_orders=choice_orders)
     root = cache_root(data_dir)
     found = FeatureCache.load(root / key_id(key), key) or _derived(key, root)
     if found is not None:
@@ -431,13 +436,13 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
         again = partial.published_meanwhile(lambda: FeatureCache.load(final, key), say, "features", final)
         if again is not None:
             return again
-        resumed(partial, recs, "features", say)
+        resumed(partial, recs, "features", say, choice_orders)
         counts, tokens = {}, 0
         with building(root, final) as tmp:
-            for split, split_recs, bar in each_split(recs, "features", progress, partial):
+            for split, split_recs, bar in each_split(recs, "features", progress, partial, choice_orders):
                 with bar:
                     tensors, index = extract_split(model, split_recs, collator, split, progress=bar.update,
-                                                   cut_states=cut_states, partial=partial)
+                                                   cut_states=cut_states, partial=partial, choice_orders=choice_orders)
                 save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / f"{split}.safetensors"))
                 plain_mode(tmp / f"{split}.safetensors")  # safetensors writes 600 (rlcd.files)
                 (tmp / f"{split}.index.json").write_text(json.dumps(index))
@@ -462,13 +467,18 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
 
 def find_features(model, data_dir: Path) -> FeatureCache | None:
     """The complete cache for `model` over `data_dir` if one exists (never extracts): the full backbone's, else
-    one computed from cut states (its key's `from_cut_states` says so). Without a features directory nothing is
+    one computed from cut states (its key's `from_cut_states` says so); a `choice_orders=given` cache serves too
+    (its held-out rows and every order-0 entry are the balanced cache's). Without a features directory nothing is
     hashed: evaluating a LoRA run pays no weights digest."""
     root = cache_root(Path(data_dir))
     if not root.is_dir():
         return None
     key = feature_key(model, Path(data_dir))
-    return FeatureCache.load(root / key_id(key), key) or _derived(key, root)
+    found = FeatureCache.load(root / key_id(key), key) or _derived(key, root)
+    if found is None:
+        given = {**key, "orders": orders_scheme("given")}
+        found = FeatureCache.load(root / key_id(given), given)
+    return found
 
 
 def remove_dead_tmp(root: Path) -> None:
@@ -504,23 +514,25 @@ def split_records(data_dir: Path, records: dict[str, list[Record]] | None) -> di
     return out
 
 
-def each_split(recs: dict[str, list[Record]], what: str, progress: bool, partial=None):
+def each_split(recs: dict[str, list[Record]], what: str, progress: bool, partial=None,
+               choice_orders: str = "balanced"):
     """(split, its records, its progress bar, not yet entered) for the four splits in order; a bar starts at the
     entries `partial` (`rlcd.partial.Partial`) already holds."""
     from rlcd.progress import Progress
 
     for split in SPLITS:
-        n = len(cache_entries(split, recs[split]))
+        n = len(cache_entries(split, recs[split], choice_orders))
         start = min(n, partial.entries_done(split)) if partial is not None else 0
         yield split, recs[split], Progress(f"{what} {split}", n, unit="rows", start=start, enabled=progress and n > 0)
 
 
-def resumed(partial, recs: dict[str, list[Record]], what: str, say: Callable[[str], None]) -> None:
+def resumed(partial, recs: dict[str, list[Record]], what: str, say: Callable[[str], None],
+            choice_orders: str = "balanced") -> None:
     """Say what an earlier attempt left in `partial` (resumed from there), and which partials of other keys are
     kept beside it (never read for this key, never removed silently)."""
     done = partial.entries_done()
     if done:
-        total = sum(len(cache_entries(s, r)) for s, r in recs.items())
+        total = sum(len(cache_entries(s, r, choice_orders)) for s, r in recs.items())
         say(f"{what}: resuming {partial.dir}: {done} of {total} entries already extracted")
     others = partial.others()
     if others:

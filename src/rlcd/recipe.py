@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from rlcd.errors import OptionError
 
 KNOBS = ("steps", "seed", "objective", "sigma", "ce_weight")
+CHOICE_ORDERS = ("balanced", "given")  # rlcd.data.sampling.orders_of: what a frozen-feature cache keeps per choice row
 SELECT_BY = ("macro_accuracy", "nll")  # dev selection scores: group-macro top-1 accuracy (higher), pooled NLL (lower)
 
 
@@ -50,6 +51,8 @@ class Recipe:
     forms: str = "base"          # "base": original rows only; "derived": a share of each micro-batch drawn from the
                                  # derived question forms of `rlcd data derive` (rlcd.data.sampling.derived_slots)
     forms_share: float = 0.25    # with forms=derived: the share of each micro-batch's rows that are derived forms
+    choice_orders: str = "balanced"  # frozen features of a train choice row: its "balanced" candidate orders (the
+                                 # sampler draws one of them), or its "given" order only (1 entry, not K! or <= 8)
     # --- optimisation ------------------------------------------------------------------------
     lr_lora: float = 1e-4
     lr_head: float = 5e-4
@@ -128,6 +131,12 @@ class Recipe:
         if self.select_by not in SELECT_BY:
             raise OptionError(f"select_by must be one of {', '.join(SELECT_BY)} (the dev score that picks the best "
                               f"checkpoint), got {self.select_by!r}")
+        if self.choice_orders not in CHOICE_ORDERS:
+            raise OptionError(f"choice_orders must be one of {', '.join(CHOICE_ORDERS)} (the candidate orders the "
+                              f"frozen-feature cache keeps per train choice row), got {self.choice_orders!r}")
+        if self.choice_orders != "balanced" and self.lora_layers is not None:
+            raise OptionError("choice_orders applies to the frozen-feature cache only; lora_layers reads the cut-state "
+                              "cache, which keeps the balanced orders")
         if self.centring not in ("running_mean", "layernorm", "none"):
             raise OptionError(f"centring must be running_mean, layernorm or none, got {self.centring!r}")
         for name in ("lr_lora", "lr_head", "grad_clip", "lora_alpha"):

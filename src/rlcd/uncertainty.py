@@ -357,3 +357,27 @@ def worsened_by_calibration(effect: Mapping[str, Any]) -> list[tuple[str, str, f
             if ci and ci[0] is not None and ci[0] > 0:
                 out.append((name, m, d["delta"], ci))
     return out
+
+
+def bayes_gap_interval(rows: Sequence[Mapping[str, Any]], temperatures: Mapping[str, float] | None, *,
+                       resamples: int = RESAMPLES, seed: int = SEED) -> dict[str, Any] | None:
+    """The gap to the Bayes floor of `rows` that carry a posterior, with its grouped-bootstrap 95% interval, and
+    the uniform answer's gap on the same rows: ``{"gap", "ci95": [lo, hi], "uniform_gap", "n"}`` (None when no
+    row carries a posterior). Per row the gap is NLL(model) - NLL(posterior) against the row's target, as in
+    ``rlcd.metrics`` (``bayes_gap``); cases are resampled whole."""
+    from rlcd.bootstrap import bootstrap_means
+
+    gaps, uniform, groups = [], [], []
+    for r in rows:
+        if r.get("posterior") is None:
+            continue
+        t, q = np.asarray(r["target"], dtype=np.float64), np.asarray(r["posterior"], dtype=np.float64)
+        floor = M.nll(q, t)
+        gaps.append(M.nll(M.row_probabilities(r, temperatures), t) - floor)
+        uniform.append(M.nll(np.full(t.size, 1.0 / t.size), t) - floor)
+        groups.append(group_key(r))
+    if not gaps:
+        return None
+    boot = bootstrap_means(np.asarray(gaps), resamples=resamples, seed=seed, groups=groups)
+    return {"gap": _round(float(np.mean(gaps))), "ci95": _interval(boot), "uniform_gap": _round(float(np.mean(uniform))),
+            "n": len(gaps)}

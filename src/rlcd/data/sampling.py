@@ -238,6 +238,7 @@ def permute_choice(record: Record, perm: list[int]) -> Record:
 
 MAX_ORDERS = 8  # candidate orders kept per choice row above K = 3 (the Latin set's rows; K orders when K <= 8)
 ORDERS_SCHEME = "balanced-v1"  # in the feature and cut-state cache keys: a cache of another scheme is not reused
+GIVEN_SCHEME = "given-v1"  # the feature-cache key of `choice_orders=given`: each row in its given order only
 
 
 def n_orders(k: int) -> int:
@@ -269,18 +270,27 @@ def fixed_order(record_id: str, k: int, order: int) -> list[int]:
     return [int(tau[(inv[p] + shift) % k]) for p in range(k)]
 
 
-def orders_of(record: Record, split: str = "train") -> range:
-    """The fixed orders a cache keeps for a row: every order of a train choice row, the given one else."""
-    if split == "train" and record.question.type == "choice":
+def orders_scheme(choice_orders: str = "balanced") -> str:
+    """The cache-key name of a `Recipe.choice_orders` value."""
+    return GIVEN_SCHEME if choice_orders == "given" else ORDERS_SCHEME
+
+
+def orders_of(record: Record, split: str = "train", choice_orders: str = "balanced") -> range:
+    """The fixed orders a cache keeps for a row: every order of a train choice row, the given one else (and
+    always the given one only with `choice_orders="given"`: 1 entry per row instead of up to 8 -- the demo's
+    extraction, where the balanced orders multiplied the frozen forwards by 2.5)."""
+    if split == "train" and record.question.type == "choice" and choice_orders == "balanced":
         return range(n_orders(record.question.k))
     return range(1)
 
 
-def order_of_draw(record: Record, perm_seed: int) -> int:
+def order_of_draw(record: Record, perm_seed: int, choice_orders: str = "balanced") -> int:
     """Which of a row's fixed orders a draw uses while the backbone is frozen: `perm_seed mod n_orders(k)`
     for a choice row (perm_seed is uniform on [0, 2^32), so every order is equally likely to within
     n / 2^32), 0 for noul and score."""
-    return perm_seed % n_orders(record.question.k) if record.question.type == "choice" else 0
+    if record.question.type != "choice" or choice_orders == "given":
+        return 0
+    return perm_seed % n_orders(record.question.k)
 
 
 def with_fixed_order(record: Record, order: int) -> Record:

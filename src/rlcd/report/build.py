@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from rlcd.errors import RunError
-from rlcd.report import (advantage_sections, coherence_sections, error_sections, gate_sections, metrics_sections,
-                         order_sections, run_sections, verdict)
+from rlcd.report import (advantage_sections, coherence_sections, error_sections, gate_sections, learning_sections,
+                         metrics_sections, order_sections, run_sections, verdict)
 from rlcd.report.notes import result_notes
 from rlcd.report.context import Context, FigureWriter, read_config
 from rlcd.report.document import Section, Text, to_html, to_markdown
@@ -34,8 +34,11 @@ from rlcd.run import Run
 from rlcd.schema import QUESTION_TYPES
 
 # The headline (verdict lines, headline table, overall reliability) leads: one screen says what the run
-# achieved; the details follow, and what the run was (data, recipe, metadata, hashes) comes last.
+# achieved; the details follow, and what the run was (data, recipe, metadata, hashes) comes last. Where the rows
+# carry a known posterior (synth data, `make demo`) the learning curve comes first: dev NLL against updates between
+# the uniform answer and the Bayes floor, and the final test point.
 SECTIONS = (
+    learning_sections.learning_curve,
     verdict.summary,
     metrics_sections.temperatures,
     metrics_sections.per_type,
@@ -105,5 +108,6 @@ def write_report(run: Run | str | Path, *, ev: Mapping[str, Any] | None = None) 
     sections = sections + [intro]
     title = f"rlcd evaluation report: {ctx.name}"
     run.report_md.write_text(to_markdown(title, sections), encoding="utf-8")
-    run.report_html.write_text(to_html(title, sections, lead=1), encoding="utf-8")
+    lead = 2 if sections and sections[0].title == "Learning curve" else 1  # ... and the verdict: before the contents
+    run.report_html.write_text(to_html(title, sections, lead=lead), encoding="utf-8")
     return run.report_md

@@ -263,3 +263,29 @@ def accuracy_by_k(table: Sequence[Mapping[str, Any]]) -> bytes:
     ax.set(ylim=(0, 1.05), xlabel="number of candidates K", ylabel="top-1 accuracy", title="accuracy by K")
     ax.legend(fontsize=8)
     return png(fig, left=0.1, bottom=0.14, top=0.9)
+
+
+def learning_curve(steps: Sequence[int], dev_gap: Sequence[float], dev_uniform: float, test: Mapping[str, Any],
+                   selected: int | None, split: str = "test") -> bytes:
+    """Dev NLL above the Bayes floor against the update, the floor (0) and the uniform answer as lines, and the
+    final calibrated `split` point with its 95% interval (at the selected step, else the last)."""
+    fig = Figure(figsize=(7.5, 4.2))
+    ax = fig.subplots()
+    ax.plot(steps, dev_gap, marker="o", ms=3, lw=1.4, color="C0", label="dev NLL (raw) above the floor")
+    ax.axhline(dev_uniform, color="C3", ls="--", lw=1.2, label=f"uniform answer (dev) {dev_uniform:.3f}")
+    ax.axhline(0.0, color="0.2", ls="-", lw=1.0, label="Bayes floor")
+    x = selected if selected is not None else steps[-1]
+    lo, hi = test.get("ci95") or (None, None)
+    gap = float(test["gap"])
+    err = None if lo is None or hi is None else [[gap - lo], [hi - gap]]
+    ax.errorbar([x], [gap], yerr=err, fmt="s", color="C2", ms=7, capsize=5, lw=1.6,
+                label=f"{split}, calibrated {gap:.3f} (95% CI)")
+    ax.plot([x], [float(test["uniform_gap"])], marker="x", color="C3", ms=8, ls="none",
+            label=f"uniform answer ({split}) {float(test['uniform_gap']):.3f}")
+    ax.set(xlabel="update", ylabel="NLL above the Bayes floor (nats)",
+           title="Learning curve: the model against no learning (uniform) and all there is to learn (floor)")
+    ax.title.set_fontsize(9)
+    top = max([*dev_gap, dev_uniform, gap if hi is None else hi])
+    ax.set_ylim(-0.05, min(top, 3 * dev_uniform) * 1.1 + 0.05)
+    ax.legend(fontsize=7, loc="upper right")
+    return png(fig, left=0.1, bottom=0.12)

@@ -120,7 +120,8 @@ class Session:
 
         if not src.fixed_orders:
             return [shuffle_choice(self.records[d.id], d.perm_seed) for d in draws], [0] * len(draws)
-        orders = [order_of_draw(self.records[d.id], d.perm_seed) for d in draws]
+        how = self.recipe.choice_orders if src.frozen else "balanced"  # the cut-state cache keeps the balanced set
+        orders = [order_of_draw(self.records[d.id], d.perm_seed, how) for d in draws]
         rows = []
         for d, o in zip(draws, orders):
             key = (d.id, o)

@@ -93,7 +93,8 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
 
         def build(main: bool):  # on a miss, from a cut-state cache this model matches: the top layers only
             return ensure_features(model, data_dir, progress=progress and main, say=print_fn if main else None,
-                                   records=known, cut_states=lambda: find_cut_states(model, data_dir, any_cut=True))
+                                   records=known, cut_states=lambda: find_cut_states(model, data_dir, any_cut=True),
+                                   choice_orders=recipe.choice_orders)
 
         features = _rank0_first(d, build)
     groups = model.param_groups()
