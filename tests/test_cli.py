@@ -23,7 +23,7 @@ FIX = Path(__file__).parent / "fixtures" / "data"
 
 TABLE = {
     "data": {"import", "synth", "prepare", "validate", "derive"},
-    "train": None, "features": None, "calibrate": None, "evaluate": None, "report": None, "export": None, "gate": None, "predict": None,
+    "train": None, "features": None, "calibrate": None, "evaluate": None, "report": None, "export": None, "ship": None, "gate": None, "predict": None,
     "serve": None, "compare": None, "sweep": None, "sweep-worker": None, "demo": None,
     "analyze": {"toy-bias"},
     "probe": {"order", "coherence", "noise"},

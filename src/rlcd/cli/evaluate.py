@@ -288,3 +288,21 @@ def export(run: RunArg = None,
         with r.lock("export --precision"):
             check_precision(r, precision.value, max_flips=max_flips, max_dp=max_dp, say=echo)
     typer.echo(str(out_dir))
+
+
+def ship(run: Annotated[Path, typer.Argument(help="an evaluated run whose sealed test set was scored "
+                                                    "(`rlcd evaluate RUN --data SEALED --out sealed`)")],
+         out: Annotated[Path, typer.Option("--out", metavar="DIR", help="the directory to write, e.g. models/NAME "
+                                                                        "(new or empty; --force replaces it)")],
+         sealed: Annotated[str, typer.Option(metavar="NAME", help="the eval-NAME/ directory holding the sealed "
+                                                                  "set's scoring")] = "sealed",
+         name: Annotated[Optional[str], typer.Option(help="the model's name in its card (default: DIR's name)")] = None,
+         about: Annotated[str, typer.Option(help="a paragraph for the card's top")] = "",
+         force: Annotated[bool, typer.Option("--force", help="replace a non-empty DIR")] = False) -> None:
+    """Write a run's trainable part (LoRA, scorer head, temperatures: the export, a few MB), its config, its
+    evaluations and a model card with the sealed test set's numbers into DIR; `rlcd serve DIR` and `rlcd predict
+    DIR` load it when the backbone's package is installed."""
+    from rlcd.ship import ship as ship_run
+
+    done = ship_run(run, out, sealed=sealed, name=name, about=about, force=force)
+    typer.echo(f"shipped {run} -> {done} ({sum(f.stat().st_size for f in done.iterdir()) / 1e6:.1f} MB)")
