@@ -64,13 +64,20 @@ def demo_recipe(steps: int = DEMO_STEPS, objective: str = DEMO_OBJECTIVE) -> Rec
 
 def demo_data(out_dir: Path, seed: int = 0, n_cases: int = DEMO_CASES,
               fractions: tuple[float, float, float, float] = DEMO_SPLITS) -> dict:
-    """Known-posterior synth cases prepared into `<out_dir>/processed`; returns the manifest."""
+    """Known-posterior synth cases prepared into `<out_dir>/processed`; returns the manifest.
+
+    Each question is written in the canonical form `rlcd serve` asks it (`rlcd.serving.canonical`: a choice's
+    options sorted by description and id, target and posterior moved with them): the demo keeps one cached order per
+    choice row (`choice_orders=given`), so the order it trains on must be the order its evaluation and its server
+    ask. Written as generated, the head learned one order and was scored on another (calibrated gap 0.6183
+    [0.5580, 0.6901] against 0.5690 [0.5202, 0.6293]), and those rows ran the backbone live at evaluation."""
     from rlcd.data import synth
     from rlcd.data.io import write_jsonl
     from rlcd.data.prepare import prepare
+    from rlcd.serving.canonical import canonical_records
 
     out_dir = Path(out_dir)
-    write_jsonl(out_dir / "raw" / "synth.jsonl", synth.generate(n_cases, seed))
+    write_jsonl(out_dir / "raw" / "synth.jsonl", canonical_records(list(synth.generate(n_cases, seed))))
     return prepare([out_dir / "raw" / "synth.jsonl"], out_dir / "processed", seed=seed, fractions=fractions)
 
 
