@@ -315,17 +315,8 @@ def _dying_server(answered_requests):
             seen[0] += 1
             if seen[0] > answered_requests:
                 raise httpx.ConnectError("connection refused")
-        body = json.loads(request.content)
-        out = {}
-        for qid, q in body["questions"].items():
-            if q["type"] == "noul":
-                out[qid] = {"type": "noul", "noul": 0.5}
-            else:
-                k = len(q["criteria"])
-                labels = list(q["criteria"]) if q["type"] == "choice" else [str(i) for i in range(k)]
-                out[qid] = {"type": q["type"], "probabilities": {lab: 1 / k for lab in labels},
-                            **({"score": (k - 1) / 2, "legend": {}} if q["type"] == "score" else {})}
-        return httpx.Response(200, json={"model": body["model"], "answers": out})
+        return httpx.Response(200, json=_uniform_answers(json.loads(request.content)))
+
     return httpx.MockTransport(handler)
 
 
