@@ -96,6 +96,7 @@ def test_the_card_states_the_sealed_gap_computed_independently(run, tmp_path):
     assert "# demo-model:" in card and "Sealed test set (18 rows, 6 cases, scored once)" in card
     assert "Accuracy 0.5000 [0.3000, 0.7000] (the majority answer: 0.4000)" in card
     assert "English and German" in card and "## Not for" in card
+    assert "LoRA on every layer" in card  # the tiny run's recipe: the pinned one (LoRA on every layer, not head only)
 
 
 def test_ship_refuses_before_writing(run, tmp_path):

@@ -100,9 +100,14 @@ def model_card(name: str, meta: Mapping[str, Any], config: Mapping[str, Any], se
     lines = [f"# {name}: calibrated typed decisions (rlcd)", ""]
     if about:
         lines += [about, ""]
+    if recipe.get("head_only"):
+        trained = f"A frozen `{meta.get('model')}` backbone with rlcd's candidate scorer (head only)"
+    elif recipe.get("lora_layers"):
+        trained = f"A `{meta.get('model')}` backbone with LoRA on its top {recipe['lora_layers']} layers and rlcd's candidate scorer"
+    else:
+        trained = f"A `{meta.get('model')}` backbone with LoRA on every layer and rlcd's candidate scorer"
     lines += [
-        f"A `{meta.get('model')}` backbone with LoRA on {recipe.get('lora_layers') or 'every'} "
-        f"{'top layers' if recipe.get('lora_layers') else 'layer'} and rlcd's candidate scorer, trained with the "
+        f"{trained}, trained with the "
         f"`{recipe.get('objective')}` objective for {recipe.get('steps')} updates (checkpoint of update "
         f"{meta.get('selected_step')}, selected on dev {recipe.get('select_by') or 'accuracy'}). This directory holds "
         "only the trained part (LoRA, scorer head, per-type temperatures); the backbone comes from its package.", "",
@@ -133,7 +138,7 @@ def model_card(name: str, meta: Mapping[str, Any], config: Mapping[str, Any], se
     if own:
         post = ((own.get("calibrated") or {}).get("overall") or {}).get("posterior") or {}
         if post.get("bayes_gap") is not None:
-            lines += ["", f"On the run's own test split ({own.get('n_rows') or post.get('n')} rows; also used to choose "
+            lines += ["", f"On the run's own test split ({post.get('n')} rows; also used to choose "
                       f"between earlier arms, so not sealed): calibrated gap {post['bayes_gap']:.4f}."]
     lines += ["", "## Training data", "",
               "Synthetic known-posterior cases from `rlcd data synth` (`rlcd.data.synth`): support tickets and "
