@@ -95,7 +95,7 @@ if [ -n "$RESTORE" ]; then  # committed checkpoints of unfinished runs (SAVE=DIR
   for saved in "$RESTORE"/d*-*; do
     [ -d "$saved" ] || continue
     run="$OUT/$(basename "$saved")"
-    [ -e "$run/checkpoints/last" ] || [ -f "$run/eval/evaluation.json" ] && continue
+    [ -e "$run/checkpoints/last" ] && continue  # this machine still has it
     stamp "restore $run from $saved"; mkdir -p "$run"; cp -r "$saved"/. "$run"/
   done
 fi
@@ -147,7 +147,7 @@ save_unfinished() {  # SAVE=DIR: the small part of each unfinished run (config, 
   [ -n "$SAVE" ] || return 0
   local run
   for run in "$OUT"/d*-ce "$OUT"/d*-"$TOP"; do
-    [ -d "$run/checkpoints/last" ] && [ ! -f "$run/eval/evaluation.json" ] || continue
+    [ -d "$run/checkpoints/last" ] && [ "$(last_step "$run")" != "$(planned_steps "$run")" ] || continue  # stopped early
     rm -rf "${SAVE:?}/$(basename "$run")"; mkdir -p "$SAVE/$(basename "$run")/checkpoints"
     cp "$run/config.json" "$run/samples.json" "$run/metrics.jsonl" "$SAVE/$(basename "$run")/"
     cp -r "$run/checkpoints/last" "$SAVE/$(basename "$run")/checkpoints/"
