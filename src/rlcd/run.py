@@ -271,9 +271,12 @@ class Run:
             f.write(json.dumps(row, sort_keys=True) + "\n")
 
     def metrics(self) -> list[dict]:
+        """The logged rows, without a last line that lacks its newline: a row a full disk or a kill cut off part-way
+        (`log` writes whole lines), which a resume drops anyway (`trim_metrics`)."""
         if not self.metrics_path.is_file():
             return []
-        return [json.loads(ln) for ln in self.metrics_path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        lines = self.metrics_path.read_text(encoding="utf-8").split("\n")[:-1]
+        return [json.loads(ln) for ln in lines if ln.strip()]
 
     def trim_metrics(self, step: int) -> None:
         """Drop log lines after `step` (written after the checkpoint a resume starts from), and a last line without
