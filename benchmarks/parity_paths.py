@@ -117,7 +117,7 @@ if "batch" in which:
     from typer.testing import CliRunner
     from rlcd.cli import app
     run = make_tiny_export_with_test_split(base / "bf")
-    check_precision(run, max_flips=0.5)
+    check_precision(run, max_flips=0.5, max_dp=1.0)  # a random fixture: the gate is made to pass, what is measured is batch vs single
     where = resolve_placement("auto", "auto", run=run)
     reqs = [{"id": f"r{i}", "state": f"Ticket {i}: the parcel is late and nobody answers.",
              "questions": {"q": {"type": "choice", "instructions": "Which team?",
