@@ -103,9 +103,11 @@ def test_auto_picks_bf16_only_with_the_units_and_a_passed_record(run, monkeypatc
     assert resolve_placement("auto", "auto").dtype == "float32"  # no run (training, evaluation): float32
     doc = _pass_gate(run, monkeypatch)
     p = resolve_placement("auto", "auto", run=run)
+    r = doc["result"]
     assert p.dtype == "bfloat16" and p.reason == (f"auto: bfloat16, the CPU has bf16 units (avx512_bf16) and its "
-                                                  f"bfloat16 parity passed ({doc['result']['flips']}/"
-                                                  f"{doc['result']['rows']} test decisions flipped)")
+                                                  f"bfloat16 parity passed ({r['counted_flips']}/{r['rows']} test "
+                                                  f"decisions flipped beyond the noise floor {r['noise_floor']:.2g}; "
+                                                  f"{r['flips'] - r['counted_flips']} near ties not counted)")
     assert str(p).startswith("cpu bfloat16 (auto: bfloat16") and p.to_dict()["reason"] == p.reason
     assert Placement(**p.to_dict()) == p  # the serve workers' config round trip
     _cpu(monkeypatch, AVX2)  # the same run on a CPU without the units

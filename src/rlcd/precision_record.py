@@ -45,6 +45,10 @@ def parity_verdict(run: str | Path, precision: str = "bfloat16") -> tuple[bool, 
                        f"--precision {precision})")
     r = doc.get("result") or {}
     counts = f"{r.get('flips')}/{r.get('rows')} test decisions flipped"
+    if r.get("counted_flips") is not None:  # the flip rule: a flip within the noise floor is a near tie, not counted
+        counts = (f"{r['counted_flips']}/{r.get('rows')} test decisions flipped beyond the noise floor "
+                  f"{float(r.get('noise_floor') or 0.0):.2g}; {int(r.get('flips') or 0) - int(r['counted_flips'])} "
+                  "near ties not counted")
     if not doc.get("passed"):
         return False, f"its {precision} parity gate refused ({counts})"
     return True, f"its {precision} parity passed ({counts})"
