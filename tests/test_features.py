@@ -302,3 +302,62 @@ def test_choice_orders_given_caches_one_entry_per_row_and_the_run_reads_it(tmp_p
     assert other.root != cache and other.manifest["splits"]["train"] == balanced
     with pytest.raises(OptionError, match="choice_orders"):
         Recipe(choice_orders="shuffled")
+
+
+@pytest.mark.parametrize("name", ["tiny-llama"])
+def test_backbone_layers_reads_the_state_after_the_first_n_layers_then_the_final_norm(name):
+    """`backbone_layers=N` (the demo's cheaper extraction): the kept decoder's output is the full decoder's hidden
+    state after layer N with the final norm applied (as the top layer's is), and its depth, config and config hash
+    say N, so no cache of the whole decoder matches it."""
+    from rlcd.model.build import build_model
+
+    full = build_model({"model": name, "model_seed": 0, "recipe": {}}).eval()
+    kept = build_model({"model": name, "model_seed": 0, "recipe": {"backbone_layers": 2}}).eval()
+    assert (full.num_layers, kept.num_layers) == (4, 2)
+    dec_full, dec_kept = (m.family.text_decoder(m.backbone) for m in (full, kept))
+    assert len(dec_kept.layers) == dec_kept.config.num_hidden_layers == 2
+    assert kept.info["config_hash"] != full.info["config_hash"] and kept.info["num_layers"] == 2
+    ids = torch.randint(5, 200, (2, 11))
+    with torch.no_grad():
+        states = dec_full(input_ids=ids, output_hidden_states=True).hidden_states
+        want = dec_full.norm(states[2]).double()
+        got = dec_kept(input_ids=ids).last_hidden_state.double()
+    assert float((got - want).abs().max()) < 1e-5 * float(want.abs().max())
+    assert float((got - dec_full.norm(states[3]).double()).abs().max()) > 1e-3, "another layer's state differs"
+
+
+def test_a_backbone_layers_run_trains_evaluates_and_serves_at_its_depth(tmp_path, data_dir):
+    """The depth lands in config.json and reaches every place the model is built: the cached training features,
+    a live evaluation (the same logits as the cached one) and the exported predictor; an --init from another
+    depth is refused."""
+    from rlcd.evaluate import evaluate_run
+    from rlcd.predict import Predictor
+
+    data = fresh_data(tmp_path, data_dir)
+    run = tmp_path / "run"
+    _train(run, data, model="tiny-llama", steps=3, recipe={"head_only": True, "backbone_layers": 2})
+    assert json.loads((run / "config.json").read_text())["recipe"]["backbone_layers"] == 2
+    (cache,) = [d for d in cache_root(data).iterdir() if not d.name.startswith(".")]
+    assert find_features(_model("tiny-llama"), data) is None, "the whole decoder's features are another key"
+    evaluate_run(run, progress=False, feature_cache=True)
+    cached = [json.loads(x) for x in (run / "eval" / "predictions-test.jsonl").read_text().splitlines()]
+    evaluate_run(run, progress=False, feature_cache=False)
+    live = [json.loads(x) for x in (run / "eval" / "predictions-test.jsonl").read_text().splitlines()]
+    assert cached and [r["id"] for r in cached] == [r["id"] for r in live]
+    assert max(abs(x - y) for a, b in zip(cached, live) for x, y in zip(a["logits"], b["logits"])) < 1e-4
+    predictor = Predictor.from_run(run)
+    assert predictor.model.num_layers == 2
+    with pytest.raises(OptionError, match="backbone_layers 2 there, None here"):
+        _train(tmp_path / "init", data, model="tiny-llama", steps=3, init=run)
+
+
+def test_backbone_layers_refuses_a_depth_the_backbone_lacks():
+    from rlcd.model.build import build_model
+
+    for bad in (0, "2", True):
+        with pytest.raises(OptionError, match="backbone_layers must be none"):
+            Recipe(backbone_layers=bad)
+    with pytest.raises(OptionError, match=r"backbone_layers=9: this backbone has 4 decoder layers; give 1..4"):
+        build_model({"model": "tiny-toy", "model_seed": 0, "recipe": {"backbone_layers": 9}})
+    with pytest.raises(OptionError, match=r"the first 2 decoder layers are all linear attention .* keep at least 4"):
+        build_model({"model": "tiny", "model_seed": 0, "recipe": {"backbone_layers": 2}})  # Qwen3.5: 3 linear, 1 full

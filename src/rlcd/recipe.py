@@ -40,6 +40,9 @@ class Recipe:
     head_only: bool = False      # the scorer alone learns on frozen (cached) backbone features; LoRA stays 0
     head_warmup: int = 0         # head-only updates before LoRA joins (schedule and horizon unchanged)
     lora_layers: int | None = None  # LoRA on the top K decoder layers only (None: every layer); below is frozen
+    backbone_layers: int | None = None  # read the decision states after the first N decoder layers (then the final
+                                 # norm); the layers above are dropped at load (None: all). Cheaper forwards where a
+                                 # middle layer reads the task as well as the top (the demo: rlcd.demo)
     init_head: str = "keep"      # an --init start: "keep" the given head (no warm-up, peak <= its source's last LR)
                                  # or "rewarm" it like a fresh one (warm-up to lr_head)
     # --- sampling ----------------------------------------------------------------------------
@@ -120,6 +123,11 @@ class Recipe:
             if self.head_only:
                 raise OptionError("lora_layers and head_only=true both given: a head-only run trains no LoRA, so there "
                                   "are no LoRA layers to choose; use one of them")
+        if self.backbone_layers is not None and not (isinstance(self.backbone_layers, int)
+                                                     and not isinstance(self.backbone_layers, bool)
+                                                     and self.backbone_layers >= 1):
+            raise OptionError(f"backbone_layers must be none (every decoder layer) or an integer >= 1 (the first N "
+                              f"decoder layers), got {self.backbone_layers!r}")
         if self.diagnostics_every < 0:
             raise OptionError(f"diagnostics_every must be >= 0 (0 = off), got {self.diagnostics_every}")
         if self.patience is not None and not (isinstance(self.patience, int) and not isinstance(self.patience, bool)

@@ -163,6 +163,35 @@ def language_linear_names(model: nn.Module) -> list[str]:
     return out
 
 
+def keep_layers(backbone: Backbone, n: int) -> Backbone:
+    """`backbone` reading its states after its first `n` decoder layers (then its final norm, as after the last):
+    the layers above are dropped in place, the text config says `n` layers (`layer_types` sliced, as a stage's is),
+    and `info` carries the new config hash, so no feature or cut-state cache of the whole decoder is read for it.
+    `n` equal to the decoder's depth returns it unchanged; outside 1..depth is an OptionError."""
+    from rlcd.errors import OptionError
+
+    dec = backbone.family.text_decoder(backbone.model)
+    total = len(dec.layers)
+    if not 1 <= int(n) <= total:
+        raise OptionError(f"backbone_layers={n}: this backbone has {total} decoder layers; give 1..{total} "
+                          "(the first N are kept) or none for all")
+    types = list(getattr(dec.config, "layer_types", None) or [])
+    if types and all(t == "linear_attention" for t in types[:n]):
+        first = next((i + 1 for i, t in enumerate(types) if t != "linear_attention"), total)
+        raise OptionError(f"backbone_layers={n}: the first {n} decoder layers are all linear attention (layer_types); "
+                          f"keep at least {first}, through the first attention layer")
+    if int(n) == total:
+        return backbone
+    dec.layers = nn.ModuleList(list(dec.layers)[:n])
+    for cfg in {id(c): c for c in (dec.config, backbone.family.text_config(backbone.model))}.values():
+        cfg.num_hidden_layers = int(n)
+        if getattr(cfg, "layer_types", None) is not None:
+            cfg.layer_types = list(cfg.layer_types)[:n]
+    backbone.info.update(config_hash=config_hash(backbone.model.config), num_layers=int(n),
+                         layers_dropped=total - int(n))
+    return backbone
+
+
 # --------------------------------------------------------------------------------------------
 # loading
 

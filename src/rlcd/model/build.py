@@ -1,7 +1,7 @@
 """`build_model`: the one place a decision model is built from a run's config.
 
 Every recipe field that concerns the model reaches it (LoRA rank and alpha, the top layers that get LoRA,
-projection size, centring); the backbone comes from `config["model"]` (preset, local directory or hub id) with the
+projection size, centring; `backbone_layers` keeps the decoder's first N layers, `keep_layers`); the backbone comes from `config["model"]` (preset, local directory or hub id) with the
 config's `model_seed`, or a caller (a test, a benchmark) passes a ready `Backbone` instead of
 patching a loader. Placement: the backbone in `dtype` on `device`, the scorer FP32 on `device`.
 """
@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .backbone import Backbone, load_backbone
+from .backbone import Backbone, keep_layers, load_backbone
 from .decision import DecisionModel
 
 MODEL_FIELDS = ("lora_rank", "lora_alpha", "proj_dim", "centring", "lora_layers")
@@ -32,6 +32,9 @@ def build_model(config: Mapping[str, Any], *, device: str | torch.device = "cpu"
     seed = int(config.get("model_seed", 0))
     if backbone is None:
         backbone = load_backbone(config["model"], dtype=dtype, device=device, seed=seed)
+    layers = config["recipe"].get("backbone_layers")
+    if layers is not None:
+        backbone = keep_layers(backbone, int(layers))
     model = DecisionModel(backbone, seed=seed, **model_options(config["recipe"]))
     return model.to(device)
 

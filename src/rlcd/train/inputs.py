@@ -154,6 +154,8 @@ def init_source(path: Path, model: str, model_seed: int, recipe: Recipe) -> dict
     lora_fields = ("lora_rank", "lora_alpha", "lora_layers")
     diff = [f"{k} {other[k]} there, {mine[k]} here" for k in MODEL_FIELDS
             if mine[k] != other[k] and not (head_only and k in lora_fields)]
+    depth = (cfg["recipe"].get("backbone_layers"), recipe.backbone_layers)  # another depth: other features
+    diff += [f"backbone_layers {depth[0]} there, {depth[1]} here"] if depth[0] != depth[1] else []
     if diff:
         raise OptionError(f"--init {path}: the trainable weights have another shape ({'; '.join(diff)}); give the "
                           "same model fields (--recipe) as that run")
