@@ -237,6 +237,13 @@ if [ "$COLLECT" = 1 ]; then
   cp "$OUT"/"$NAME"-d*-*.json "$OUT/sealed/manifest.json" "$COSTS" "$STAMPS" "$DOCS/" 2>/dev/null || true
   [ ! -f "$DOCS/manifest.json" ] || mv "$DOCS/manifest.json" "$DOCS/sealed.manifest.json"
   for d in "$OUT"/d*/manifest.json; do cp "$d" "$DOCS/$(basename "$(dirname "$d")").manifest.json"; done
+  arms=()  # the picture and the sentence (rlcd.analysis.data_scale): every top arm scored on the sealed set
+  for n in "${SZ[@]}"; do
+    [ -f "$OUT/d$n-$TOP/eval-sealed/evaluation.json" ] && arms+=(--arm "$n=$OUT/d$n-$TOP")
+  done
+  if [ "${#arms[@]}" -gt 0 ]; then
+    "$PY" -m rlcd.analysis.data_scale "${arms[@]}" --eval sealed --costs "$COSTS" --backbone "$NAME" --out "$DOCS"
+  fi
   "$PY" -m rlcd.relpaths "$DOCS"  # committed JSON names paths relative to the repo (runs/...), not this machine's
 fi
 stamp "done"
