@@ -18,7 +18,8 @@ torch.set_num_threads(1)
 from _tiny_export import TEMPERATURES, build_tiny_model, tiny_predictor  # noqa: E402
 from conftest import answer_gap  # noqa: E402
 
-from rlcd.model.state_cache import PrefixState, StateCache, snapshot_row  # noqa: E402
+from rlcd.model.state_cache import PrefixState, snapshot_row  # noqa: E402
+from rlcd.serving.cache import StateCache  # noqa: E402
 from rlcd.predict import Predictor, _cache_scope  # noqa: E402
 
 TOL = 1e-4

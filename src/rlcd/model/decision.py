@@ -417,13 +417,14 @@ class DecisionModel(nn.Module):
 
     def prepare_case(self, state: Any, questions: Sequence[Question], image: Any = None,
                      ids: Sequence[str] | None = None, *, case_id: str | None = None,
-                     max_tokens: int | None = None) -> CaseInputs:
+                     max_tokens: int | None = None, keyed: bool = False) -> CaseInputs:
         """The CPU part of scoring one request: rows tokenised, the image preprocessed (no model call).
-        `max_tokens` overrides the encoder's row limit (a server's request limits)."""
+        `max_tokens` overrides the encoder's row limit (a server's request limits); `keyed`: the image's cache key
+        (`state_cache.image_digest`) computed now, off the model thread (a request cache is on)."""
         pv, grid, n_img = self._image_inputs(image)
         rows = self.encode_case(state, list(questions), n_image_tokens=n_img, ids=ids, case_id=case_id,
                                 max_tokens=max_tokens)
-        return CaseInputs(rows, pv, grid, n_img)
+        return CaseInputs(rows, pv, grid, n_img, image_digest(pv, grid) if keyed and pv is not None else None)
 
     def score_case_with_usage(self, state: Any, questions: Sequence[Question], image: Any = None,
                               ids: Sequence[str] | None = None, *, max_rows: int = 64,

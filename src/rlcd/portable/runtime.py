@@ -240,8 +240,9 @@ class PortableModel:
 
     # ------------------------------------------------------------------ the Predictor surface
     def prepare_case(self, state: Any, questions: Sequence[Any], image: Any = None, ids: Sequence[str] | None = None,
-                     *, case_id: str | None = None, max_tokens: int | None = None) -> PortableCase:
-        """Rows tokenised as `DecisionModel.encode_case` does (the prefix once); images refused (text-only)."""
+                     *, case_id: str | None = None, max_tokens: int | None = None, keyed: bool = False) -> PortableCase:
+        """Rows tokenised as `DecisionModel.encode_case` does (the prefix once); images refused (text-only).
+        `keyed` is accepted and means nothing: this engine reads no request cache."""
         if image is not None:
             self.encoder.refuse_image(case_id)
         qids = list(ids) if ids is not None else [f"q{i}" for i in range(len(questions))]
