@@ -229,7 +229,7 @@ def test_case_micro_batches_come_from_the_case_sampler(tmp_path, data_dir):
     # the ceiling: every pool case's state once (counted here from the encoded rows of each case)
     assert s.model.family.exact_align == 64
     from rlcd.bench.train import whole_case_tokens
-    from rlcd.model.decision import common_prefix_len
+    from rlcd.model.plan import common_prefix_len
 
     by_case: dict = {}
     for i in (i for ids in s.bench_pool.values() for i in ids):
@@ -290,7 +290,7 @@ def test_case_gradients_equal_full_rows_with_an_image(tmp_path, monkeypatch):
 def test_a_unit_whose_shared_prefix_saves_less_than_a_call_runs_as_full_rows():
     """Training plans each unit with serving's rule (`sharing_pays`): two questions about a two-token state
     share ~34 template tokens, less than a call's overhead, so they run as full rows; a long state shares."""
-    from rlcd.model.paths import CALL_OVERHEAD
+    from rlcd.model.plan import CALL_OVERHEAD
 
     dm = _model("tiny-llama")
     qs = [Question(type="noul", instructions="Is it urgent?"), Question(type="noul", instructions="Is it paid?")]

@@ -12,7 +12,8 @@ from rlcd.model import decision as D  # noqa: E402
 from rlcd.model.backbone import load_backbone  # noqa: E402
 from rlcd.model.collate import pad_rows  # noqa: E402
 from rlcd.model.build import build_model  # noqa: E402
-from rlcd.model.decision import DecisionModel, plan_suffix_groups  # noqa: E402
+from rlcd.model.decision import DecisionModel  # noqa: E402
+from rlcd.model.plan import plan_suffix_groups  # noqa: E402
 from rlcd.schema import Question  # noqa: E402
 
 STATE = {"ticket": "Parcel arrived damaged, the box was crushed and the vase inside is broken.", "priority": "high"}

@@ -9,7 +9,7 @@ returns the same logits [B, Kmax] as the full-row forward of the same rows:
   decision position) in one left-padded forward *with* gradients and a cache; the cache rows expanded
   to the unit's rows (`Family.select_cache_rows`, an `index_select`); all suffixes in one right-padded
   call on that cache. The loss backpropagates through the suffixes into the prefix.
-* one-row units, units whose shared prefix saves less than a call costs (`paths.sharing_pays`, as
+* one-row units, units whose shared prefix saves less than a call costs (`plan.sharing_pays`, as
   in serving and evaluation), and Qwen3.5 units whose prefix is shorter than one DeltaNet chunk: plain
   full rows in one more call (a prefix call plus a suffix call would cost more).
 * one head call over all rows in batch order, exactly as `DecisionModel.forward` makes it (the
@@ -50,7 +50,7 @@ import torch
 
 from ..schema import Record
 from .collate import Batch, Collator, moved, n_image_tokens, pad_rows, process_images
-from .paths import sharing_pays
+from .plan import sharing_pays
 from .prompt import EncodedRow
 
 

@@ -29,7 +29,6 @@ as they are (no second call, no copy), so a cold request costs what it cost with
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 import warnings
 from typing import Any, Iterable, Sequence
@@ -39,75 +38,19 @@ from torch import nn
 
 from ..schema import Question
 from .backbone import Backbone, freeze_all
-from .collate import Batch, Collator, n_image_tokens, pad_rows, process_images
+from .collate import Batch, Collator, pad_rows
 from .families.base import fork_cache_rows, out_cache
 from .families.qwen35 import SUFFIX_CHUNK, mrope_positions  # noqa: F401 (mrope_positions: public API)
 from .head import CandidateScorer
-from .paths import CALL_OVERHEAD, request_tokens, sharing_pays
+from .cases import CaseEncoder, CaseInputs
+from .plan import CALL_OVERHEAD, common_prefix_len, plan_paths, plan_suffix_groups, request_tokens, shared_prefix_len
 from .prompt import DEFAULT_MAX_TOKENS, DEFAULT_NOUL, EncodedRow, PromptEncoder
-from .state_cache import (PrefixState, RowFeatures, image_digest, max_state_tokens, prefix_key, row_key, snapshot_row,
-                          stack_states)
+from .state_cache import PrefixState, RowFeatures, max_state_tokens, prefix_key, row_key, snapshot_row, stack_states
 
 LORA_DROPOUT = 0.0
 SHAPE_GRANULE = 16  # batched calls round their padded lengths up to this (right pads are never read)
 PROMPT_VERSION = 1
 _LORA_PREFIX = "base_model.model."
-
-
-def plan_suffix_groups(lengths: Sequence[int], *, max_rows: int = 64, overhead: int = CALL_OVERHEAD,
-                       granule: int = SUFFIX_CHUNK) -> list[list[int]]:
-    """Split rows into batched calls by suffix length, minimising padded work + a per-call overhead.
-
-    Rows are sorted by length; a dynamic programme picks contiguous groups (at most `max_rows` rows)
-    minimising sum(rows_in_group * padded_longest_in_group + overhead), where lengths are rounded up
-    to the DeltaNet chunk (`granule`; the CPU reference kernel pads every row to it; 1 for a decoder
-    without chunked recurrent layers) and `overhead`
-    is the measured fixed cost of one call in token equivalents (~6 ms = ~50 tokens on 2 CPU cores,
-    hidden 256). Similar lengths give one call; mixed lengths (e.g. 27..82 tokens) a few.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    ls = [-(-lengths[i] // granule) * granule for i in order]
-    n = len(ls)
-    best = [0.0] + [math.inf] * n
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        for i in range(max(0, j - max_rows), j):
-            c = best[i] + (j - i) * ls[j - 1] + overhead
-            if c < best[j]:
-                best[j], cut[j] = c, i
-    groups, j = [], n
-    while j > 0:
-        groups.append(order[cut[j]:j])
-        j = cut[j]
-    return groups[::-1]
-
-
-@dataclass
-class CaseInputs:
-    """One request ready for the model (`DecisionModel.prepare_case`): its rows and preprocessed image."""
-
-    rows: list[EncodedRow]
-    pixel_values: torch.Tensor | None = None
-    grid: torch.Tensor | None = None
-    n_img: int = 0
-    image_digest: str | None = None  # the state cache's key of the image (`state_cache.image_digest`), once computed
-
-    def prefix_key(self, cut: int) -> bytes:
-        """The state cache's key of this case's first `cut` tokens (the image's digest computed here if need be)."""
-        if self.pixel_values is not None and self.image_digest is None:
-            self.image_digest = image_digest(self.pixel_values, self.grid)
-        return prefix_key(self.rows[0].ids[:cut], self.image_digest)
-
-    def row_key(self, row: EncodedRow, exact: bool = False) -> bytes:
-        """The row cache's key of one of this case's rows (`state_cache.row_key`; the image digest computed here if
-        need be)."""
-        if self.pixel_values is not None and self.image_digest is None:
-            self.image_digest = image_digest(self.pixel_values, self.grid)
-        return row_key(row.ids, self.image_digest, row.decision_pos, row.marker_pos, exact)
-
-    @property
-    def n_tokens(self) -> int:
-        return sum(len(r) for r in self.rows)
 
 
 def _kept_cache(config: Any) -> Any:
@@ -139,16 +82,6 @@ def _cut_row(h: torch.Tensor, pos: torch.Tensor, i: int, start: int, end: int) -
     call's states [B, T, H] and its positions ([B, T], or [P, B, T] for M-RoPE)."""
     p = pos[i, start:end, None] if pos.dim() == 2 else pos[:, i, start:end].T
     return h[i, start:end].float().cpu().clone(), p.to(torch.int32).cpu().clone()
-
-
-def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
-    first = seqs[0]
-    n = min(len(s) for s in seqs)
-    for i in range(n):
-        x = first[i]
-        if any(s[i] != x for s in seqs):
-            return i
-    return n
 
 
 class DecisionModel(nn.Module):
@@ -397,34 +330,21 @@ class DecisionModel(nn.Module):
         return sum(d.shape[0] for d in decs)
 
     # ------------------------------------------------------------------ inference on one request
+    @property
+    def cases(self) -> CaseEncoder:
+        """This model's `CaseEncoder`: questions -> `CaseInputs` (tokenised, image preprocessed; no model call)."""
+        return CaseEncoder.for_model(self)
+
     def encode_case(self, state: Any, questions: Sequence[Question], *, n_image_tokens: int = 0,
                     ids: Sequence[str] | None = None, case_id: str | None = None,
                     max_tokens: int | None = None) -> list[EncodedRow]:
-        qids = list(ids) if ids is not None else [f"q{i}" for i in range(len(questions))]
-        if len(qids) != len(questions):
-            raise ValueError(f"{len(qids)} ids for {len(questions)} questions")
-        prefix = self.encoder.prefix_ids(state, n_image_tokens=n_image_tokens,
-                                         row=case_id if case_id is not None else (qids[0] if len(qids) == 1 else "request"))
-        return [self.encoder.encode(state, q, n_image_tokens=n_image_tokens, row=qid, prefix=prefix,
-                                    max_tokens=max_tokens) for q, qid in zip(questions, qids)]
-
-    def _image_inputs(self, image: Any) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
-        if image is None:
-            return None, None, 0
-        self.encoder.refuse_image(None)
-        pv, grid = process_images(self.image_processor, [image])
-        return pv, grid, n_image_tokens(grid[0].tolist(), self.merge_size)
+        return self.cases.rows(state, questions, n_image_tokens=n_image_tokens, ids=ids, case_id=case_id,
+                               max_tokens=max_tokens)
 
     def prepare_case(self, state: Any, questions: Sequence[Question], image: Any = None,
                      ids: Sequence[str] | None = None, *, case_id: str | None = None,
                      max_tokens: int | None = None, keyed: bool = False) -> CaseInputs:
-        """The CPU part of scoring one request: rows tokenised, the image preprocessed (no model call).
-        `max_tokens` overrides the encoder's row limit (a server's request limits); `keyed`: the image's cache key
-        (`state_cache.image_digest`) computed now, off the model thread (a request cache is on)."""
-        pv, grid, n_img = self._image_inputs(image)
-        rows = self.encode_case(state, list(questions), n_image_tokens=n_img, ids=ids, case_id=case_id,
-                                max_tokens=max_tokens)
-        return CaseInputs(rows, pv, grid, n_img, image_digest(pv, grid) if keyed and pv is not None else None)
+        return self.cases.prepare(state, questions, image, ids, case_id=case_id, max_tokens=max_tokens, keyed=keyed)
 
     def score_case_with_usage(self, state: Any, questions: Sequence[Question], image: Any = None,
                               ids: Sequence[str] | None = None, *, max_rows: int = 64,
@@ -516,42 +436,13 @@ class DecisionModel(nn.Module):
 
     def plan_paths(self, cases: Sequence[CaseInputs], *, exact: bool = False, path: str = "auto",
                    overhead: int = CALL_OVERHEAD, state_cut: bool = False) -> list[int | None]:
-        """Per case: the shared-prefix cut, or None for full forwards.
-
-        `path="auto"`: a case takes the prefix path only when it saves more than one call's overhead
-        (`overhead` token equivalents, as in `plan_suffix_groups`): the shared prefix computed once
-        instead of once per row saves (rows - 1) * cut tokens, while the prefix path costs one extra
-        call. So a single-question case, or one whose suffixes dominate (a short shared prefix), runs as
-        full rows. `"prefix"` / `"full"` force a path (benchmarks, tests).
-
-        `state_cut` (a state cache is on): the cut stops at the end of the state (`EncodedRow.prefix_len`), so
-        it depends on the state and image alone and a later request about them finds it; the rule counts
-        one later reuse of the prefix, `rows * cut > overhead`, so a single question about a long state
-        takes the prefix path and leaves its state in the cache -- unless the cut is longer than a stored state
-        can be (`max_state_tokens`: Gemma 3's sliding window less one, 511 tokens on the 270M): that state is
-        never kept, so no reuse is counted and the case plans as with the cache off (no extra call).
-        """
-        if path not in ("auto", "prefix", "full"):
-            raise ValueError(f"path must be 'auto', 'prefix' or 'full', not {path!r}")
-        out: list[int | None] = []
-        for c in cases:
-            if path == "full" or not c.rows:
-                out.append(None)
-                continue
-            cut = self._cut(c.rows, c.n_img, exact, state=state_cut)
-            reuse = state_cut and (self.max_state_tokens is None or cut <= self.max_state_tokens)
-            if path == "auto" and not sharing_pays(len(c.rows) + int(reuse), cut, overhead):
-                out.append(None)
-                continue
-            if c.n_img and cut < c.n_img + 2:  # the image is encoded once, so it must lie inside the prefix
-                raise RuntimeError("shared prefix does not cover the image")
-            out.append(cut)
-        return out
+        return plan_paths(cases, align=self.family.exact_align if exact else None, path=path, overhead=overhead,
+                          state_prefix=state_cut, max_state_tokens=self.max_state_tokens).prefix_len
 
     def case_features_with_usage(self, cases: Sequence[CaseInputs], *, max_rows: int = 64, exact: bool = False,
                                  path: str = "auto", state_cache: Any = None, row_cache: Any = None
                                  ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], list[dict]]:
-        """`case_features` plus per-case usage: {input_tokens (`paths.request_tokens`: the request's tokens, the part
+        """`case_features` plus per-case usage: {input_tokens (`plan.request_tokens`: the request's tokens, the part
         its rows share once, whatever path, cache or batch),
         prefix_tokens (0 on the full path), cached_tokens (the prefix tokens the state cache supplied, not
         run), cached_rows (rows the row cache supplied), rows, full_tokens, image_tokens, calls (of the whole
@@ -568,7 +459,7 @@ class DecisionModel(nn.Module):
         if row_cache is not None:
             for c, ks, fs in zip(cases, row_keys, feats):
                 for j, r in enumerate(c.rows):
-                    ks[j] = c.row_key(r, exact)
+                    ks[j] = row_key(r.ids, c.digest(), r.decision_pos, r.marker_pos, exact)
                     got = row_cache.get(ks[j])
                     if got is not None:
                         fs[j] = (got.h_dec, got.h_cand)
@@ -584,7 +475,7 @@ class DecisionModel(nn.Module):
             keep, store = None, {}
             if state_cache is not None and pre:
                 for i in pre:
-                    keys[i] = cases[i].prefix_key(plan[i])
+                    keys[i] = prefix_key(cases[i].rows[0].ids[:plan[i]], cases[i].digest())
                     warm[i] = state_cache.get(keys[i])
                 # a cold case the cache-off plan runs as full rows: full rows still, its state kept from their cache
                 if path == "auto" and self.kv_only_cache:
@@ -817,16 +708,7 @@ class DecisionModel(nn.Module):
         return calls + len(groups)
 
     def _cut(self, rows: Sequence[EncodedRow], n_img: int, exact: bool, state: bool = False) -> int:
-        """Shared-prefix length: the common token prefix, never past any row's decision position (`state`: nor
-        past the end of the state segment)."""
-        cut = min(common_prefix_len([r.ids for r in rows]), min(r.decision_pos for r in rows))
-        if state:
-            cut = min(cut, min(r.prefix_len for r in rows))
-        if exact and self.family.exact_align:
-            aligned = (cut // self.family.exact_align) * self.family.exact_align
-            if aligned >= (n_img + 2 if n_img else 1):
-                cut = aligned
-        return cut
+        return shared_prefix_len(rows, n_img, align=self.family.exact_align if exact else None, state=state)
 
     def score_case(self, state: Any, questions: Sequence[Question], image: Any = None,
                    ids: Sequence[str] | None = None) -> list[torch.Tensor]:
@@ -839,7 +721,7 @@ class DecisionModel(nn.Module):
         questions = list(questions)
         out: list[torch.Tensor] = []
         with torch.inference_mode():
-            pv, grid, n_img = self._image_inputs(image)
+            pv, grid, n_img = self.cases.image(image)
             rows = self.encode_case(state, questions, n_image_tokens=n_img, ids=ids)
             for c0 in range(0, len(rows), batch_size):
                 chunk = rows[c0: c0 + batch_size]
@@ -865,22 +747,7 @@ class DecisionModel(nn.Module):
 
     # ------------------------------------------------------------------ records -> cases
     def case_inputs_from_records(self, records: Sequence[Any], image_root: Any = None) -> CaseInputs:
-        """One `CaseInputs` for records of one case (one state, one image or none; `Record.case_id`):
-        their questions as the rows, in order, each row named by its record id. Records that do not
-        share the first one's state and image are refused (ValueError): they are not one case."""
-        records = list(records)
-        if not records:
-            raise ValueError("case_inputs_from_records needs at least one record")
-        first = records[0]
-        for r in records[1:]:
-            if r.state != first.state or r.image != first.image:
-                raise ValueError(f"records {first.id!r} and {r.id!r} do not share one state and image")
-        image = None
-        if first.image:
-            self.encoder.refuse_image(first.id)
-            image = self.collator(image_root=image_root).load_image(first)
-        return self.prepare_case(first.state, [r.question for r in records], image, [r.id for r in records],
-                                 case_id=first.case_id)
+        return self.cases.from_records(records, image_root)
 
 
 def num_params(module: nn.Module, trainable: bool | None = None) -> int:

@@ -257,7 +257,7 @@ class PortableModel:
         out = []
         for c, fs in zip(cases, feats):
             logits = [self.scorer(hd, hc) for hd, hc in fs]
-            cut = layout.case_cut(c.rows) if c.rows else None
+            cut = layout.case_prefix_len(c.rows) if c.rows else None
             out.append((logits, {"input_tokens": layout.processed_tokens(c.rows) if c.rows else 0,
                                  "prefix_tokens": cut or 0, "rows": len(c.rows), "full_tokens": c.n_tokens,
                                  "image_tokens": 0, "batched_requests": len(cases),
