@@ -39,10 +39,10 @@ from torch import nn
 from ..schema import Question
 from .backbone import Backbone, freeze_all
 from .collate import Batch, Collator, pad_rows
-from .families.base import fork_cache_rows, out_cache
 from .families.qwen35 import SUFFIX_CHUNK, mrope_positions  # noqa: F401 (mrope_positions: public API)
 from .head import CandidateScorer
 from .cases import CaseEncoder, CaseInputs
+from .prefix_forward import left_pad, prefix_positions, run_prefixes, suffix_forward
 from .plan import CALL_OVERHEAD, common_prefix_len, plan_paths, plan_suffix_groups, request_tokens, shared_prefix_len
 from .prompt import DEFAULT_MAX_TOKENS, DEFAULT_NOUL, EncodedRow, PromptEncoder
 from .state_cache import PrefixState, RowFeatures, max_state_tokens, prefix_key, row_key, snapshot_row, stack_states
@@ -128,7 +128,7 @@ class DecisionModel(nn.Module):
                                 "target_modules": targets,
                                 **({"layers": [self.cut_layer, self.num_layers]} if self.cut_layer is not None else {})}
         self.backbone = model
-        hidden = int(self.family.text_config(self._causal_lm()).hidden_size)
+        hidden = int(self.family.text_config(self.causal_lm()).hidden_size)
         dev = next(self.backbone.parameters()).device
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed + 1)
@@ -139,25 +139,26 @@ class DecisionModel(nn.Module):
         self.seed = int(seed)
         self.last_usage: dict = {}
         if self.family.supports_images:
-            self.image_token_id = self.family.image_token_id(self._causal_lm())
-            self.merge_size = self.family.merge_size(self._causal_lm())
+            self.image_token_id = self.family.image_token_id(self.causal_lm())
+            self.merge_size = self.family.merge_size(self.causal_lm())
         else:
             self.image_token_id, self.merge_size = None, 1
         self.train(False)
 
     # ------------------------------------------------------------------ construction helpers
-    def _causal_lm(self) -> nn.Module:
+    def causal_lm(self) -> nn.Module:
+        """The backbone's causal LM, under peft's wrapper when LoRA is unmerged (what the family methods take)."""
         m = self.backbone
         return m.get_base_model() if hasattr(m, "get_base_model") else m
 
-    def _core(self) -> nn.Module:
+    def decoder(self) -> nn.Module:
         """The inner decoder (no lm_head): Qwen3_5Model (vision + language), or a text decoder's model."""
-        return self.family.decoder(self._causal_lm())
+        return self.family.decoder(self.causal_lm())
 
     @property
     def vision(self) -> nn.Module | None:
         """The frozen vision tower (None for a text-only backbone)."""
-        return self.family.vision(self._causal_lm())
+        return self.family.vision(self.causal_lm())
 
     @property
     def supports_images(self) -> bool:
@@ -254,12 +255,15 @@ class DecisionModel(nn.Module):
     # ------------------------------------------------------------------ backbone plumbing
     def image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """Vision tower (frozen, no grad) -> merged features [n_image_tokens, hidden]."""
-        return self.family.image_features(self._causal_lm(), pixel_values, image_grid_thw, self.device)
+        return self.family.image_features(self.causal_lm(), pixel_values, image_grid_thw, self.device)
 
-    def _lm(self, ids: torch.Tensor | None, feats: torch.Tensor | None, attention_mask: torch.Tensor | None,
-            positions: torch.Tensor, cache: Any = None, use_cache: bool = False, chunk_size: int | None = None,
-            layers: tuple[int, int] | None = None, inputs_embeds: torch.Tensor | None = None) -> Any:
-        return self.family.run(self._causal_lm(), ids, feats, attention_mask, positions, cache=cache,
+    def decoder_forward(self, ids: torch.Tensor | None, feats: torch.Tensor | None,
+                        attention_mask: torch.Tensor | None, positions: torch.Tensor, cache: Any = None,
+                        use_cache: bool = False, chunk_size: int | None = None, layers: tuple[int, int] | None = None,
+                        inputs_embeds: torch.Tensor | None = None) -> Any:
+        """The decoder's forward with explicit positions (`Family.run`): an output with `last_hidden_state` (and the
+        cache with `use_cache`); `feats`: image features scattered into the image tokens; `layers` a stage."""
+        return self.family.run(self.causal_lm(), ids, feats, attention_mask, positions, cache=cache,
                                use_cache=use_cache, chunk_size=chunk_size, layers=layers, inputs_embeds=inputs_embeds)
 
     def hidden_states(self, batch: Batch, layers: tuple[int, int] | None = None, *, with_cache: bool = False) -> Any:
@@ -276,10 +280,10 @@ class DecisionModel(nn.Module):
         image_mask = batch.mm_token_type_ids.to(dev) if batch.mm_token_type_ids is not None else None
         pos = self.family.full_positions(ids, image_mask, batch.image_grid_thw, self.merge_size)
         if not with_cache:
-            return self._lm(ids, feats, attn, pos, layers=layers).last_hidden_state
-        cache = _kept_cache(self.family.text_decoder(self._causal_lm()).config)
+            return self.decoder_forward(ids, feats, attn, pos, layers=layers).last_hidden_state
+        cache = _kept_cache(self.family.text_decoder(self.causal_lm()).config)
         try:
-            o = self._lm(ids, feats, attn, pos, cache=cache, use_cache=True, layers=layers)
+            o = self.decoder_forward(ids, feats, attn, pos, cache=cache, use_cache=True, layers=layers)
         finally:
             for layer in cache.layers:
                 vars(layer).pop("update", None)
@@ -525,7 +529,7 @@ class DecisionModel(nn.Module):
         only). Qwen3.5's linear-attention layers carry a recurrent state of the whole row instead."""
         got = getattr(self, "_kv_only", None)
         if got is None:
-            cfg = getattr(self.family.text_decoder(self._causal_lm()), "config", None)
+            cfg = getattr(self.family.text_decoder(self.causal_lm()), "config", None)
             types = getattr(cfg, "layer_types", None)
             got = cfg is not None and (all(t == "full_attention" for t in types) if types  # what transformers builds
                                        else not getattr(cfg, "sliding_window", None))
@@ -538,7 +542,7 @@ class DecisionModel(nn.Module):
         sliding-window layers (they keep only their last `sliding_window - 1` positions: `state_cache.
         max_state_tokens`), None when every layer keeps every position."""
         if not hasattr(self, "_max_state"):
-            cfg = getattr(self.family.text_decoder(self._causal_lm()), "config", None)
+            cfg = getattr(self.family.text_decoder(self.causal_lm()), "config", None)
             types = getattr(cfg, "layer_types", None)
             window = getattr(cfg, "sliding_window", None)
             sliding = any(t == "sliding_attention" for t in types) if types else bool(window)
@@ -615,39 +619,24 @@ class DecisionModel(nn.Module):
                 [cases[i] for i in p], [cuts[i] for i in p], [out[i] for i in p], max_rows=max_rows, exact=exact,
                 at_layer=at_layer, warm=[warm[i] for i in p],
                 keep=None if keep is None else (lambda j, st, p=p: keep(p[j], st))) for p in parts)
-        next_pos, positions = [], []
-        for c, cut in zip(cases, cuts):
-            ids = torch.tensor([c.rows[0].ids[:cut]], dtype=torch.long, device=dev)
-            img_mask = ids == self.image_token_id if self.image_token_id is not None else None
-            pos = family.full_positions(ids, img_mask, c.grid, self.merge_size)
-            next_pos.append(int(pos.max()) + 1)
-            positions.append(pos)
+        positions = [prefix_positions(self, c.rows[0].ids[:n], c.grid) for c, n in zip(cases, cuts)]
+        next_pos = [int(pos.max()) + 1 for pos in positions]
         calls, prefix_cache, width, pmask = 0, None, 0, None
         if cold:
             width = max(cuts[i] for i in cold)
             padded = any(cuts[i] != width for i in cold)
             if padded:  # few distinct shapes keep the allocator's and kernels' caches small under serving load
                 width = -(-width // SHAPE_GRANULE) * SHAPE_GRANULE
-            pids = torch.full((len(cold), width), self.encoder.pad_id, dtype=torch.long, device=dev)
-            pmask = torch.zeros((len(cold), width), dtype=torch.long, device=dev)
-            feats = []
-            for j, i in enumerate(cold):
-                c, cut = cases[i], cuts[i]
-                pids[j, width - cut:] = torch.tensor(c.rows[0].ids[:cut], dtype=torch.long, device=dev)
-                pmask[j, width - cut:] = 1
-                if c.pixel_values is not None:
-                    feats.append(self.image_features(c.pixel_values, c.grid))  # once per request
-            all_pos = torch.cat([torch.nn.functional.pad(positions[i], (width - cuts[i], 0)) for i in cold],
-                                dim=-2)  # left pads at position 0
-            o = self._lm(pids, torch.cat(feats) if feats else None, pmask if padded else None, all_pos,
-                         use_cache=True, layers=layers)
+            feats = [self.image_features(cases[i].pixel_values, cases[i].grid) for i in cold
+                     if cases[i].pixel_values is not None]  # once per request
+            pids, pmask, all_pos = left_pad(self, [cases[i].rows[0].ids[:cuts[i]] for i in cold],
+                                            [positions[i] for i in cold], width)
+            o, prefix_cache = run_prefixes(self, pmask if padded else None, all_pos, ids=pids,
+                                           image_features=torch.cat(feats) if feats else None, layers=layers)
             calls += 1
             if prefixes is not None:
                 for j, i in enumerate(cold):
                     prefixes[i] = _cut_row(o.last_hidden_state, all_pos, j, width - cuts[i], width)
-            prefix_cache = out_cache(o)
-            if prefix_cache is None:
-                raise RuntimeError("the language model returned no cache")
         if keep is not None or len(cold) < len(cases):
             states = list(warm)
             for j, i in enumerate(cold):
@@ -680,23 +669,21 @@ class DecisionModel(nn.Module):
             # the linear-attention states are advanced in place: every call but the last gets its own rows
             if gi == len(groups) - 1:
                 # rows already in order (one question per case, e.g. a warm question): nothing to select
-                in_order = [ci for ci, _ in members] == list(range(len(cases)))
-                cache = prefix_cache if in_order else family.select_cache_rows(prefix_cache, owner, dev)
+                rows = "as_is" if [ci for ci, _ in members] == list(range(len(cases))) else "select"
             else:
-                cache = fork_cache_rows(prefix_cache, owner)
+                rows = "fork"
             suf = [r.ids[cuts[ci]: run_len(r)] for r, (ci, _) in zip(chunk, members)]
             s_max = max(len(x) for x in suf)
             if len(cases) > 1:
                 s_max = -(-s_max // SHAPE_GRANULE) * SHAPE_GRANULE
             sids = torch.full((n, s_max), self.encoder.pad_id, dtype=torch.long, device=dev)
-            attn = torch.zeros((n, width + s_max), dtype=torch.long, device=dev)
-            attn[:, :width] = pmask[owner]
+            smask = torch.zeros((n, s_max), dtype=torch.long, device=dev)
             for i, x in enumerate(suf):
                 sids[i, : len(x)] = torch.tensor(x, dtype=torch.long, device=dev)
-                attn[i, width: width + len(x)] = 1
+                smask[i, : len(x)] = 1
             pos = torch.cat([family.suffix_positions(1, s_max, next_pos[ci], dev) for ci, _ in members], dim=-2)
-            h = self._lm(sids, None, attn, pos, cache=cache, use_cache=True,
-                         chunk_size=None if exact else family.suffix_chunk, layers=layers).last_hidden_state
+            h = suffix_forward(self, prefix_cache, pmask, owner, smask, pos, ids=sids, rows=rows, layers=layers,
+                               chunk_size=None if exact else family.suffix_chunk)
             if at_layer is not None:
                 for i, (r, (ci, ri)) in enumerate(zip(chunk, members)):
                     out[ci][ri] = _cut_row(h, pos, i, 0, len(r) - cuts[ci])
