@@ -54,6 +54,7 @@ def main(argv=None) -> dict:
 
     from rlcd.data.synth import generate
     from rlcd.model import case_train
+    from rlcd.model.plan import shared_prefix_len
     from rlcd.model.backbone import load_backbone
     from rlcd.model.decision import DecisionModel
     from rlcd.objectives import ce_loss
@@ -94,10 +95,10 @@ def main(argv=None) -> dict:
                 "grad_rel": float((vec(a[2]) - vec(b[2])).norm() / vec(a[2]).norm()),
                 "worst_tensor_rel": worst[0], "worst_tensor": worst[1].split("model.language_model.")[-1]}
 
-    shipped, ref, cut = M.torch_chunk_gated_delta_rule, fp64_kernel(), case_train.unit_cut
+    shipped, ref, cut = M.torch_chunk_gated_delta_rule, fp64_kernel(), case_train.unit_prefix_len
 
     def unaligned(model, rows, n_img):
-        return model._cut(rows, n_img, False) if len(rows) > 1 else None
+        return shared_prefix_len(rows, n_img) if len(rows) > 1 else None
 
     out: dict = {"model": "tiny (float64)", "rows": len(cb), "cuts": {}, "settings": {}}
     results = {}
@@ -107,13 +108,13 @@ def main(argv=None) -> dict:
             full = run(fb)
             results[("full", kname)] = full
             for aname, fn in (("aligned", cut), ("unaligned", unaligned)):
-                case_train.unit_cut = fn
+                case_train.unit_prefix_len = fn
                 out["cuts"][aname] = [fn(dm, cb.rows[u.start:u.end], u.n_img) for u in cb.units]
                 res = run(cb)
                 results[(aname, kname)] = res
                 out["settings"][f"{aname}/{kname}"] = compare(full, res)
     finally:
-        M.torch_chunk_gated_delta_rule, case_train.unit_cut = shipped, cut
+        M.torch_chunk_gated_delta_rule, case_train.unit_prefix_len = shipped, cut
     truth = results[("full", "fp64")]
     out["vs_fp64_truth"] = {name: compare(truth, results[(name, "fp32")]) for name in ("full", "aligned", "unaligned")}
     print(f"rows {len(cb)}, row lengths {[len(r) for r in cb.rows]}, cuts {out['cuts']}")

@@ -10,7 +10,7 @@ import json, statistics, sys, time
 import torch
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "src"))
 from rlcd.predict import Predictor
-from rlcd.model.state_cache import StateCache
+from rlcd.serving.cache import StateCache
 from rlcd.bench.pipeline import request_of
 from rlcd.bench.prefix import make_state
 

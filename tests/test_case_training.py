@@ -112,11 +112,11 @@ def _parity(preset: str, rows_per_case: int, monkeypatch):
     assert [(u.start, u.end) for u in cb.units] == [(0, rows_per_case), (rows_per_case, 2 * rows_per_case),
                                                   (2 * rows_per_case, 2 * rows_per_case + 1)]
     assert torch.equal(cb.input_ids, fb.input_ids) and torch.equal(cb.target, fb.target)
-    cuts = [case_train.unit_cut(dm, cb.rows[u.start:u.end], u.n_img) for u in cb.units]
+    cuts = [case_train.unit_prefix_len(dm, cb.rows[u.start:u.end], u.n_img) for u in cb.units]
     assert cuts[0] and cuts[1] and cuts[2] is None
     calls = []
-    lm = dm._lm
-    monkeypatch.setattr(dm, "_lm", lambda ids, *a, **k: calls.append(tuple(ids.shape)) or lm(ids, *a, **k))
+    lm = dm.decoder_forward
+    monkeypatch.setattr(dm, "decoder_forward", lambda ids, *a, **k: calls.append(tuple(ids.shape)) or lm(ids, *a, **k))
     lc, gc = _grads(dm, cb)
     # one full-row call (the one-row unit), one prefix call for both states, one suffix call for all rows
     assert calls == [(1, len(cb.rows[-1])), (2, max(cuts[:2])), (2 * rows_per_case, calls[-1][1])]
@@ -229,7 +229,7 @@ def test_case_micro_batches_come_from_the_case_sampler(tmp_path, data_dir):
     # the ceiling: every pool case's state once (counted here from the encoded rows of each case)
     assert s.model.family.exact_align == 64
     from rlcd.bench.train import whole_case_tokens
-    from rlcd.model.decision import common_prefix_len
+    from rlcd.model.plan import common_prefix_len
 
     by_case: dict = {}
     for i in (i for ids in s.bench_pool.values() for i in ids):
@@ -274,7 +274,7 @@ def test_case_gradients_equal_full_rows_with_an_image(tmp_path, monkeypatch):
     cb = case_train.collate_cases(col, units)
     fb = col([r for u in units for r in u])
     assert cb.units[0].n_img > 0 and cb.units[1].n_img == 0
-    assert case_train.unit_cut(dm, cb.rows[:3], cb.units[0].n_img) is not None  # the image is shared
+    assert case_train.unit_prefix_len(dm, cb.rows[:3], cb.units[0].n_img) is not None  # the image is shared
     seen = []
     features = dm.image_features
     monkeypatch.setattr(dm, "image_features", lambda pv, grid: seen.append(tuple(grid.shape)) or features(pv, grid))
@@ -290,7 +290,7 @@ def test_case_gradients_equal_full_rows_with_an_image(tmp_path, monkeypatch):
 def test_a_unit_whose_shared_prefix_saves_less_than_a_call_runs_as_full_rows():
     """Training plans each unit with serving's rule (`sharing_pays`): two questions about a two-token state
     share ~34 template tokens, less than a call's overhead, so they run as full rows; a long state shares."""
-    from rlcd.model.paths import CALL_OVERHEAD
+    from rlcd.model.plan import CALL_OVERHEAD, shared_prefix_len
 
     dm = _model("tiny-llama")
     qs = [Question(type="noul", instructions="Is it urgent?"), Question(type="noul", instructions="Is it paid?")]
@@ -301,9 +301,9 @@ def test_a_unit_whose_shared_prefix_saves_less_than_a_call_runs_as_full_rows():
 
     units = [case("ok", "s"), case("Late: " + "the parcel came late, " * 8, "l")]
     cb = case_train.collate_cases(dm.collator(), units)
-    raw = [dm._cut(cb.rows[u.start:u.end], 0, True) for u in cb.units]
+    raw = [shared_prefix_len(cb.rows[u.start:u.end], align=dm.family.exact_align) for u in cb.units]
     assert raw[0] <= CALL_OVERHEAD < raw[1]  # the premise: one short shared prefix, one long
-    assert [case_train.unit_cut(dm, cb.rows[u.start:u.end], u.n_img) for u in cb.units] == [None, raw[1]]
+    assert [case_train.unit_prefix_len(dm, cb.rows[u.start:u.end], u.n_img) for u in cb.units] == [None, raw[1]]
     with torch.no_grad():  # either path, the same logits as full rows
         shared, full = dm(cb), dm(dm.collator()([r for u in units for r in u]))
     assert float((shared - full)[cb.cand_mask].abs().max()) < 1e-5

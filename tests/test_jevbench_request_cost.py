@@ -98,9 +98,9 @@ def test_count_follows_the_lru_and_the_repeated_rows(rc, model, canonical, held)
 
 def test_timed_counts_each_backbone_call_and_puts_the_model_back(rc, model):
     p = _predictor(model)
-    lm = model._lm
+    lm = model.decoder_forward
     out = rc.timed(p, REQUESTS[:2])
-    assert model._lm == lm  # the counting wrapper is gone
+    assert model.decoder_forward == lm  # the counting wrapper is gone
     second = out["requests"][1]
     for r, rows in zip(out["requests"], (_rows(p, REQUESTS[0]), _rows(p, REQUESTS[1]))):
         assert r["calls"] and r["tokens"] == sum(a * b for a, b in r["calls"])

@@ -1,4 +1,5 @@
-"""Layout rules read from the source: no import cycle between rlcd modules, typer only in rlcd/cli/.
+"""Layout rules read from the source: no import cycle between rlcd modules, every import along the layers that
+docs/ARCHITECTURE.md lists, typer only in rlcd/cli/.
 
 Every import counts, also one inside a function: a lazy import against the pipeline's direction is
 still a design cycle (it only hides from the interpreter).
@@ -107,3 +108,46 @@ def test_typer_lives_in_the_cli_package_only():
             if any(n == "typer" or n.startswith("typer.") for n in names):
                 offenders.append(name)
     assert offenders == []
+
+
+ARCHITECTURE = SRC.parent / "docs" / "ARCHITECTURE.md"
+
+
+def documented_layers() -> list[list[str]]:
+    """The layer list of docs/ARCHITECTURE.md ("Layers", top to bottom): the one code span after its heading."""
+    import re
+
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    rule = text[text.index("- **Layers**"):]
+    span = re.search(r"`(cli \|[^`]*)`", rule)
+    assert span, "docs/ARCHITECTURE.md: the Layers rule holds no `cli | ...` list"
+    return [[name.strip() for name in layer.split(",")] for layer in " ".join(span.group(1).split()).split("|")]
+
+
+def _top(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_every_top_level_module_is_in_one_documented_layer():
+    layers = documented_layers()
+    placed = [name for layer in layers for name in layer]
+    assert len(placed) == len(set(placed)), "a module is named in two layers"
+    tops = {_top(m) for m in _modules()} - {""}
+    assert sorted(tops - set(placed)) == [], "top-level modules missing from docs/ARCHITECTURE.md's layers"
+    assert sorted(set(placed) - tops) == [], "docs/ARCHITECTURE.md's layers name modules that do not exist"
+
+
+def test_imports_follow_the_documented_layers():
+    layers = documented_layers()
+    height = {name: len(layers) - i for i, layer in enumerate(layers) for name in layer}
+    against = sorted(f"{a} imports {b}" for a, deps in _graph().items() for b in deps
+                     if _top(a) and _top(b) and height.get(_top(b), 0) > height.get(_top(a), 0))
+    assert against == []
+
+
+def test_the_layer_check_can_fail():
+    layers = documented_layers()
+    height = {name: len(layers) - i for i, layer in enumerate(layers) for name in layer}
+    assert height["serving"] < height["model"] < height["cli"]  # so serving importing model is reported
+    assert height["errors"] == 1 and height["cli"] == len(layers)

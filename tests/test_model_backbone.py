@@ -157,7 +157,7 @@ def test_mrope_positions_match_transformers(tmp_path):
         Record(id="3", source="s", task="t", state="3", image="b.png", question=QS[2], target=[0, 1, 0, 0]),
     ]
     b = Collator(dm.tokenizer, dm.image_processor, image_root=tmp_path)(recs)
-    core = dm._core()
+    core = dm.decoder()
     ref, _ = core.get_rope_index(b.input_ids, mm_token_type_ids=b.mm_token_type_ids,
                                  image_grid_thw=b.image_grid_thw, attention_mask=b.attention_mask)
     mine = mrope_positions(b.input_ids, b.mm_token_type_ids, b.image_grid_thw, dm.merge_size)

@@ -8,11 +8,12 @@ from PIL import Image
 
 torch.set_num_threads(1)
 
-from rlcd.model import decision as D  # noqa: E402
+from rlcd.model import prefix_forward as PF  # noqa: E402
 from rlcd.model.backbone import load_backbone  # noqa: E402
 from rlcd.model.collate import pad_rows  # noqa: E402
 from rlcd.model.build import build_model  # noqa: E402
-from rlcd.model.decision import DecisionModel, plan_suffix_groups  # noqa: E402
+from rlcd.model.decision import DecisionModel  # noqa: E402
+from rlcd.model.plan import plan_suffix_groups  # noqa: E402
 from rlcd.schema import Question  # noqa: E402
 
 STATE = {"ticket": "Parcel arrived damaged, the box was crushed and the vase inside is broken.", "priority": "high"}
@@ -233,20 +234,20 @@ def test_shared_prefix_cache_must_be_copied():
     """Negative control: without a fork per call the linear-attention state leaks between calls."""
     dm = liven(toy())
     full = dm.score_full(STATE, QS)
-    orig = D.fork_cache_rows
+    orig = PF.fork_cache_rows
 
     def no_fork(cache, index):  # the same cache object, reordered in place: states shared across calls
         cache.reorder_cache(index)
         return cache
 
     try:
-        D.fork_cache_rows = no_fork
+        PF.fork_cache_rows = no_fork
         broken = dm.score_case_with_usage(STATE, QS, max_rows=2)[0]
         leak = max(float((s - f).abs().max()) for s, f in zip(broken, full))
     except RuntimeError:  # or loudly: a later call finds the shared cache resized by an earlier one
         leak = float("inf")
     finally:
-        D.fork_cache_rows = orig
+        PF.fork_cache_rows = orig
     assert leak > 1e-3
 
 

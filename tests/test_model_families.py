@@ -13,7 +13,8 @@ from torch import nn
 torch.set_num_threads(1)
 
 from rlcd.errors import BackboneError  # noqa: E402
-from rlcd.model import decision as D  # noqa: E402
+from rlcd.model import prefix_forward as PF  # noqa: E402
+from rlcd.model.families import base as B  # noqa: E402
 from rlcd.model.backbone import (  # noqa: E402
     LORA_TARGET_REGEX,
     PRESETS,
@@ -233,11 +234,11 @@ def test_training_refuses_a_row_with_the_backbones_special_tokens_before_the_fir
 
 def test_dynamic_cache_expansion_equals_independent_rows():
     dm = llama()
-    lm = dm._causal_lm()
+    lm = dm.causal_lm()
     ids = torch.tensor([dm.encode_case(STATE, QS[:1])[0].ids])
     pos = CAUSAL_LM.full_positions(ids, None, None, 1)
     with torch.no_grad():
-        cache = D.out_cache(CAUSAL_LM.run(lm, ids[:, :20], None, None, pos[:, :20], use_cache=True))
+        cache = B.out_cache(CAUSAL_LM.run(lm, ids[:, :20], None, None, pos[:, :20], use_cache=True))
         one = copy.deepcopy(cache)
         CAUSAL_LM.select_cache_rows(cache, torch.zeros(3, dtype=torch.long), "cpu")
         layer, ref = cache.layers[0], one.layers[0]
@@ -271,15 +272,15 @@ def test_shared_prefix_cache_must_be_copied_on_a_text_decoder():
     rows and suffix tokens are in it): a shape error or wrong logits."""
     dm = liven(llama())
     full = dm.score_full(STATE, QS)
-    orig = D.fork_cache_rows
+    orig = PF.fork_cache_rows
     try:
-        D.fork_cache_rows = lambda cache, index: (cache.reorder_cache(index), cache)[1]  # no fork: in place
+        PF.fork_cache_rows = lambda cache, index: (cache.reorder_cache(index), cache)[1]  # no fork: in place
         try:
             broken = dm.score_case_with_usage(STATE, QS, max_rows=2)[0]
         except (RuntimeError, ValueError, IndexError):
             broken = None
     finally:
-        D.fork_cache_rows = orig
+        PF.fork_cache_rows = orig
     assert broken is None or max(float((s - f).abs().max()) for s, f in zip(broken, full)) > 1e-3
 
 

@@ -47,6 +47,7 @@ def test_a_training_update_and_a_prediction_on_the_real_weights(backbone):
     from rlcd.data.synth import generate
     from rlcd.model.decision import DecisionModel
     from rlcd.model.families.base import out_cache
+    from rlcd.model.plan import shared_prefix_len
     from rlcd.objectives import ce_loss
     from rlcd.predict import Predictor
 
@@ -73,8 +74,8 @@ def test_a_training_update_and_a_prediction_on_the_real_weights(backbone):
     rows = dm.encode_case(rec.state, questions)
     # the cache path itself: prefix once, DynamicCache expanded to 3 rows, suffixes batched == full forwards.
     # The real model's hidden states reach |h| ~ 55; they agree to fp32 noise (measured ~3e-5, 7e-7 relative).
-    fam, lm = dm.family, dm._causal_lm()
-    cut = dm._cut(rows, 0, False)  # the common prefix, capped at the first decision position
+    fam, lm = dm.family, dm.causal_lm()
+    cut = shared_prefix_len(rows)  # the common prefix, capped at the first decision position
     with torch.no_grad():
         ids = torch.tensor([rows[0].ids[:cut]])
         cache = out_cache(fam.run(lm, ids, None, None, fam.full_positions(ids, None, None, 1), use_cache=True))

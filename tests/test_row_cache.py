@@ -2,7 +2,7 @@
 backbone forward again, and gets the answer it got, which is the cache-off answer.
 
 It is off by default (its answers equal fresh ones up to float noise, not bit for bit); `ROWS` MiB turn it on here.
-The backbone forwards are counted by wrapping `DecisionModel._lm` (every prefix, suffix and full-row call goes
+The backbone forwards are counted by wrapping `DecisionModel.decoder_forward` (every prefix, suffix and full-row call goes
 through it). The reference is a Predictor with the row cache off (the default; the state cache on): what the row
 cache must not change, usage included. Tolerance 1e-4 in probability, as for the state cache and batching.
 """
@@ -46,17 +46,17 @@ def model():
 def forwards(model):
     """[(batch, tokens)] of every backbone call made inside the block."""
     calls: list[tuple[int, int]] = []
-    lm = model._lm
+    lm = model.decoder_forward
 
     def counted(ids, *a, **k):
         calls.append(tuple(ids.shape))
         return lm(ids, *a, **k)
 
-    model._lm = counted
+    model.decoder_forward = counted
     try:
         yield calls
     finally:
-        del model._lm  # the class's method again
+        del model.decoder_forward  # the class's method again
 
 
 
@@ -178,7 +178,7 @@ def test_bounds_and_switches(model):
     probe = Predictor(model, META, row_cache_mb=ROWS)
     probe.predict(_req(angry=ANGRY))
     one = probe.row_cache_stats()["bytes"]
-    hidden = model.family.text_decoder(model._causal_lm()).config.hidden_size
+    hidden = model.family.text_decoder(model.causal_lm()).config.hidden_size
     assert one == 3 * hidden * 4  # a noul row: the decision's and two markers' hidden states, float32
     small = Predictor(model, META, row_cache_mb=2.5 * one / (1 << 20))
     for q in (ANGRY, LATE, {"type": "noul", "instructions": "Was the box crushed?"}):

@@ -114,7 +114,7 @@ def test_case_inputs_from_records_refuses_mixed_states(tmp_path):
 def test_planner_runs_a_single_question_as_one_full_forward(preset):
     dm = model(preset)
     calls = []
-    handle = dm._core().register_forward_hook(lambda *a: calls.append(1)) if preset == "tiny-llama" else None
+    handle = dm.decoder().register_forward_hook(lambda *a: calls.append(1)) if preset == "tiny-llama" else None
     one = dm.prepare_case(STATE, QS[:1])
     (lg, usage), = dm.score_cases([one])
     assert usage["path"] == "full" and usage["prefix_tokens"] == 0 and usage["calls"] == 1

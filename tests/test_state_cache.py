@@ -18,7 +18,8 @@ torch.set_num_threads(1)
 from _tiny_export import TEMPERATURES, build_tiny_model, tiny_predictor  # noqa: E402
 from conftest import answer_gap  # noqa: E402
 
-from rlcd.model.state_cache import PrefixState, StateCache, snapshot_row  # noqa: E402
+from rlcd.model.state_cache import PrefixState, snapshot_row  # noqa: E402
+from rlcd.serving.cache import StateCache  # noqa: E402
 from rlcd.predict import Predictor, _cache_scope  # noqa: E402
 
 TOL = 1e-4
@@ -277,7 +278,7 @@ def test_a_cold_case_of_several_rows_run_as_full_rows_stores_its_state_once():
     """Two questions about a short state: the cache-off plan runs them as full rows (sharing saves less than a
     call), the cache-on plan would take the prefix path to store the state. They run as full rows, in one call,
     the state is stored once, and the next request about it is warm and gets the cold answers."""
-    from rlcd.model.paths import CALL_OVERHEAD
+    from rlcd.model.plan import CALL_OVERHEAD
 
     model = build_tiny_model(model_spec="tiny-llama")
     meta = {"model": "tiny-llama", "temperatures": dict(TEMPERATURES)}

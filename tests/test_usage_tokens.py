@@ -1,7 +1,7 @@
 """`usage.input_tokens` is a function of the request alone (issue 70): the same request reports the same count cold
 and warm (state cache), with any cache size or none, alone or batched, and a batch job's counts do not move with
 `--state-cache-mb`. The count: the request's prompt tokens with the part its rows share counted once
-(`rlcd.model.paths.request_tokens`, docs/SERVING.md "Usage")."""
+(`rlcd.model.plan.request_tokens`, docs/SERVING.md "Usage")."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ torch.set_num_threads(1)
 
 from _tiny_export import make_tiny_export  # noqa: E402
 
-from rlcd.model.paths import request_tokens  # noqa: E402
+from rlcd.model.plan import request_tokens  # noqa: E402
 from rlcd.predict import Predictor  # noqa: E402
 
 STATE = ("Order 1182: the courier left the parcel at the wrong address, the tracking page still says in transit, "

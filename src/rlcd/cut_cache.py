@@ -63,7 +63,7 @@ def lower_weights_digest(model, cut: int) -> str:
     """sha256 over every backbone weight below decoder layer `cut` (embeddings, vision tower, layers 0..cut-1;
     LoRA there when any of it is non-zero), names normalised as in `features.weights_digest`. The layers
     above the cut and the final norm after them are left out: merging their LoRA changes nothing here."""
-    dec = model.family.text_decoder(model._causal_lm())
+    dec = model.family.text_decoder(model.causal_lm())
     above = {id(p) for layer in list(dec.layers)[cut:] for p in layer.parameters()}
     above |= {id(p) for p in dec.norm.parameters()}
     params = [(n, p) for n, p in model.backbone.named_parameters() if id(p) not in above]

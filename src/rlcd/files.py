@@ -12,6 +12,12 @@ cleanup, so its `.tmp-...-<pid>` stays behind until the next start removes it).
 `need_space(dir, nbytes, what, kept)`: refuse, before writing, a file that cannot fit: assembling a cache copies its
 committed chunks end to end, so its peak is twice its size; without the check the copy runs until the disk is full
 (minutes for a cache of gigabytes) and the CLI's ENOSPC handler then says the disk is full but not how much is needed.
+
+`write_atomic(path, text, durable=...)`: the one way a small file is replaced whole (run files, probe results,
+batch parts and outputs): written under a temporary name beside it, then renamed over it, so a reader sees the old
+file or the new one, never half of one. `durable=True` also fsyncs the file before the rename and the directory
+after it (a batch part must survive a crash, since `--resume` trusts what it finds); `False` leaves that to the
+kernel (a config or a probe result written again by the next run).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import os
 import shutil
 import threading
 from pathlib import Path
+from typing import Iterable
 
 _LOCK = threading.Lock()
 
@@ -67,6 +74,27 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_atomic(path: Path | str, text: str | Iterable[str], *, durable: bool) -> None:
+    """Replace `path` by `text` (a string, or pieces written in turn: a large output is never joined in memory)
+    through a temporary file beside it (`.NAME.tmp-PID`, removed if the write fails) and a rename; `durable`:
+    fsync the file before the rename and the directory after it (module docstring)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            for piece in [text] if isinstance(text, str) else text:
+                fh.write(piece)
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
 def need_space(directory: Path, nbytes: int, what: str, kept: str, margin: int = 64 << 20) -> None:
     """Raise `DiskSpaceError` unless `directory` has `nbytes` (+ `margin`) free; `kept` says what a re-run keeps."""
     from rlcd.errors import DiskSpaceError
@@ -81,4 +109,4 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-__all__ = ["fsync_dir", "need_space", "pid_alive", "plain_mode", "umask"]
+__all__ = ["fsync_dir", "need_space", "pid_alive", "plain_mode", "umask", "write_atomic"]

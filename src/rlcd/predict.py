@@ -113,7 +113,7 @@ class Predictor:
 
     @property
     def state_cache(self) -> Any:
-        """The state cache (`rlcd.model.state_cache.StateCache`, owned by `serving.state_encoding`)."""
+        """The state cache (`rlcd.serving.cache.StateCache`, owned by `serving.state_encoding`)."""
         return self.encoder.cache
 
     @classmethod

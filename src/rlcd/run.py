@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from rlcd.errors import RunError
+from rlcd.files import write_atomic
 
 SPLITS = ("dev", "calibration", "test")
 LOCK = ".lock"
@@ -36,12 +37,6 @@ _HELD: dict[str, int] = {}  # resolved run root -> nesting depth of this process
 
 class RunBusy(RunError):
     """Another process holds the run's lock (a trainer, evaluate, calibrate or export still writing it)."""
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 class Run:
@@ -164,8 +159,8 @@ class Run:
             raise RunError(f"{run.root} already holds a run; resume it with `rlcd train --resume {run.root}` "
                            "or choose another run directory")
         run.root.mkdir(parents=True, exist_ok=True)
-        _atomic_write(run.samples_path, json.dumps(samples, indent=2, sort_keys=True))
-        _atomic_write(run.config_path, json.dumps(config, indent=2, sort_keys=True))  # last: marks a run
+        write_atomic(run.samples_path, json.dumps(samples, indent=2, sort_keys=True), durable=False)
+        write_atomic(run.config_path, json.dumps(config, indent=2, sort_keys=True), durable=False)  # last: marks a run
         run._config = config
         run.metrics_path.write_text("")
         return run
@@ -224,7 +219,7 @@ class Run:
         return self._config
 
     def write_config(self, config: dict) -> None:
-        _atomic_write(self.config_path, json.dumps(config, indent=2, sort_keys=True))
+        write_atomic(self.config_path, json.dumps(config, indent=2, sort_keys=True), durable=False)
         self._config = config
 
     def samples(self) -> dict:
@@ -286,7 +281,7 @@ class Run:
             return
         lines = self.metrics_path.read_text(encoding="utf-8").split("\n")[:-1]
         keep = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
-        _atomic_write(self.metrics_path, "".join(ln + "\n" for ln in keep))
+        write_atomic(self.metrics_path, "".join(ln + "\n" for ln in keep), durable=False)
 
 
 def find_export(path: Path) -> Path:
@@ -306,7 +301,7 @@ def find_export(path: Path) -> Path:
 def write_json(path: Path, obj: Any) -> Path:
     """JSON file written atomically (parents created)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    write_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", durable=False)
     return path
 
 

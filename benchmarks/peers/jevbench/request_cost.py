@@ -81,15 +81,15 @@ def timed(predictor, requests: list[dict]) -> dict:
     import torch
 
     model = predictor.model
-    decoder = model.family.text_decoder(model._causal_lm())
+    decoder = model.family.text_decoder(model.causal_lm())
     shapes: list = []
-    lm = model._lm
+    lm = model.decoder_forward
 
     def counted(ids, *a, **k):
         shapes.append(tuple(ids.shape))
         return lm(ids, *a, **k)
 
-    model._lm = counted
+    model.decoder_forward = counted
 
     def bare(shape) -> float:
         ids = torch.randint(100, 1000, shape)
@@ -116,7 +116,7 @@ def timed(predictor, requests: list[dict]) -> dict:
                         "score_s": round(t2 - t1, 3), "respond_s": round(t3 - t2, 4), "bare_s": round(b, 3),
                         "score_over_bare": round((t2 - t1) / b, 3) if b else None})
     finally:
-        model._lm = lm
+        model.decoder_forward = lm
     ratios = [p["score_over_bare"] for p in per if p["score_over_bare"]]
     return {"requests": per, "median_score_over_bare": statistics.median(ratios) if ratios else None,
             "mean_score_s": round(statistics.mean(p["score_s"] for p in per), 3),
@@ -165,7 +165,7 @@ def main() -> None:
     mb = DEFAULT_STATE_CACHE_MB if args.state_cache_mb is None else args.state_cache_mb
     predictor = Predictor.from_run(args.run, canonical=not args.as_asked, state_cache_mb=mb)
     requests = [json.loads(line) for line in args.requests.open()]
-    cfg = predictor.model.family.text_decoder(predictor.model._causal_lm()).config
+    cfg = predictor.model.family.text_decoder(predictor.model.causal_lm()).config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     per_token = 2 * cfg.num_hidden_layers * getattr(cfg, "num_key_value_heads", cfg.num_attention_heads) * head_dim * 4
     out = {"run": str(args.run), "requests_file": str(args.requests), "canonical": not args.as_asked,

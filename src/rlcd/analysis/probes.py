@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import zlib
 from collections import defaultdict
 from itertools import permutations as _all_orders
@@ -725,11 +724,11 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     """``rlcd.metrics.dumps(obj)`` to ``path`` through a temporary file and a rename (never half-written)."""
     from rlcd.metrics import dumps
 
+    from rlcd.files import write_atomic
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(dumps(obj), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, dumps(obj), durable=False)
 
 
 # ----------------------------------------------------------------------------------------------

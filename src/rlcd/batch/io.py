@@ -27,10 +27,10 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 from rlcd.errors import OptionError, UserError
-from rlcd.files import fsync_dir
+from rlcd.files import fsync_dir, write_atomic
 
 PARTS_SUFFIX, REJECTS_SUFFIX = ".parts", ".rejects.jsonl"
 JOB = "job.json"
@@ -219,17 +219,6 @@ def scan_split(data: Path, split: str, *, skip_through: int = 0, seen: set[str] 
 
 
 # ---------------------------------------------------------------------------------------------- output
-def _write_atomic(path: Path, lines: Iterable[str]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        for ln in lines:
-            fh.write(ln)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 def parts_dir(output: Path) -> Path:
     return output.with_name(output.name + PARTS_SUFFIX)
 
@@ -327,7 +316,7 @@ class PartWriter:
             tmp = self.parts.with_name(self.parts.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-            _write_atomic(tmp / JOB, [json.dumps(self.job, indent=2, sort_keys=True)])
+            write_atomic(tmp / JOB, [json.dumps(self.job, indent=2, sort_keys=True)], durable=True)
             os.replace(tmp, self.parts)
             fsync_dir(self.parts.parent)
 
@@ -338,8 +327,8 @@ class PartWriter:
         outcomes = sorted(outcomes, key=lambda o: o.line)
         if outcomes[0].line < self.next_line:
             raise RuntimeError(f"line {outcomes[0].line} is committed already (next is {self.next_line})")
-        _write_atomic(self.parts / f"part-{outcomes[0].line:012d}.jsonl",
-                      (json.dumps(o.to_json(), ensure_ascii=False) + "\n" for o in outcomes))
+        write_atomic(self.parts / f"part-{outcomes[0].line:012d}.jsonl",
+                     (json.dumps(o.to_json(), ensure_ascii=False) + "\n" for o in outcomes), durable=True)
         for o in outcomes:
             self._count(o)
 
@@ -351,13 +340,13 @@ class PartWriter:
             for part in parts:
                 yield from self.read_part(part)
 
-        _write_atomic(rejects_path(self.output),
-                      (json.dumps({"line": o.line, "id": o.id, **o.reject}, ensure_ascii=False) + "\n"
-                       for o in outcomes() if o.reject is not None))
+        write_atomic(rejects_path(self.output),
+                     (json.dumps({"line": o.line, "id": o.id, **o.reject}, ensure_ascii=False) + "\n"
+                      for o in outcomes() if o.reject is not None), durable=True)
         answers = (o for o in outcomes() if o.reject is None)
         if self.format == "jsonl":
-            _write_atomic(self.output, (json.dumps({"id": o.id, "line": o.line, **o.response}, ensure_ascii=False)
-                                        + "\n" for o in answers))
+            write_atomic(self.output, (json.dumps({"id": o.id, "line": o.line, **o.response}, ensure_ascii=False)
+                                       + "\n" for o in answers), durable=True)
         else:
             self._write_parquet(answers)
         shutil.rmtree(self.parts)

@@ -184,7 +184,7 @@ def matmul_rate(n: int, iters: int, device: torch.device, dtype: torch.dtype, re
 
 
 def param_counts(dm: Any) -> dict:
-    core = dm._core()
+    core = dm.decoder()
     lm = core.language_model
     emb = lm.get_input_embeddings().weight
     total = sum(p.numel() for p in dm.parameters())

@@ -292,14 +292,14 @@ def use_batch_by(s: Any, batch_by: str) -> None:
 
 def _tokens_run(model: Any, b: Any) -> tuple[int, int, int]:
     """(rows, full-row tokens, tokens run) of batch `b`: a `CaseBatch` runs each unit's shared cut once."""
-    from rlcd.model.case_train import unit_cut
+    from rlcd.model.case_train import unit_prefix_len
 
     lens = b.attention_mask.sum(1).tolist()
     if getattr(b, "units", None) is None:
         return len(lens), sum(lens), sum(lens)
     run = 0
     for u in b.units:
-        cut = unit_cut(model, b.rows[u.start:u.end], u.n_img) or 0
+        cut = unit_prefix_len(model, b.rows[u.start:u.end], u.n_img) or 0
         run += cut + sum(lens[i] - cut for i in range(u.start, u.end))
     return len(lens), sum(lens), run
 

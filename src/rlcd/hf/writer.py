@@ -66,7 +66,7 @@ def write_hf_export(model: Any, meta: Mapping[str, Any], out: Path, *, evaluatio
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    backbone = model._causal_lm()
+    backbone = model.causal_lm()
     head = model.head
     config = modeling_rlcd.RlcdDecisionConfig(
         backbone_class=type(backbone).__name__, backbone_config=backbone.config.to_dict(), hidden_size=head.hidden,

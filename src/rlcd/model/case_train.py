@@ -7,9 +7,10 @@ returns the same logits [B, Kmax] as the full-row forward of the same rows:
 
 * units of two or more rows: every unit's prefix (the common token prefix, capped at the smallest
   decision position) in one left-padded forward *with* gradients and a cache; the cache rows expanded
-  to the unit's rows (`Family.select_cache_rows`, an `index_select`); all suffixes in one right-padded
-  call on that cache. The loss backpropagates through the suffixes into the prefix.
-* one-row units, units whose shared prefix saves less than a call costs (`paths.sharing_pays`, as
+  to the unit's rows (`prefix_forward.cache_rows`, an `index_select`); all suffixes in one right-padded
+  call on that cache (`prefix_forward.suffix_forward`, the forward inference and cut-state training run
+  too). The loss backpropagates through the suffixes into the prefix.
+* one-row units, units whose shared prefix saves less than a call costs (`plan.sharing_pays`, as
   in serving and evaluation), and Qwen3.5 units whose prefix is shorter than one DeltaNet chunk: plain
   full rows in one more call (a prefix call plus a suffix call would cost more).
 * one head call over all rows in batch order, exactly as `DecisionModel.forward` makes it (the
@@ -19,7 +20,7 @@ Qwen3.5 (hybrid cache). transformers' `LinearAttentionLayer.update_conv_state` /
 `copy_` the new states into static buffers (kept for CUDA graphs): autograd refuses the backward
 ("modified by an inplace operation"). `functional_cache(cache)` turns the layers of one cache, built
 here, into a subclass that assigns the new tensors instead; no other cache is touched (serving keeps
-the static buffers). The cut is moved down onto the DeltaNet chunk grid (`Family.exact_align`, 64) and
+the static buffers). The shared prefix is moved down onto the DeltaNet chunk grid (`Family.exact_align`, 64) and
 the suffixes run with the default chunk, so every chunk of the recurrent scan covers the same tokens as
 in a full row. Why, measured in float64 on the random `tiny` preset (`benchmarks/case_train_residue.py`):
 
@@ -50,7 +51,8 @@ import torch
 
 from ..schema import Record
 from .collate import Batch, Collator, moved, n_image_tokens, pad_rows, process_images
-from .paths import sharing_pays
+from .plan import shared_prefix_len, sharing_pays
+from .prefix_forward import left_pad, prefix_positions, read_states, run_prefixes, suffix_forward
 from .prompt import EncodedRow
 
 
@@ -178,27 +180,27 @@ def new_training_cache(model: Any) -> Any:
     """An empty `DynamicCache` for the model's text config, with functional linear-attention layers."""
     from transformers import DynamicCache
 
-    return functional_cache(DynamicCache(config=model.family.text_config(model._causal_lm())))
+    return functional_cache(DynamicCache(config=model.family.text_config(model.causal_lm())))
 
 
 # ----------------------------------------------------------------------------------------------
 # the forward
 
 
-def unit_cut(model: Any, rows: Sequence[EncodedRow], n_img: int) -> int | None:
+def unit_prefix_len(model: Any, rows: Sequence[EncodedRow], n_img: int) -> int | None:
     """The shared-prefix length of a unit for training, or None when its rows run as full rows.
 
-    The common prefix capped at the smallest decision position (`DecisionModel._cut`), on the family's
+    The common prefix capped at the smallest decision position (`plan.shared_prefix_len`), on the family's
     chunk grid when it has one (Qwen3.5: 64): None for one row, when no grid point lies past the image
     (a short state: full rows are exact and barely dearer), or when sharing saves less than the extra
     call costs (`sharing_pays`, the rule serving and evaluation use)."""
     if len(rows) < 2:
         return None
-    cut = model._cut(rows, n_img, True)
     align = model.family.exact_align
-    if cut < 1 or (align and cut % align) or (n_img and cut < n_img + 2) or not sharing_pays(len(rows), cut):
+    n = shared_prefix_len(rows, n_img, align=align)
+    if n < 1 or (align and n % align) or (n_img and n < n_img + 2) or not sharing_pays(len(rows), n):
         return None
-    return cut
+    return n
 
 
 def case_forward(model: Any, batch: CaseBatch) -> torch.Tensor:
@@ -206,11 +208,11 @@ def case_forward(model: Any, batch: CaseBatch) -> torch.Tensor:
     dev = model.device
     shared, solo = [], []
     for u in batch.units:
-        cut = unit_cut(model, batch.rows[u.start:u.end], u.n_img)
-        if cut is None:
+        n = unit_prefix_len(model, batch.rows[u.start:u.end], u.n_img)
+        if n is None:
             solo.append(u)
         else:
-            shared.append((u, cut))
+            shared.append((u, n))
     kmax = batch.kmax
     parts: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
     if solo:
@@ -248,51 +250,39 @@ def _pad_k(h_cand: torch.Tensor, kmax: int) -> torch.Tensor:
 
 def _shared_features(model: Any, batch: CaseBatch, shared: list[tuple[Unit, int]],
                      kmax: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Every shared unit's prefix in one left-padded forward with gradients and a training cache, then all their
+    rows' suffixes in one call on it (`prefix_forward`)."""
     dev, family, enc = model.device, model.family, model.encoder
-    cuts = [cut for _, cut in shared]
-    width = max(cuts)
-    padded = any(c != width for c in cuts)  # on the chunk grid for Qwen3.5: left pads are whole chunks
-    pids = torch.full((len(shared), width), enc.pad_id, dtype=torch.long, device=dev)
-    pmask = torch.zeros((len(shared), width), dtype=torch.long, device=dev)
-    positions, next_pos, feats = [], [], []
-    for i, (u, cut) in enumerate(shared):
-        ids = torch.tensor([batch.rows[u.start].ids[:cut]], dtype=torch.long, device=dev)
-        pids[i, width - cut:] = ids[0]
-        pmask[i, width - cut:] = 1
-        img_mask = ids == model.image_token_id if model.image_token_id is not None else None
-        pos = family.full_positions(ids, img_mask, u.grid, model.merge_size)
-        next_pos.append(int(pos.max()) + 1)
-        positions.append(torch.nn.functional.pad(pos, (width - cut, 0)))
-        if u.pixel_values is not None:
-            feats.append(model.image_features(u.pixel_values, u.grid))
-    cache = new_training_cache(model)
-    model._lm(pids, torch.cat(feats) if feats else None, pmask if padded else None, torch.cat(positions, dim=-2),
-              cache=cache, use_cache=True)
+    lens = [n for _, n in shared]
+    width = max(lens)
+    padded = any(n != width for n in lens)  # on the chunk grid for Qwen3.5: left pads are whole chunks
+    prefixes = [batch.rows[u.start].ids[:n] for u, n in shared]
+    positions = [prefix_positions(model, p, u.grid) for p, (u, _) in zip(prefixes, shared)]
+    next_pos = [int(p.max()) + 1 for p in positions]
+    feats = [model.image_features(u.pixel_values, u.grid) for u, _ in shared if u.pixel_values is not None]
+    pids, pmask, ppos = left_pad(model, prefixes, positions, width)
+    _, cache = run_prefixes(model, pmask if padded else None, ppos, ids=pids,
+                            image_features=torch.cat(feats) if feats else None, cache=new_training_cache(model))
     members = [(ui, r) for ui, (u, _) in enumerate(shared) for r in range(u.start, u.end)]
     owner = torch.tensor([ui for ui, _ in members], dtype=torch.long, device=dev)
-    cache = family.select_cache_rows(cache, owner, dev)
     n = len(members)
-    suf = [batch.rows[r].ids[cuts[ui]:] for ui, r in members]
+    suf = [batch.rows[r].ids[lens[ui]:] for ui, r in members]
     s_max = max(len(x) for x in suf)
     if min(len(x) for x in suf) < 2:
         raise RuntimeError("a suffix of one token would take the in-place single-token cache path")
     sids = torch.full((n, s_max), enc.pad_id, dtype=torch.long, device=dev)
-    attn = torch.zeros((n, width + s_max), dtype=torch.long, device=dev)
-    attn[:, :width] = pmask[owner]
+    smask = torch.zeros((n, s_max), dtype=torch.long, device=dev)
     for i, x in enumerate(suf):
         sids[i, :len(x)] = torch.tensor(x, dtype=torch.long, device=dev)
-        attn[i, width:width + len(x)] = 1
+        smask[i, :len(x)] = 1
     pos = torch.cat([family.suffix_positions(1, s_max, next_pos[ui], dev) for ui, _ in members], dim=-2)
-    h = model._lm(sids, None, attn, pos, cache=cache, use_cache=True).last_hidden_state
-    mpos = torch.zeros((n, kmax), dtype=torch.long, device=dev)
-    dpos = torch.zeros(n, dtype=torch.long, device=dev)
+    h = suffix_forward(model, cache, pmask, owner, smask, pos, ids=sids)
+    mpos = [[0] * kmax for _ in members]
     for i, (ui, r) in enumerate(members):
-        row = batch.rows[r]
-        mpos[i, :row.k] = torch.tensor([m - cuts[ui] for m in row.marker_pos], device=dev)
-        dpos[i] = row.decision_pos - cuts[ui]
-    ridx = torch.arange(n, device=dev)
-    return [r for _, r in members], h[ridx, dpos], h[ridx[:, None], mpos]
+        mpos[i][:batch.rows[r].k] = [m - lens[ui] for m in batch.rows[r].marker_pos]
+    h_dec, h_cand = read_states(h, [batch.rows[r].decision_pos - lens[ui] for ui, r in members], mpos)
+    return [r for _, r in members], h_dec, h_cand
 
 
 __all__ = ["CaseBatch", "Unit", "collate_cases", "case_forward", "functional_cache", "new_training_cache",
-           "unit_cut"]
+           "unit_prefix_len"]

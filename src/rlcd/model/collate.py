@@ -130,6 +130,25 @@ def pad_rows(rows: list[EncodedRow], *, pad_id: int, image_pad_id: int | None, t
     )
 
 
+def load_image(rec: Record, image_root: Path | None) -> Any:
+    """The record's image as an RGB PIL image (its path relative to `image_root`); a missing or unreadable file is a
+    RecordError naming the record."""
+    from PIL import Image
+
+    path = Path(rec.image)  # type: ignore[arg-type]
+    if not path.is_absolute() and image_root is not None:
+        path = image_root / path
+    if not path.is_file():
+        raise RecordError(rec.id, "image", f"file not found: {path} (image paths are relative to image_root="
+                                           f"{image_root})")
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return im.convert("RGB")
+    except Exception as e:
+        raise RecordError(rec.id, "image", f"cannot read image {path}: {e}") from None
+
+
 class Collator:
     """`Collator(tokenizer, image_processor)(records) -> Batch` (right padding).
 
@@ -144,20 +163,7 @@ class Collator:
         self.merge_size = int(getattr(image_processor, "merge_size", 2) or 2) if image_processor is not None else 2
 
     def load_image(self, rec: Record) -> Any:
-        from PIL import Image
-
-        path = Path(rec.image)  # type: ignore[arg-type]
-        if not path.is_absolute() and self.image_root is not None:
-            path = self.image_root / path
-        if not path.is_file():
-            raise RecordError(rec.id, "image", f"file not found: {path} (image paths are relative to image_root="
-                                               f"{self.image_root})")
-        try:
-            with Image.open(path) as im:
-                im.load()
-                return im.convert("RGB")
-        except Exception as e:
-            raise RecordError(rec.id, "image", f"cannot read image {path}: {e}") from None
+        return load_image(rec, self.image_root)
 
     def __call__(self, records: list[Record]) -> Batch:
         if not records:

@@ -13,7 +13,7 @@ the same rows gives, up to float noise:
 * whole cases (`batch_by="case"`): a unit's stored prefix runs once through the top layers with
   gradients and a cache (built for the stage alone; functional linear-attention layers on Qwen3.5, as in
   `case_train`), expanded to the unit's rows, and the suffixes run on it -- the prefix-sharing of
-  `case_train.case_forward`, one level down. Qwen3.5 shares only prefixes on its 64-token chunk grid.
+  `case_train.case_forward`, one level down, by the same `prefix_forward` fed states instead of ids. Qwen3.5 shares only prefixes on its 64-token chunk grid.
 
 Positions are stored per token ([n, P]: P = 1 for a text decoder, 3 for Qwen3.5's M-RoPE) and laid out
 as the family's forward takes them ([B, T] or [3, B, T]).
@@ -28,6 +28,7 @@ import torch
 
 from .case_train import in_row_order
 from .collate import RowLabels
+from .prefix_forward import read_states, run_prefixes, suffix_forward
 
 
 @dataclass
@@ -102,10 +103,9 @@ def cut_features(model: Any, batch: CutBatch) -> tuple[torch.Tensor, torch.Tenso
     parts: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
     if solo:
         states, pos, mask = _pad([_row(batch, i) for i in solo], dev, dtype)
-        h = model._lm(None, None, mask, _layout(pos), layers=layers, inputs_embeds=states).last_hidden_state
+        h = model.decoder_forward(None, None, mask, _layout(pos), layers=layers, inputs_embeds=states).last_hidden_state
         idx = torch.tensor(solo, dtype=torch.long)
-        r = torch.arange(len(solo), device=dev)
-        parts.append((solo, h[r, batch.decision_pos[idx].to(dev)], h[r[:, None], batch.marker_pos[idx].to(dev)]))
+        parts.append((solo, *read_states(h, batch.decision_pos[idx], batch.marker_pos[idx])))
     if shared:
         parts.append(_shared(model, batch, shared, layers, dev, dtype, batch.kmax))
     return in_row_order(parts, dev)
@@ -113,38 +113,31 @@ def cut_features(model: Any, batch: CutBatch) -> tuple[torch.Tensor, torch.Tenso
 
 def _shared(model: Any, batch: CutBatch, units: list[list[int]], layers: tuple[int, int], dev, dtype,
             kmax: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """Each unit's prefix once (left-padded, with a cache), then every row's suffix on its unit's cache rows."""
+    """Each unit's prefix once (left-padded, with a stage cache), then every row's suffix on its unit's cache rows
+    (`prefix_forward`, fed the stored states instead of token ids)."""
     from transformers import DynamicCache
 
     from .case_train import functional_cache
     from .families.base import stage_config
 
-    family = model.family
     prefixes = [batch.prefixes[batch.prefix_of[u[0]]] for u in units]
-    cuts = [s.shape[0] for s, _ in prefixes]
+    lens = [s.shape[0] for s, _ in prefixes]
     pstates, ppos, pmask = _pad(prefixes, dev, dtype, left=True)
     width = pstates.shape[1]
-    padded = any(c != width for c in cuts)
-    dec = family.text_decoder(model._causal_lm())
-    cache = functional_cache(DynamicCache(config=stage_config(dec, *layers)))
-    model._lm(None, None, pmask if padded else None, _layout(ppos), cache=cache, use_cache=True, layers=layers,
-              inputs_embeds=pstates)
+    padded = any(n != width for n in lens)
+    dec = model.family.text_decoder(model.causal_lm())
+    _, cache = run_prefixes(model, pmask if padded else None, _layout(ppos), embeds=pstates, layers=layers,
+                            cache=functional_cache(DynamicCache(config=stage_config(dec, *layers))))
     members = [(ui, r) for ui, u in enumerate(units) for r in u]
     owner = torch.tensor([ui for ui, _ in members], dtype=torch.long, device=dev)
-    cache = family.select_cache_rows(cache, owner, dev)
     sstates, spos, smask = _pad([batch.suffixes[r] for _, r in members], dev, dtype)
-    attn = torch.cat([pmask[owner], smask], dim=1)
-    h = model._lm(None, None, attn, _layout(spos), cache=cache, use_cache=True, layers=layers,
-                  inputs_embeds=sstates).last_hidden_state
+    h = suffix_forward(model, cache, pmask, owner, smask, _layout(spos), embeds=sstates, layers=layers)
     rows = [r for _, r in members]
-    # on the model's device: the training loop has moved the batch's label tensors there (CutBatch.to), the
-    # index lists built here start on the host (mixing them failed on CUDA only)
     idx = torch.tensor(rows, dtype=torch.long, device=dev)
-    shift = torch.tensor([cuts[ui] for ui, _ in members], dtype=torch.long, device=dev)
+    shift = torch.tensor([lens[ui] for ui, _ in members], dtype=torch.long, device=dev)
     dpos = batch.decision_pos.to(dev)[idx] - shift
     mpos = (batch.marker_pos.to(dev)[idx] - shift[:, None]).clamp(min=0) * batch.cand_mask.to(dev)[idx]
-    r = torch.arange(len(rows), device=dev)
-    return rows, h[r, dpos], h[r[:, None], mpos]
+    return (rows, *read_states(h, dpos, mpos))
 
 
 __all__ = ["CutBatch", "cut_features"]

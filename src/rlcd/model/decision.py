@@ -29,7 +29,6 @@ as they are (no second call, no copy), so a cold request costs what it cost with
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 import warnings
 from typing import Any, Iterable, Sequence
@@ -39,75 +38,19 @@ from torch import nn
 
 from ..schema import Question
 from .backbone import Backbone, freeze_all
-from .collate import Batch, Collator, n_image_tokens, pad_rows, process_images
-from .families.base import fork_cache_rows, out_cache
+from .collate import Batch, Collator, pad_rows
 from .families.qwen35 import SUFFIX_CHUNK, mrope_positions  # noqa: F401 (mrope_positions: public API)
 from .head import CandidateScorer
-from .paths import CALL_OVERHEAD, request_tokens, sharing_pays
+from .cases import CaseEncoder, CaseInputs
+from .prefix_forward import left_pad, prefix_positions, run_prefixes, suffix_forward
+from .plan import CALL_OVERHEAD, common_prefix_len, plan_paths, plan_suffix_groups, request_tokens, shared_prefix_len
 from .prompt import DEFAULT_MAX_TOKENS, DEFAULT_NOUL, EncodedRow, PromptEncoder
-from .state_cache import (PrefixState, RowFeatures, image_digest, max_state_tokens, prefix_key, row_key, snapshot_row,
-                          stack_states)
+from .state_cache import PrefixState, RowFeatures, max_state_tokens, prefix_key, row_key, snapshot_row, stack_states
 
 LORA_DROPOUT = 0.0
 SHAPE_GRANULE = 16  # batched calls round their padded lengths up to this (right pads are never read)
 PROMPT_VERSION = 1
 _LORA_PREFIX = "base_model.model."
-
-
-def plan_suffix_groups(lengths: Sequence[int], *, max_rows: int = 64, overhead: int = CALL_OVERHEAD,
-                       granule: int = SUFFIX_CHUNK) -> list[list[int]]:
-    """Split rows into batched calls by suffix length, minimising padded work + a per-call overhead.
-
-    Rows are sorted by length; a dynamic programme picks contiguous groups (at most `max_rows` rows)
-    minimising sum(rows_in_group * padded_longest_in_group + overhead), where lengths are rounded up
-    to the DeltaNet chunk (`granule`; the CPU reference kernel pads every row to it; 1 for a decoder
-    without chunked recurrent layers) and `overhead`
-    is the measured fixed cost of one call in token equivalents (~6 ms = ~50 tokens on 2 CPU cores,
-    hidden 256). Similar lengths give one call; mixed lengths (e.g. 27..82 tokens) a few.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    ls = [-(-lengths[i] // granule) * granule for i in order]
-    n = len(ls)
-    best = [0.0] + [math.inf] * n
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        for i in range(max(0, j - max_rows), j):
-            c = best[i] + (j - i) * ls[j - 1] + overhead
-            if c < best[j]:
-                best[j], cut[j] = c, i
-    groups, j = [], n
-    while j > 0:
-        groups.append(order[cut[j]:j])
-        j = cut[j]
-    return groups[::-1]
-
-
-@dataclass
-class CaseInputs:
-    """One request ready for the model (`DecisionModel.prepare_case`): its rows and preprocessed image."""
-
-    rows: list[EncodedRow]
-    pixel_values: torch.Tensor | None = None
-    grid: torch.Tensor | None = None
-    n_img: int = 0
-    image_digest: str | None = None  # the state cache's key of the image (`state_cache.image_digest`), once computed
-
-    def prefix_key(self, cut: int) -> bytes:
-        """The state cache's key of this case's first `cut` tokens (the image's digest computed here if need be)."""
-        if self.pixel_values is not None and self.image_digest is None:
-            self.image_digest = image_digest(self.pixel_values, self.grid)
-        return prefix_key(self.rows[0].ids[:cut], self.image_digest)
-
-    def row_key(self, row: EncodedRow, exact: bool = False) -> bytes:
-        """The row cache's key of one of this case's rows (`state_cache.row_key`; the image digest computed here if
-        need be)."""
-        if self.pixel_values is not None and self.image_digest is None:
-            self.image_digest = image_digest(self.pixel_values, self.grid)
-        return row_key(row.ids, self.image_digest, row.decision_pos, row.marker_pos, exact)
-
-    @property
-    def n_tokens(self) -> int:
-        return sum(len(r) for r in self.rows)
 
 
 def _kept_cache(config: Any) -> Any:
@@ -139,16 +82,6 @@ def _cut_row(h: torch.Tensor, pos: torch.Tensor, i: int, start: int, end: int) -
     call's states [B, T, H] and its positions ([B, T], or [P, B, T] for M-RoPE)."""
     p = pos[i, start:end, None] if pos.dim() == 2 else pos[:, i, start:end].T
     return h[i, start:end].float().cpu().clone(), p.to(torch.int32).cpu().clone()
-
-
-def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
-    first = seqs[0]
-    n = min(len(s) for s in seqs)
-    for i in range(n):
-        x = first[i]
-        if any(s[i] != x for s in seqs):
-            return i
-    return n
 
 
 class DecisionModel(nn.Module):
@@ -195,7 +128,7 @@ class DecisionModel(nn.Module):
                                 "target_modules": targets,
                                 **({"layers": [self.cut_layer, self.num_layers]} if self.cut_layer is not None else {})}
         self.backbone = model
-        hidden = int(self.family.text_config(self._causal_lm()).hidden_size)
+        hidden = int(self.family.text_config(self.causal_lm()).hidden_size)
         dev = next(self.backbone.parameters()).device
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed + 1)
@@ -206,25 +139,26 @@ class DecisionModel(nn.Module):
         self.seed = int(seed)
         self.last_usage: dict = {}
         if self.family.supports_images:
-            self.image_token_id = self.family.image_token_id(self._causal_lm())
-            self.merge_size = self.family.merge_size(self._causal_lm())
+            self.image_token_id = self.family.image_token_id(self.causal_lm())
+            self.merge_size = self.family.merge_size(self.causal_lm())
         else:
             self.image_token_id, self.merge_size = None, 1
         self.train(False)
 
     # ------------------------------------------------------------------ construction helpers
-    def _causal_lm(self) -> nn.Module:
+    def causal_lm(self) -> nn.Module:
+        """The backbone's causal LM, under peft's wrapper when LoRA is unmerged (what the family methods take)."""
         m = self.backbone
         return m.get_base_model() if hasattr(m, "get_base_model") else m
 
-    def _core(self) -> nn.Module:
+    def decoder(self) -> nn.Module:
         """The inner decoder (no lm_head): Qwen3_5Model (vision + language), or a text decoder's model."""
-        return self.family.decoder(self._causal_lm())
+        return self.family.decoder(self.causal_lm())
 
     @property
     def vision(self) -> nn.Module | None:
         """The frozen vision tower (None for a text-only backbone)."""
-        return self.family.vision(self._causal_lm())
+        return self.family.vision(self.causal_lm())
 
     @property
     def supports_images(self) -> bool:
@@ -321,12 +255,15 @@ class DecisionModel(nn.Module):
     # ------------------------------------------------------------------ backbone plumbing
     def image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """Vision tower (frozen, no grad) -> merged features [n_image_tokens, hidden]."""
-        return self.family.image_features(self._causal_lm(), pixel_values, image_grid_thw, self.device)
+        return self.family.image_features(self.causal_lm(), pixel_values, image_grid_thw, self.device)
 
-    def _lm(self, ids: torch.Tensor | None, feats: torch.Tensor | None, attention_mask: torch.Tensor | None,
-            positions: torch.Tensor, cache: Any = None, use_cache: bool = False, chunk_size: int | None = None,
-            layers: tuple[int, int] | None = None, inputs_embeds: torch.Tensor | None = None) -> Any:
-        return self.family.run(self._causal_lm(), ids, feats, attention_mask, positions, cache=cache,
+    def decoder_forward(self, ids: torch.Tensor | None, feats: torch.Tensor | None,
+                        attention_mask: torch.Tensor | None, positions: torch.Tensor, cache: Any = None,
+                        use_cache: bool = False, chunk_size: int | None = None, layers: tuple[int, int] | None = None,
+                        inputs_embeds: torch.Tensor | None = None) -> Any:
+        """The decoder's forward with explicit positions (`Family.run`): an output with `last_hidden_state` (and the
+        cache with `use_cache`); `feats`: image features scattered into the image tokens; `layers` a stage."""
+        return self.family.run(self.causal_lm(), ids, feats, attention_mask, positions, cache=cache,
                                use_cache=use_cache, chunk_size=chunk_size, layers=layers, inputs_embeds=inputs_embeds)
 
     def hidden_states(self, batch: Batch, layers: tuple[int, int] | None = None, *, with_cache: bool = False) -> Any:
@@ -343,10 +280,10 @@ class DecisionModel(nn.Module):
         image_mask = batch.mm_token_type_ids.to(dev) if batch.mm_token_type_ids is not None else None
         pos = self.family.full_positions(ids, image_mask, batch.image_grid_thw, self.merge_size)
         if not with_cache:
-            return self._lm(ids, feats, attn, pos, layers=layers).last_hidden_state
-        cache = _kept_cache(self.family.text_decoder(self._causal_lm()).config)
+            return self.decoder_forward(ids, feats, attn, pos, layers=layers).last_hidden_state
+        cache = _kept_cache(self.family.text_decoder(self.causal_lm()).config)
         try:
-            o = self._lm(ids, feats, attn, pos, cache=cache, use_cache=True, layers=layers)
+            o = self.decoder_forward(ids, feats, attn, pos, cache=cache, use_cache=True, layers=layers)
         finally:
             for layer in cache.layers:
                 vars(layer).pop("update", None)
@@ -397,33 +334,21 @@ class DecisionModel(nn.Module):
         return sum(d.shape[0] for d in decs)
 
     # ------------------------------------------------------------------ inference on one request
+    @property
+    def cases(self) -> CaseEncoder:
+        """This model's `CaseEncoder`: questions -> `CaseInputs` (tokenised, image preprocessed; no model call)."""
+        return CaseEncoder.for_model(self)
+
     def encode_case(self, state: Any, questions: Sequence[Question], *, n_image_tokens: int = 0,
                     ids: Sequence[str] | None = None, case_id: str | None = None,
                     max_tokens: int | None = None) -> list[EncodedRow]:
-        qids = list(ids) if ids is not None else [f"q{i}" for i in range(len(questions))]
-        if len(qids) != len(questions):
-            raise ValueError(f"{len(qids)} ids for {len(questions)} questions")
-        prefix = self.encoder.prefix_ids(state, n_image_tokens=n_image_tokens,
-                                         row=case_id if case_id is not None else (qids[0] if len(qids) == 1 else "request"))
-        return [self.encoder.encode(state, q, n_image_tokens=n_image_tokens, row=qid, prefix=prefix,
-                                    max_tokens=max_tokens) for q, qid in zip(questions, qids)]
-
-    def _image_inputs(self, image: Any) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
-        if image is None:
-            return None, None, 0
-        self.encoder.refuse_image(None)
-        pv, grid = process_images(self.image_processor, [image])
-        return pv, grid, n_image_tokens(grid[0].tolist(), self.merge_size)
+        return self.cases.rows(state, questions, n_image_tokens=n_image_tokens, ids=ids, case_id=case_id,
+                               max_tokens=max_tokens)
 
     def prepare_case(self, state: Any, questions: Sequence[Question], image: Any = None,
                      ids: Sequence[str] | None = None, *, case_id: str | None = None,
-                     max_tokens: int | None = None) -> CaseInputs:
-        """The CPU part of scoring one request: rows tokenised, the image preprocessed (no model call).
-        `max_tokens` overrides the encoder's row limit (a server's request limits)."""
-        pv, grid, n_img = self._image_inputs(image)
-        rows = self.encode_case(state, list(questions), n_image_tokens=n_img, ids=ids, case_id=case_id,
-                                max_tokens=max_tokens)
-        return CaseInputs(rows, pv, grid, n_img)
+                     max_tokens: int | None = None, keyed: bool = False) -> CaseInputs:
+        return self.cases.prepare(state, questions, image, ids, case_id=case_id, max_tokens=max_tokens, keyed=keyed)
 
     def score_case_with_usage(self, state: Any, questions: Sequence[Question], image: Any = None,
                               ids: Sequence[str] | None = None, *, max_rows: int = 64,
@@ -515,42 +440,13 @@ class DecisionModel(nn.Module):
 
     def plan_paths(self, cases: Sequence[CaseInputs], *, exact: bool = False, path: str = "auto",
                    overhead: int = CALL_OVERHEAD, state_cut: bool = False) -> list[int | None]:
-        """Per case: the shared-prefix cut, or None for full forwards.
-
-        `path="auto"`: a case takes the prefix path only when it saves more than one call's overhead
-        (`overhead` token equivalents, as in `plan_suffix_groups`): the shared prefix computed once
-        instead of once per row saves (rows - 1) * cut tokens, while the prefix path costs one extra
-        call. So a single-question case, or one whose suffixes dominate (a short shared prefix), runs as
-        full rows. `"prefix"` / `"full"` force a path (benchmarks, tests).
-
-        `state_cut` (a state cache is on): the cut stops at the end of the state (`EncodedRow.prefix_len`), so
-        it depends on the state and image alone and a later request about them finds it; the rule counts
-        one later reuse of the prefix, `rows * cut > overhead`, so a single question about a long state
-        takes the prefix path and leaves its state in the cache -- unless the cut is longer than a stored state
-        can be (`max_state_tokens`: Gemma 3's sliding window less one, 511 tokens on the 270M): that state is
-        never kept, so no reuse is counted and the case plans as with the cache off (no extra call).
-        """
-        if path not in ("auto", "prefix", "full"):
-            raise ValueError(f"path must be 'auto', 'prefix' or 'full', not {path!r}")
-        out: list[int | None] = []
-        for c in cases:
-            if path == "full" or not c.rows:
-                out.append(None)
-                continue
-            cut = self._cut(c.rows, c.n_img, exact, state=state_cut)
-            reuse = state_cut and (self.max_state_tokens is None or cut <= self.max_state_tokens)
-            if path == "auto" and not sharing_pays(len(c.rows) + int(reuse), cut, overhead):
-                out.append(None)
-                continue
-            if c.n_img and cut < c.n_img + 2:  # the image is encoded once, so it must lie inside the prefix
-                raise RuntimeError("shared prefix does not cover the image")
-            out.append(cut)
-        return out
+        return plan_paths(cases, align=self.family.exact_align if exact else None, path=path, overhead=overhead,
+                          state_prefix=state_cut, max_state_tokens=self.max_state_tokens).prefix_len
 
     def case_features_with_usage(self, cases: Sequence[CaseInputs], *, max_rows: int = 64, exact: bool = False,
                                  path: str = "auto", state_cache: Any = None, row_cache: Any = None
                                  ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], list[dict]]:
-        """`case_features` plus per-case usage: {input_tokens (`paths.request_tokens`: the request's tokens, the part
+        """`case_features` plus per-case usage: {input_tokens (`plan.request_tokens`: the request's tokens, the part
         its rows share once, whatever path, cache or batch),
         prefix_tokens (0 on the full path), cached_tokens (the prefix tokens the state cache supplied, not
         run), cached_rows (rows the row cache supplied), rows, full_tokens, image_tokens, calls (of the whole
@@ -567,7 +463,7 @@ class DecisionModel(nn.Module):
         if row_cache is not None:
             for c, ks, fs in zip(cases, row_keys, feats):
                 for j, r in enumerate(c.rows):
-                    ks[j] = c.row_key(r, exact)
+                    ks[j] = row_key(r.ids, c.digest(), r.decision_pos, r.marker_pos, exact)
                     got = row_cache.get(ks[j])
                     if got is not None:
                         fs[j] = (got.h_dec, got.h_cand)
@@ -583,7 +479,7 @@ class DecisionModel(nn.Module):
             keep, store = None, {}
             if state_cache is not None and pre:
                 for i in pre:
-                    keys[i] = cases[i].prefix_key(plan[i])
+                    keys[i] = prefix_key(cases[i].rows[0].ids[:plan[i]], cases[i].digest())
                     warm[i] = state_cache.get(keys[i])
                 # a cold case the cache-off plan runs as full rows: full rows still, its state kept from their cache
                 if path == "auto" and self.kv_only_cache:
@@ -633,7 +529,7 @@ class DecisionModel(nn.Module):
         only). Qwen3.5's linear-attention layers carry a recurrent state of the whole row instead."""
         got = getattr(self, "_kv_only", None)
         if got is None:
-            cfg = getattr(self.family.text_decoder(self._causal_lm()), "config", None)
+            cfg = getattr(self.family.text_decoder(self.causal_lm()), "config", None)
             types = getattr(cfg, "layer_types", None)
             got = cfg is not None and (all(t == "full_attention" for t in types) if types  # what transformers builds
                                        else not getattr(cfg, "sliding_window", None))
@@ -646,7 +542,7 @@ class DecisionModel(nn.Module):
         sliding-window layers (they keep only their last `sliding_window - 1` positions: `state_cache.
         max_state_tokens`), None when every layer keeps every position."""
         if not hasattr(self, "_max_state"):
-            cfg = getattr(self.family.text_decoder(self._causal_lm()), "config", None)
+            cfg = getattr(self.family.text_decoder(self.causal_lm()), "config", None)
             types = getattr(cfg, "layer_types", None)
             window = getattr(cfg, "sliding_window", None)
             sliding = any(t == "sliding_attention" for t in types) if types else bool(window)
@@ -723,39 +619,24 @@ class DecisionModel(nn.Module):
                 [cases[i] for i in p], [cuts[i] for i in p], [out[i] for i in p], max_rows=max_rows, exact=exact,
                 at_layer=at_layer, warm=[warm[i] for i in p],
                 keep=None if keep is None else (lambda j, st, p=p: keep(p[j], st))) for p in parts)
-        next_pos, positions = [], []
-        for c, cut in zip(cases, cuts):
-            ids = torch.tensor([c.rows[0].ids[:cut]], dtype=torch.long, device=dev)
-            img_mask = ids == self.image_token_id if self.image_token_id is not None else None
-            pos = family.full_positions(ids, img_mask, c.grid, self.merge_size)
-            next_pos.append(int(pos.max()) + 1)
-            positions.append(pos)
+        positions = [prefix_positions(self, c.rows[0].ids[:n], c.grid) for c, n in zip(cases, cuts)]
+        next_pos = [int(pos.max()) + 1 for pos in positions]
         calls, prefix_cache, width, pmask = 0, None, 0, None
         if cold:
             width = max(cuts[i] for i in cold)
             padded = any(cuts[i] != width for i in cold)
             if padded:  # few distinct shapes keep the allocator's and kernels' caches small under serving load
                 width = -(-width // SHAPE_GRANULE) * SHAPE_GRANULE
-            pids = torch.full((len(cold), width), self.encoder.pad_id, dtype=torch.long, device=dev)
-            pmask = torch.zeros((len(cold), width), dtype=torch.long, device=dev)
-            feats = []
-            for j, i in enumerate(cold):
-                c, cut = cases[i], cuts[i]
-                pids[j, width - cut:] = torch.tensor(c.rows[0].ids[:cut], dtype=torch.long, device=dev)
-                pmask[j, width - cut:] = 1
-                if c.pixel_values is not None:
-                    feats.append(self.image_features(c.pixel_values, c.grid))  # once per request
-            all_pos = torch.cat([torch.nn.functional.pad(positions[i], (width - cuts[i], 0)) for i in cold],
-                                dim=-2)  # left pads at position 0
-            o = self._lm(pids, torch.cat(feats) if feats else None, pmask if padded else None, all_pos,
-                         use_cache=True, layers=layers)
+            feats = [self.image_features(cases[i].pixel_values, cases[i].grid) for i in cold
+                     if cases[i].pixel_values is not None]  # once per request
+            pids, pmask, all_pos = left_pad(self, [cases[i].rows[0].ids[:cuts[i]] for i in cold],
+                                            [positions[i] for i in cold], width)
+            o, prefix_cache = run_prefixes(self, pmask if padded else None, all_pos, ids=pids,
+                                           image_features=torch.cat(feats) if feats else None, layers=layers)
             calls += 1
             if prefixes is not None:
                 for j, i in enumerate(cold):
                     prefixes[i] = _cut_row(o.last_hidden_state, all_pos, j, width - cuts[i], width)
-            prefix_cache = out_cache(o)
-            if prefix_cache is None:
-                raise RuntimeError("the language model returned no cache")
         if keep is not None or len(cold) < len(cases):
             states = list(warm)
             for j, i in enumerate(cold):
@@ -788,23 +669,21 @@ class DecisionModel(nn.Module):
             # the linear-attention states are advanced in place: every call but the last gets its own rows
             if gi == len(groups) - 1:
                 # rows already in order (one question per case, e.g. a warm question): nothing to select
-                in_order = [ci for ci, _ in members] == list(range(len(cases)))
-                cache = prefix_cache if in_order else family.select_cache_rows(prefix_cache, owner, dev)
+                rows = "as_is" if [ci for ci, _ in members] == list(range(len(cases))) else "select"
             else:
-                cache = fork_cache_rows(prefix_cache, owner)
+                rows = "fork"
             suf = [r.ids[cuts[ci]: run_len(r)] for r, (ci, _) in zip(chunk, members)]
             s_max = max(len(x) for x in suf)
             if len(cases) > 1:
                 s_max = -(-s_max // SHAPE_GRANULE) * SHAPE_GRANULE
             sids = torch.full((n, s_max), self.encoder.pad_id, dtype=torch.long, device=dev)
-            attn = torch.zeros((n, width + s_max), dtype=torch.long, device=dev)
-            attn[:, :width] = pmask[owner]
+            smask = torch.zeros((n, s_max), dtype=torch.long, device=dev)
             for i, x in enumerate(suf):
                 sids[i, : len(x)] = torch.tensor(x, dtype=torch.long, device=dev)
-                attn[i, width: width + len(x)] = 1
+                smask[i, : len(x)] = 1
             pos = torch.cat([family.suffix_positions(1, s_max, next_pos[ci], dev) for ci, _ in members], dim=-2)
-            h = self._lm(sids, None, attn, pos, cache=cache, use_cache=True,
-                         chunk_size=None if exact else family.suffix_chunk, layers=layers).last_hidden_state
+            h = suffix_forward(self, prefix_cache, pmask, owner, smask, pos, ids=sids, rows=rows, layers=layers,
+                               chunk_size=None if exact else family.suffix_chunk)
             if at_layer is not None:
                 for i, (r, (ci, ri)) in enumerate(zip(chunk, members)):
                     out[ci][ri] = _cut_row(h, pos, i, 0, len(r) - cuts[ci])
@@ -816,16 +695,7 @@ class DecisionModel(nn.Module):
         return calls + len(groups)
 
     def _cut(self, rows: Sequence[EncodedRow], n_img: int, exact: bool, state: bool = False) -> int:
-        """Shared-prefix length: the common token prefix, never past any row's decision position (`state`: nor
-        past the end of the state segment)."""
-        cut = min(common_prefix_len([r.ids for r in rows]), min(r.decision_pos for r in rows))
-        if state:
-            cut = min(cut, min(r.prefix_len for r in rows))
-        if exact and self.family.exact_align:
-            aligned = (cut // self.family.exact_align) * self.family.exact_align
-            if aligned >= (n_img + 2 if n_img else 1):
-                cut = aligned
-        return cut
+        return shared_prefix_len(rows, n_img, align=self.family.exact_align if exact else None, state=state)
 
     def score_case(self, state: Any, questions: Sequence[Question], image: Any = None,
                    ids: Sequence[str] | None = None) -> list[torch.Tensor]:
@@ -838,7 +708,7 @@ class DecisionModel(nn.Module):
         questions = list(questions)
         out: list[torch.Tensor] = []
         with torch.inference_mode():
-            pv, grid, n_img = self._image_inputs(image)
+            pv, grid, n_img = self.cases.image(image)
             rows = self.encode_case(state, questions, n_image_tokens=n_img, ids=ids)
             for c0 in range(0, len(rows), batch_size):
                 chunk = rows[c0: c0 + batch_size]
@@ -864,22 +734,7 @@ class DecisionModel(nn.Module):
 
     # ------------------------------------------------------------------ records -> cases
     def case_inputs_from_records(self, records: Sequence[Any], image_root: Any = None) -> CaseInputs:
-        """One `CaseInputs` for records of one case (one state, one image or none; `Record.case_id`):
-        their questions as the rows, in order, each row named by its record id. Records that do not
-        share the first one's state and image are refused (ValueError): they are not one case."""
-        records = list(records)
-        if not records:
-            raise ValueError("case_inputs_from_records needs at least one record")
-        first = records[0]
-        for r in records[1:]:
-            if r.state != first.state or r.image != first.image:
-                raise ValueError(f"records {first.id!r} and {r.id!r} do not share one state and image")
-        image = None
-        if first.image:
-            self.encoder.refuse_image(first.id)
-            image = self.collator(image_root=image_root).load_image(first)
-        return self.prepare_case(first.state, [r.question for r in records], image, [r.id for r in records],
-                                 case_id=first.case_id)
+        return self.cases.from_records(records, image_root)
 
 
 def num_params(module: nn.Module, trainable: bool | None = None) -> int:

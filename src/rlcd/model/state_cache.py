@@ -35,18 +35,17 @@ digest of the preprocessed image's pixels and grid (`image_digest`), under a sco
 placement and the parameters' version counters). Another model, prompt frame, LoRA state or image
 therefore never hits.
 
-`StateCache` is an LRU bounded in bytes (the stored tensors' bytes): least recently used entries go
-first; an entry larger than the bound is not stored; `max_bytes=0` disables it. Thread-safe (one lock).
+The store itself (`rlcd.serving.cache.StateCache`: an LRU bounded in bytes, scoped by the Predictor) belongs to
+serving; what is stored and how a state goes into and out of a decoder's cache is this module's, and the keys are
+computed by the runner that reads and writes the store (`rlcd.model.runner`).
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import Any, Sequence
 
 
 SUPPORTED_LAYERS = frozenset({"DynamicLayer", "DynamicSlidingWindowLayer", "LinearAttentionLayer",
@@ -240,89 +239,5 @@ def prefix_key(ids: Sequence[int], image: str | None) -> bytes:
     return h.digest()
 
 
-class StateCache:
-    """An LRU of `PrefixState`s bounded in bytes; `max_bytes=0` disables it (get misses nothing, put stores
-    nothing, no counter moves). `stats()` is a flat dict of ints for monitoring."""
-
-    def __init__(self, max_bytes: int):
-        if not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
-        self.max_bytes = max_bytes
-        self._entries: OrderedDict[Hashable, PrefixState] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self._hits = self._misses = self._evictions = self._too_large = self._stores = 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.max_bytes > 0
-
-    def get(self, key: Hashable) -> PrefixState | None:
-        if not self.enabled:
-            return None
-        with self._lock:
-            state = self._entries.get(key)
-            if state is None:
-                self._misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self._hits += 1
-            return state
-
-    def put(self, key: Hashable, state: PrefixState) -> bool:
-        """Store `state` (most recent), evicting the least recently used until it fits; False when it is larger
-        than the whole bound (not stored) or the cache is disabled."""
-        if not self.enabled:
-            return False
-        with self._lock:
-            if state.nbytes > self.max_bytes:
-                self._too_large += 1
-                return False
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= old.nbytes
-            while self._entries and self._bytes + state.nbytes > self.max_bytes:
-                _, gone = self._entries.popitem(last=False)
-                self._bytes -= gone.nbytes
-                self._evictions += 1
-            self._entries[key] = state
-            self._bytes += state.nbytes
-            self._stores += 1
-            return True
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._bytes = 0
-
-    def keys(self) -> list[Hashable]:
-        """Keys from least to most recently used (tests, debugging)."""
-        with self._lock:
-            return list(self._entries)
-
-    def stats(self) -> dict[str, int]:
-        with self._lock:
-            return {"hits": self._hits, "misses": self._misses, "entries": len(self._entries), "bytes": self._bytes,
-                    "max_bytes": self.max_bytes, "evictions": self._evictions, "stores": self._stores,
-                    "too_large": self._too_large}
-
-    def scoped(self, scope: Hashable) -> "ScopedStateCache":
-        return ScopedStateCache(self, scope)
-
-
-@dataclass(frozen=True)
-class ScopedStateCache:
-    """`StateCache` keys prefixed by `scope` (a model's fingerprint): what `DecisionModel.score_cases` takes."""
-
-    cache: StateCache
-    scope: Hashable
-
-    def get(self, key: Hashable) -> PrefixState | None:
-        return self.cache.get((self.scope, key))
-
-    def put(self, key: Hashable, state: PrefixState) -> bool:
-        return self.cache.put((self.scope, key), state)
-
-
-__all__ = ["PrefixState", "RowFeatures", "ScopedStateCache", "StateCache", "image_digest", "max_state_tokens",
-           "prefix_key", "row_key", "snapshot_row", "stack_states", "SUPPORTED_LAYERS"]
+__all__ = ["PrefixState", "RowFeatures", "image_digest", "max_state_tokens", "prefix_key", "row_key", "snapshot_row",
+           "stack_states", "SUPPORTED_LAYERS"]

@@ -155,7 +155,7 @@ def export_graph(model: Any, path: Path, example: tuple[torch.Tensor, ...], *, o
     batch, tokens, reads = Dim("batch"), Dim("tokens"), Dim("reads")
     shapes = {"input_ids": {0: batch, 1: tokens}, "position_ids": {0: batch, 1: tokens},
               "attention_mask": {0: batch, 1: tokens, 2: tokens}, "read_positions": {0: batch, 1: reads}}
-    wrapper = HiddenAt(model.family.decoder(model._causal_lm())).eval()
+    wrapper = HiddenAt(model.family.decoder(model.causal_lm())).eval()
     big = sum(p.numel() * p.element_size() for p in wrapper.parameters()) > (3 << 29)  # protobuf's 2 GiB
     noisy = logging.getLogger("torch.onnx._internal.exporter._registration")  # "torchvision is not installed"
     level = noisy.level

@@ -10,9 +10,9 @@ then one *packed* sequence per case instead of a cache:
     mask       the prefix causal; every suffix token reads the whole prefix and its own suffix causally
 
 which is exactly what a prefix forward plus each row's suffix on its cache computes (the torch path,
-`DecisionModel._prefix_features`): every row sees its own token sequence at its own positions. The cut c is
+`rlcd.model.runner`): every row sees its own token sequence at its own positions. The cut c is
 the torch path's (`min(common prefix, smallest decision position)`) and the rule for taking it is the same
-(`model.paths.sharing_pays`); a case where sharing does not pay runs one sequence per row (plain causal).
+(`model.plan.sharing_pays`); a case where sharing does not pay runs one sequence per row (plain causal).
 A padded token reads only itself (finite values, never read); padding is on the right.
 
 Attention costs T^2 per packed case where the cache path costs T x |suffix|; for requests of a few
@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from rlcd.model.paths import request_tokens, sharing_pays
+from rlcd.model.plan import common_prefix_len, request_tokens, sharing_pays
 
 
 @dataclass
@@ -44,25 +44,16 @@ class Sequence_:
         return len(self.ids)
 
 
-def common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
-    first = seqs[0]
-    n = min(len(s) for s in seqs)
-    for i in range(n):
-        if any(s[i] != first[i] for s in seqs):
-            return i
-    return n
-
-
-def case_cut(rows: Sequence) -> int | None:
-    """The shared-prefix cut of a case's rows (`EncodedRow`s), or None when full rows are cheaper
-    (`DecisionModel.plan_paths(path="auto")` for a text decoder)."""
-    cut = min(common_prefix_len([r.ids for r in rows]), min(r.decision_pos for r in rows))
-    return cut if sharing_pays(len(rows), cut) else None
+def case_prefix_len(rows: Sequence) -> int | None:
+    """The shared-prefix length of a case's rows (`EncodedRow`s), or None when full rows are cheaper
+    (`rlcd.model.plan.plan_paths(path="auto")` for a text decoder)."""
+    n = min(common_prefix_len([r.ids for r in rows]), min(r.decision_pos for r in rows))
+    return n if sharing_pays(len(rows), n) else None
 
 
 def pack_case(rows: Sequence) -> list[Sequence_]:
     """The sequences of one case: one packed sequence (prefix once + every suffix), or one per row."""
-    cut = case_cut(rows)
+    cut = case_prefix_len(rows)
     if cut is None:
         return [Sequence_(list(r.ids), list(range(len(r))), [(0, len(r), 0)],
                           [[r.decision_pos, *r.marker_pos]], [i]) for i, r in enumerate(rows)]
@@ -78,7 +69,7 @@ def pack_case(rows: Sequence) -> list[Sequence_]:
 
 
 def processed_tokens(rows: Sequence) -> int:
-    """usage.input_tokens of a case, as the torch path counts it (`rlcd.model.paths.request_tokens`)."""
+    """usage.input_tokens of a case, as the torch path counts it (`rlcd.model.plan.request_tokens`)."""
     return request_tokens(rows)
 
 
@@ -122,4 +113,4 @@ def feed(seqs: Sequence[Sequence_], pad_id: int) -> dict[str, np.ndarray]:
     return {"input_ids": ids, "position_ids": pos, "attention_mask": mask, "read_positions": reads}
 
 
-__all__ = ["Sequence_", "case_cut", "pack_case", "processed_tokens", "group_sequences", "feed", "common_prefix_len"]
+__all__ = ["Sequence_", "case_prefix_len", "pack_case", "processed_tokens", "group_sequences", "feed", "common_prefix_len"]

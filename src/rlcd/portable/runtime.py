@@ -240,8 +240,9 @@ class PortableModel:
 
     # ------------------------------------------------------------------ the Predictor surface
     def prepare_case(self, state: Any, questions: Sequence[Any], image: Any = None, ids: Sequence[str] | None = None,
-                     *, case_id: str | None = None, max_tokens: int | None = None) -> PortableCase:
-        """Rows tokenised as `DecisionModel.encode_case` does (the prefix once); images refused (text-only)."""
+                     *, case_id: str | None = None, max_tokens: int | None = None, keyed: bool = False) -> PortableCase:
+        """Rows tokenised as `DecisionModel.encode_case` does (the prefix once); images refused (text-only).
+        `keyed` is accepted and means nothing: this engine reads no request cache."""
         if image is not None:
             self.encoder.refuse_image(case_id)
         qids = list(ids) if ids is not None else [f"q{i}" for i in range(len(questions))]
@@ -256,7 +257,7 @@ class PortableModel:
         out = []
         for c, fs in zip(cases, feats):
             logits = [self.scorer(hd, hc) for hd, hc in fs]
-            cut = layout.case_cut(c.rows) if c.rows else None
+            cut = layout.case_prefix_len(c.rows) if c.rows else None
             out.append((logits, {"input_tokens": layout.processed_tokens(c.rows) if c.rows else 0,
                                  "prefix_tokens": cut or 0, "rows": len(c.rows), "full_tokens": c.n_tokens,
                                  "image_tokens": 0, "batched_requests": len(cases),

@@ -7,7 +7,7 @@ orders (`rlcd.order_votes`: `vote_plan`, `asked`) are more rows of the same case
 question by question: more suffixes on the same prefix. A tokenising error (`RecordError`) becomes a
 `PredictError` naming the request's field and question (`from_record_error`; a row over the token limit is 413).
 
-The state cache (`rlcd.model.state_cache`, `state_cache_mb`, default 256 MiB, 0 turns it off): the decoder state
+The state cache (`rlcd.serving.cache`, `state_cache_mb`, default 256 MiB, 0 turns it off): the decoder state
 of each state's prefix is kept, LRU bounded in bytes, so a later request about the same state and image runs only
 its questions. Keys are the exact prefix token ids and the image's pixel digest (computed in `encode`, off the
 model thread), scoped by `cache_scope` (the model's fingerprint and info, the prompt frame, LoRA and merge state,
@@ -85,7 +85,7 @@ class StateEncoder:
 
     def __init__(self, meta: Mapping[str, Any], state_cache_mb: float = DEFAULT_STATE_CACHE_MB,
                  row_cache_mb: float = 0):
-        from rlcd.model.state_cache import StateCache
+        from rlcd.serving.cache import StateCache
 
         self.cache = StateCache(state_cache_bytes(state_cache_mb))
         self.rows = StateCache(state_cache_bytes(row_cache_mb, "row_cache_mb", "the row cache"))
@@ -99,14 +99,11 @@ class StateEncoder:
         votes = vote_plan(questions, order_votes)
         # every row names its question, so an error in a vote order's row names it too
         ids = list(qids) + [qid for qid, orders in zip(qids, votes or []) for _ in orders[1:]]
-        try:
-            case = model.prepare_case(state, asked(questions, votes), image, ids, max_tokens=max_tokens)
+        try:  # keyed: the image's cache key computed here, off the model thread
+            case = model.prepare_case(state, asked(questions, votes), image, ids, max_tokens=max_tokens,
+                                      keyed=self.cache.enabled or self.rows.enabled)
         except RecordError as e:
             raise from_record_error(e, list(qids)) from None
-        if self.cache.enabled and getattr(case, "pixel_values", None) is not None:
-            from rlcd.model.state_cache import image_digest
-
-            case.image_digest = image_digest(case.pixel_values, case.grid)  # here, off the model thread
         return case, votes
 
     def cache_kw(self, model: Any) -> dict[str, Any]:
