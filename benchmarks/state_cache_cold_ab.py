@@ -16,14 +16,14 @@ from rlcd.bench.prefix import make_state
 
 torch.set_num_threads(1)
 base = Predictor.from_run(sys.argv[3] if len(sys.argv) > 3 else "/work/main/runs/demo/text/run", state_cache_mb=0)
-model = base.model
+model = base.runner
 q = request_of("x", 1, 0)["questions"]
 cache = StateCache(1 << 30)
 res = {k: {"wall": [], "cpu": []} for k in ("off", "on", "on_prefix")}
 n = [0]
 def case():
     n[0] += 1
-    return base.prepare({"state": make_state(model.tokenizer, 250, n[0]), "questions": q}).case
+    return base.prepare({"state": make_state(model.model.tokenizer, 250, n[0]), "questions": q}).case
 runs = {"off": lambda c: model.score_cases([c]),
         "on": lambda c: model.score_cases([c], state_cache=cache.scoped("a")),
         "on_prefix": lambda c: model.score_cases([c], state_cache=cache.scoped("b"), path="prefix")}

@@ -43,13 +43,13 @@ def _error(message: str) -> int:
 
 @contextmanager
 def memo_rows():
-    """`DecisionModel.score_cases` with its rows' logits kept: a row met again (same token ids, same image) is not
+    """`CaseRunner.score_cases` with its rows' logits kept: a row met again (same token ids, same image) is not
     scored again; a case's unseen rows are scored together on its prefix. Yields the counters {scored, reused}."""
     import dataclasses
 
-    from rlcd.model.decision import DecisionModel
+    from rlcd.model.runner import CaseRunner
 
-    original, memo, counts = DecisionModel.score_cases, {}, {"scored": 0, "reused": 0}
+    original, memo, counts = CaseRunner.score_cases, {}, {"scored": 0, "reused": 0}
 
     def keyed(case, row) -> tuple:
         return (getattr(case, "image_digest", None) if case.pixel_values is not None else None, tuple(row.ids))
@@ -68,11 +68,11 @@ def memo_rows():
         return [([memo[k].clone() for k in ks], {"input_tokens": sum(len(r) for r in c.rows)})
                 for c, ks in zip(cases, keys)]
 
-    DecisionModel.score_cases = score_cases
+    CaseRunner.score_cases = score_cases
     try:
         yield counts
     finally:
-        DecisionModel.score_cases = original
+        CaseRunner.score_cases = original
 
 
 def main(argv: list[str] | None = None) -> int:

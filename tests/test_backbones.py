@@ -28,6 +28,7 @@ from rlcd.model.backbone import PRESETS, _backbone, check_backbone_spec, load_ba
 from rlcd.model.decision import DecisionModel  # noqa: E402
 from rlcd.model.families import CAUSAL_LM  # noqa: E402
 from rlcd.model.tokenizer import smollm2_tokenizer, toy_tokenizer, vocab_name  # noqa: E402
+from rlcd.model.runner import CaseRunner  # noqa: E402
 
 QWEN25_GGUF = Path(os.environ.get("RLCD_QWEN25_GGUF", "")).expanduser() if os.environ.get("RLCD_QWEN25_GGUF") \
     else None
@@ -72,7 +73,7 @@ def test_a_base_gemma3_without_chat_template_frames_rows_with_bos_only():
     assert tok.chat_template is None and spec.template == "bos" and spec.head == "<bos>"
     assert dm.info["chat_template"] == "bos" and dm.info["prompt"]["frame"] == "bos"
     assert spec.marker == "<mask>" and dm.info["marker_id"] == 4  # the lowest special that is not BOS/EOS/PAD/UNK
-    row = dm.encode_case(STATE, QS[:1])[0]
+    row = CaseRunner(dm).cases.rows(STATE, QS[:1])[0]
     assert row.ids[0] == 2 and dm.encoder.head == [2]
     text = tok.decode(row.ids)
     assert text.startswith("<bos>State: ") and "<start_of_turn>" not in text and "<end_of_turn>" not in text
@@ -82,12 +83,12 @@ def test_a_base_gemma3_without_chat_template_frames_rows_with_bos_only():
 
 def test_gemma3_shared_prefix_equals_full_forwards_past_the_sliding_window():
     dm = liven(_dm(lambda: tiny_gemma3(sliding_window=16)))
-    full = dm.score_full(STATE, QS, batch_size=1)
-    shared, usage = dm.score_case_with_usage(STATE, QS)
+    full = CaseRunner(dm).score_full(STATE, QS, batch_size=1)
+    shared, usage = CaseRunner(dm).score_case(STATE, QS)
     assert usage["prefix_tokens"] > 16 * 4  # the shared prefix alone is longer than the window
     assert_match(shared, full)
-    assert_match(dm.score_case_with_usage(STATE, QS, max_rows=2)[0], full)
-    assert_match(dm.score_full(STATE, QS, batch_size=3), full)  # right-padded batches
+    assert_match(CaseRunner(dm).score_case(STATE, QS, max_rows=2)[0], full)
+    assert_match(CaseRunner(dm).score_full(STATE, QS, batch_size=3), full)  # right-padded batches
 
 
 def test_qwen2_with_chatml_frames_rows_with_its_template_and_shares_prefixes():
@@ -96,8 +97,8 @@ def test_qwen2_with_chatml_frames_rows_with_its_template_and_shares_prefixes():
     assert spec.template == "chat" and spec.head.startswith("<|im_start|>system\n")
     assert spec.head.endswith("<|im_start|>user\n") and dm.info["vocab"] == "qwen2.5"
     assert spec.marker == "<|object_ref_start|>" and dm.info["marker_id"] == 151646
-    full = dm.score_full(STATE, QS, batch_size=1)
-    assert_match(dm.score_case_with_usage(STATE, QS)[0], full)
+    full = CaseRunner(dm).score_full(STATE, QS, batch_size=1)
+    assert_match(CaseRunner(dm).score_case(STATE, QS)[0], full)
 
 
 # ----------------------------------------------------------------------------- the gemma3-270m preset

@@ -21,6 +21,7 @@ from rlcd import features, partial
 from rlcd.cut_cache import cut_key, ensure_cut_states
 from rlcd.features import cache_root, ensure_features, feature_key, key_id
 from rlcd.partial import Partial
+from rlcd.model.runner import CaseRunner
 
 torch.set_num_threads(1)
 TIMING = ("seconds", "created", "attempts")
@@ -158,8 +159,8 @@ def test_a_resumed_cut_state_extraction_publishes_the_uninterrupted_bytes(tmp_pa
     data = got.root.parents[1]
     entries = cache_entries("train", load_split(data, "train"))
     last = entries_by_case(entries)[-1]
-    case = m.case_inputs_from_records([entries[j][0] for j in last], image_root=data)
-    ((prefix, rows),) = m.case_cut_states([case], m.cut_layer)
+    case = CaseRunner(m).cases.from_records([entries[j][0] for j in last], image_root=data)
+    ((prefix, rows),) = CaseRunner(m).cut_states([case], m.cut_layer)
     for j, row in zip(last, rows):
         e = got.entries["train"][(entries[j][0].id, entries[j][1])]
         for seg, want in ((e[3], row), (e[2], prefix)):

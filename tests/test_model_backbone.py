@@ -20,6 +20,7 @@ from rlcd.model.backbone import (  # noqa: E402
 from rlcd.model.collate import pad_rows  # noqa: E402
 from rlcd.model.decision import DecisionModel, mrope_positions  # noqa: E402
 from rlcd.schema import Question  # noqa: E402
+from rlcd.model.runner import CaseRunner  # noqa: E402
 
 QS = [
     Question(type="choice", instructions="Which colour?", criteria=["red", "green", "blue"]),
@@ -30,7 +31,7 @@ STATE = {"text": "a big red ball on the grass", "n": 3}
 
 
 def _batch(dm, state=STATE, qs=QS):
-    rows = dm.encode_case(state, qs)
+    rows = CaseRunner(dm).cases.rows(state, qs)
     return pad_rows(rows, pad_id=dm.encoder.pad_id, image_pad_id=dm.encoder.image_pad_id, types=[q.type for q in qs])
 
 

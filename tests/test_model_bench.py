@@ -10,6 +10,7 @@ torch.set_num_threads(1)
 from rlcd.bench.prefix import make_questions, make_state, run_prefix_bench  # noqa: E402
 from rlcd.model.build import build_model  # noqa: E402
 from rlcd.model.tokenizer import toy_tokenizer  # noqa: E402
+from rlcd.model.runner import CaseRunner  # noqa: E402
 
 
 def test_workload_is_deterministic_and_mixed():
@@ -52,9 +53,9 @@ def test_prefix_bench_bfloat16_is_judged_against_float32_rows():
     # independent reference: the bench's float32 copy, rebuilt here from the bf16 weights
     state, qs = make_state(dm.tokenizer, 80, 0), make_questions(6, 0)
     ids = [f"q{i}" for i in range(6)]
-    ref = copy.deepcopy(dm).float().score_full(state, qs, ids=ids)
-    full = dm.score_full(state, qs, ids=ids)
-    shared = dm.score_case(state, qs, ids=ids)
+    ref = CaseRunner(copy.deepcopy(dm).float()).score_full(state, qs, ids=ids)
+    full = CaseRunner(dm).score_full(state, qs, ids=ids)
+    shared = CaseRunner(dm).score_case(state, qs, ids=ids)[0]
     err_full = max(float((a - r).abs().max()) for a, r in zip(full, ref))
     err_prefix = max(float((b - r).abs().max()) for b, r in zip(shared, ref))
     assert res["err_full"] == err_full and res["err_prefix"] == err_prefix

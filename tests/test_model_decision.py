@@ -15,6 +15,7 @@ from rlcd.model.build import build_model  # noqa: E402
 from rlcd.model.decision import DecisionModel  # noqa: E402
 from rlcd.model.plan import plan_suffix_groups  # noqa: E402
 from rlcd.schema import Question  # noqa: E402
+from rlcd.model.runner import CaseRunner  # noqa: E402
 
 STATE = {"ticket": "Parcel arrived damaged, the box was crushed and the vase inside is broken.", "priority": "high"}
 QS = [
@@ -36,7 +37,7 @@ def toy(seed=0, **kw):
 
 
 def batch_of(dm, state=STATE, qs=QS, targets=None):
-    rows = dm.encode_case(state, qs)
+    rows = CaseRunner(dm).cases.rows(state, qs)
     return pad_rows(rows, pad_id=dm.encoder.pad_id, image_pad_id=dm.encoder.image_pad_id,
                     types=[q.type for q in qs], targets=targets)
 
@@ -206,26 +207,26 @@ def test_plan_suffix_groups():
 
 def test_shared_prefix_equals_full_forwards_text():
     dm = liven(toy())
-    full = dm.score_full(STATE, QS, batch_size=1)
-    shared, usage = dm.score_case_with_usage(STATE, QS)
+    full = CaseRunner(dm).score_full(STATE, QS, batch_size=1)
+    shared, usage = CaseRunner(dm).score_case(STATE, QS)
     assert_match(shared, full)
     assert usage["rows"] == len(QS) and usage["prefix_tokens"] > 10
     assert usage["input_tokens"] == usage["prefix_tokens"] + usage["full_tokens"] - len(QS) * usage["prefix_tokens"]
-    assert dm.n_tokens(STATE, QS)["input_tokens"] == usage["input_tokens"]
+    assert CaseRunner(dm).n_tokens(STATE, QS)["input_tokens"] == usage["input_tokens"]
     # many small calls (each from its own copy of the prefix cache) give the same logits
-    small, usage2 = dm.score_case_with_usage(STATE, QS, max_rows=2)
+    small, usage2 = CaseRunner(dm).score_case(STATE, QS, max_rows=2)
     assert usage2["calls"] >= 4
     assert_match(small, full)
     # batched full forwards agree too
-    assert_match(dm.score_full(STATE, QS, batch_size=4), full)
+    assert_match(CaseRunner(dm).score_full(STATE, QS, batch_size=4), full)
 
 
 def test_shared_prefix_exact_mode_cuts_on_the_chunk_grid():
     dm = liven(toy())
     state = dict(STATE, notes="The customer called twice and wrote an email about the broken vase. " * 2)
-    full = dm.score_full(state, QS)
-    fast = dm.score_case_with_usage(state, QS)[1]["prefix_tokens"]
-    shared, usage = dm.score_case_with_usage(state, QS, exact=True)
+    full = CaseRunner(dm).score_full(state, QS)
+    fast = CaseRunner(dm).score_case(state, QS)[1]["prefix_tokens"]
+    shared, usage = CaseRunner(dm).score_case(state, QS, exact=True)
     assert usage["prefix_tokens"] % 64 == 0 and 0 < usage["prefix_tokens"] <= fast
     assert_match(shared, full)
 
@@ -233,7 +234,7 @@ def test_shared_prefix_exact_mode_cuts_on_the_chunk_grid():
 def test_shared_prefix_cache_must_be_copied():
     """Negative control: without a fork per call the linear-attention state leaks between calls."""
     dm = liven(toy())
-    full = dm.score_full(STATE, QS)
+    full = CaseRunner(dm).score_full(STATE, QS)
     orig = PF.fork_cache_rows
 
     def no_fork(cache, index):  # the same cache object, reordered in place: states shared across calls
@@ -242,7 +243,7 @@ def test_shared_prefix_cache_must_be_copied():
 
     try:
         PF.fork_cache_rows = no_fork
-        broken = dm.score_case_with_usage(STATE, QS, max_rows=2)[0]
+        broken = CaseRunner(dm).score_case(STATE, QS, max_rows=2)[0]
         leak = max(float((s - f).abs().max()) for s, f in zip(broken, full))
     except RuntimeError:  # or loudly: a later call finds the shared cache resized by an earlier one
         leak = float("inf")
@@ -263,9 +264,9 @@ def test_shared_prefix_decision_position_edge_cases(case):
         qs = [QS[2], QS[2], QS[2]]
     else:
         qs = [QS[3]]
-    rows = dm.encode_case(STATE, qs)
-    full = dm.score_full(STATE, qs)
-    shared, usage = dm.score_case_with_usage(STATE, qs, path="prefix")  # forced: one question plans full rows
+    rows = CaseRunner(dm).cases.rows(STATE, qs)
+    full = CaseRunner(dm).score_full(STATE, qs)
+    shared, usage = CaseRunner(dm).score_case(STATE, qs, path="prefix")  # forced: one question plans full rows
     assert usage["prefix_tokens"] == min(r.decision_pos for r in rows)
     assert_match(shared, full)
     if case == "identical_rows":
@@ -275,17 +276,17 @@ def test_shared_prefix_decision_position_edge_cases(case):
 def test_shared_prefix_equals_full_forwards_with_one_image():
     dm = liven(toy())
     img = image(0, (96, 64))
-    full = dm.score_full(STATE, QS, image=img)
-    shared, usage = dm.score_case_with_usage(STATE, QS, image=img)
+    full = CaseRunner(dm).score_full(STATE, QS, image=img)
+    shared, usage = CaseRunner(dm).score_case(STATE, QS, image=img)
     assert usage["image_tokens"] == 6
     assert_match(shared, full)
-    text_only = dm.score_case(STATE, QS)
+    text_only = CaseRunner(dm).score_case(STATE, QS)[0]
     assert max(float((a - b).abs().max()) for a, b in zip(shared, text_only)) > 1e-3, "the image must matter"
     # identical instructions with an image (cut capped at the decision position)
     qs = [QS[0], Question(type="choice", instructions=QS[0].instructions, criteria=["x", "y"])]
-    assert_match(dm.score_case(STATE, qs, image=img), dm.score_full(STATE, qs, image=img))
+    assert_match(CaseRunner(dm).score_case(STATE, qs, image=img)[0], CaseRunner(dm).score_full(STATE, qs, image=img))
     # a text request after an image request is unaffected (no stale rope state)
-    torch.testing.assert_close(dm.score_case(STATE, QS)[0], text_only[0], atol=0, rtol=0)
+    torch.testing.assert_close(CaseRunner(dm).score_case(STATE, QS)[0][0], text_only[0], atol=0, rtol=0)
 
 
 def test_image_encoded_once_per_request():
@@ -293,13 +294,13 @@ def test_image_encoded_once_per_request():
     calls = []
     handle = dm.vision.register_forward_hook(lambda m, args, kwargs_out=None: calls.append(1))
     try:
-        dm.score_case(STATE, QS, image=image(1))
+        CaseRunner(dm).score_case(STATE, QS, image=image(1))[0]
         assert len(calls) == 1
         calls.clear()
-        dm.score_full(STATE, QS, image=image(1), batch_size=1)
+        CaseRunner(dm).score_full(STATE, QS, image=image(1), batch_size=1)
         assert len(calls) == len(QS)  # control: the row-by-row path encodes it every time
         calls.clear()
-        dm.score_case(STATE, QS)
+        CaseRunner(dm).score_case(STATE, QS)[0]
         assert not calls
     finally:
         handle.remove()
@@ -311,7 +312,7 @@ def test_score_case_rejects_bad_rows_with_ids():
     dm = toy()
     bad = Question.model_construct(type="choice", instructions="x <|fim_suffix|>", criteria=["a", "b"])
     with pytest.raises(RecordError) as ei:
-        dm.score_case(STATE, [QS[0], bad], ids=["ok", "bad-q"])
+        CaseRunner(dm).score_case(STATE, [QS[0], bad], ids=["ok", "bad-q"])[0]
     assert ei.value.row == "bad-q"
 
 
@@ -319,4 +320,4 @@ def test_real_vocabulary_tiny_shared_prefix():
     dm = liven(build_model({"model": "tiny", "recipe": {}}))
     assert dm.info["vocab"] == "qwen3.5" and dm.info["marker_id"] == 248062 and dm.info["hidden_size"] == 256
     qs = QS[:4]
-    assert_match(dm.score_case(STATE, qs), dm.score_full(STATE, qs))
+    assert_match(CaseRunner(dm).score_case(STATE, qs)[0], CaseRunner(dm).score_full(STATE, qs))

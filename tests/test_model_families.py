@@ -30,6 +30,7 @@ from rlcd.model.families.base import layer_linear_regex  # noqa: E402
 from rlcd.model.families.causal_lm import chat_frame, pick_marker, special_tokens  # noqa: E402
 from rlcd.model.tokenizer import smollm2_tokenizer  # noqa: E402
 from rlcd.schema import Question, RecordError  # noqa: E402
+from rlcd.model.runner import CaseRunner  # noqa: E402
 
 STATE = {"ticket": "Parcel arrived damaged, the box was crushed and the vase inside is broken.", "priority": "high"}
 QS = [
@@ -49,7 +50,7 @@ def llama(seed: int = 0) -> DecisionModel:
 
 def liven(dm: DecisionModel, scale_to: float = 3.0) -> DecisionModel:
     """Centre the random head on a batch and scale it so logits are O(1) (differences become visible)."""
-    rows = dm.encode_case(STATE, QS)
+    rows = CaseRunner(dm).cases.rows(STATE, QS)
     b = pad_rows(rows, pad_id=dm.encoder.pad_id, image_pad_id=dm.encoder.image_pad_id, types=[q.type for q in QS])
     with torch.no_grad():
         dm.init_centring([b])
@@ -98,7 +99,7 @@ def test_save_and_reload_a_text_decoder_directory(tmp_path):
     a, b = liven(DecisionModel(bb, seed=0)), DecisionModel(loaded, seed=0)
     b.load_trainable_state_dict(a.trainable_state_dict())
     b.eval()
-    for x, y in zip(a.score_full(STATE, QS), b.score_full(STATE, QS)):
+    for x, y in zip(CaseRunner(a).score_full(STATE, QS), CaseRunner(b).score_full(STATE, QS)):
         assert torch.equal(x, y)
 
 
@@ -169,7 +170,7 @@ def test_architecture_regex_on_qwen_matches_the_hand_written_one_and_never_the_v
 def test_rows_are_framed_by_the_tokenizers_chat_template():
     dm = llama()
     tok = dm.tokenizer
-    rows = dm.encode_case(STATE, QS[:2])
+    rows = CaseRunner(dm).cases.rows(STATE, QS[:2])
     for q, row in zip(QS[:2], rows):
         text = tok.decode(row.ids)
         user = text[len(dm.encoder.spec.head):]
@@ -235,7 +236,7 @@ def test_training_refuses_a_row_with_the_backbones_special_tokens_before_the_fir
 def test_dynamic_cache_expansion_equals_independent_rows():
     dm = llama()
     lm = dm.causal_lm()
-    ids = torch.tensor([dm.encode_case(STATE, QS[:1])[0].ids])
+    ids = torch.tensor([CaseRunner(dm).cases.rows(STATE, QS[:1])[0].ids])
     pos = CAUSAL_LM.full_positions(ids, None, None, 1)
     with torch.no_grad():
         cache = B.out_cache(CAUSAL_LM.run(lm, ids[:, :20], None, None, pos[:, :20], use_cache=True))
@@ -254,16 +255,16 @@ def test_dynamic_cache_expansion_equals_independent_rows():
 
 def test_shared_prefix_equals_full_forwards_on_a_text_decoder():
     dm = liven(llama())
-    full = dm.score_full(STATE, QS, batch_size=1)
-    shared, usage = dm.score_case_with_usage(STATE, QS)
+    full = CaseRunner(dm).score_full(STATE, QS, batch_size=1)
+    shared, usage = CaseRunner(dm).score_case(STATE, QS)
     assert_match(shared, full)
     head = len(dm.encoder.head)
     assert usage["prefix_tokens"] > head + 10 and usage["rows"] == len(QS)
-    small, usage2 = dm.score_case_with_usage(STATE, QS, max_rows=2)  # several calls, one cache copy each
+    small, usage2 = CaseRunner(dm).score_case(STATE, QS, max_rows=2)  # several calls, one cache copy each
     assert usage2["calls"] >= 4
     assert_match(small, full)
-    assert_match(dm.score_full(STATE, QS, batch_size=3), full)
-    exact = dm.score_case_with_usage(STATE, QS, exact=True)  # no chunk grid on a text decoder
+    assert_match(CaseRunner(dm).score_full(STATE, QS, batch_size=3), full)
+    exact = CaseRunner(dm).score_case(STATE, QS, exact=True)  # no chunk grid on a text decoder
     assert exact[1]["prefix_tokens"] == usage["prefix_tokens"]
 
 
@@ -271,12 +272,12 @@ def test_shared_prefix_cache_must_be_copied_on_a_text_decoder():
     """Negative control: reusing the one prefix cache for a second call breaks it (the first call's
     rows and suffix tokens are in it): a shape error or wrong logits."""
     dm = liven(llama())
-    full = dm.score_full(STATE, QS)
+    full = CaseRunner(dm).score_full(STATE, QS)
     orig = PF.fork_cache_rows
     try:
         PF.fork_cache_rows = lambda cache, index: (cache.reorder_cache(index), cache)[1]  # no fork: in place
         try:
-            broken = dm.score_case_with_usage(STATE, QS, max_rows=2)[0]
+            broken = CaseRunner(dm).score_case(STATE, QS, max_rows=2)[0]
         except (RuntimeError, ValueError, IndexError):
             broken = None
     finally:
@@ -289,6 +290,6 @@ def test_text_decoder_refuses_an_image_in_score_case():
 
     dm = llama()
     with pytest.raises(RecordError) as ei:
-        dm.score_case(STATE, QS[:1], image=Image.new("RGB", (32, 32)))
+        CaseRunner(dm).score_case(STATE, QS[:1], image=Image.new("RGB", (32, 32)))[0]
     assert ei.value.field == "image" and "text-only" in ei.value.rule
     assert dm.vision is None and not dm.supports_images

@@ -83,6 +83,7 @@ def test_onnx_logits_equal_torch_full_rows(run, exported):
     each row its own tokens and positions."""
     from rlcd.data.io import load_split
     from rlcd.export import load_export
+    from rlcd.model.runner import CaseRunner
     from rlcd.portable.runtime import PortableModel
 
     model, _ = load_export(run / "export")
@@ -93,9 +94,10 @@ def test_onnx_logits_equal_torch_full_rows(run, exported):
         by_case.setdefault(r.case_id, []).append(r)
     case = max(by_case.values(), key=len)
     assert len(case) >= 3
-    ref = model.score_full(case[0].state, [r.question for r in case])
+    ref = CaseRunner(model).score_full(case[0].state, [r.question for r in case])
     prepared = portable.prepare_case(case[0].state, [r.question for r in case], None, [r.id for r in case])
-    torch_rows = model.prepare_case(case[0].state, [r.question for r in case], None, [r.id for r in case]).rows
+    torch_rows = CaseRunner(model).prepare_case(case[0].state, [r.question for r in case], None,
+                                                [r.id for r in case]).rows
     assert [r.ids for r in prepared.rows] == [r.ids for r in torch_rows]  # same tokens as the torch encoder
     (logits, usage), = portable.score_cases([prepared])
     assert usage["path"] == "prefix" and usage["input_tokens"] < usage["full_tokens"]

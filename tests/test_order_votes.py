@@ -133,7 +133,7 @@ def test_one_vote_is_the_plain_predictor_bit_for_bit(plain):
     prepared = one.prepare(REQUEST)
     assert prepared.votes is None and prepared.size()[0] == len(QUESTIONS)
     logits, usage = one.score(prepared)
-    ref_logits, ref_usage = plain.model.score_cases([plain.prepare(REQUEST).case])[0]  # the model call as it always was
+    ref_logits, ref_usage = plain.runner.score_cases([plain.prepare(REQUEST).case])[0]  # the engine's call itself
     assert len(logits) == len(ref_logits) and all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
     assert usage["input_tokens"] == ref_usage["input_tokens"]
     assert one.predict(REQUEST) == plain.predict(REQUEST)
@@ -191,7 +191,7 @@ def test_usage_counts_every_order(plain):
         extra = sum(len(o) - 1 for o in prepared.votes) if prepared.votes else 0
         # the case holds one row per order asked; the batcher counts them; the model's own count is reported
         assert len(prepared.case.rows) == len(QUESTIONS) + extra and prepared.size()[0] == len(QUESTIONS) + extra
-        assert tokens[n] == voter.model.score_cases([prepared.case])[0][1]["input_tokens"]
+        assert tokens[n] == voter.runner.score_cases([prepared.case])[0][1]["input_tokens"]
         assert set(out) == {"model", "answers", "usage"} and set(out["usage"]) == {"input_tokens", "output_tokens",
                                                                                       "images"}
     assert tokens[1] < tokens[2] < tokens[3] < tokens[4]

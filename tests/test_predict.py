@@ -269,7 +269,7 @@ def test_model_calls_never_overlap(predictor):
                 with self._count:
                     self.inside -= 1
 
-    probe = Probe(predictor.model)
+    probe = Probe(predictor.runner)
     shared = Predictor(probe, predictor.meta, name=predictor.name)
     req = {"state": STATE, "questions": {"a": QUESTIONS["angry"]}}
     want = predictor.predict(req)

@@ -117,7 +117,7 @@ def test_the_batch_job_starts_the_clock_after_loading_the_model(tmp_path):
 
     class Predictor:
         @property
-        def model(self):
+        def runner(self):
             events.append("model loaded")
 
     class Bar:

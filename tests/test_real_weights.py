@@ -48,6 +48,7 @@ def test_a_training_update_and_a_prediction_on_the_real_weights(backbone):
     from rlcd.model.decision import DecisionModel
     from rlcd.model.families.base import out_cache
     from rlcd.model.plan import shared_prefix_len
+    from rlcd.model.runner import CaseRunner
     from rlcd.objectives import ce_loss
     from rlcd.predict import Predictor
 
@@ -71,7 +72,7 @@ def test_a_training_update_and_a_prediction_on_the_real_weights(backbone):
         dm.head.w_d.weight.mul_(50.0)  # logits of O(1-10), so the parity checks below can see a difference
     rec = records[0]
     questions = [r.question for r in records[:3]]
-    rows = dm.encode_case(rec.state, questions)
+    rows = CaseRunner(dm).cases.rows(rec.state, questions)
     # the cache path itself: prefix once, DynamicCache expanded to 3 rows, suffixes batched == full forwards.
     # The real model's hidden states reach |h| ~ 55; they agree to fp32 noise (measured ~3e-5, 7e-7 relative).
     fam, lm = dm.family, dm.causal_lm()
@@ -94,8 +95,8 @@ def test_a_training_update_and_a_prediction_on_the_real_weights(backbone):
             torch.testing.assert_close(h[i, : len(r) - cut], ref, atol=1e-5 * float(ref.abs().max()), rtol=0)
     # and the logits: the centred bilinear head turns that noise into ~1e-4 of the logit scale (measured
     # 1.0e-3 at |logit| 7.7), so the bound is relative to the logits' size
-    full = dm.score_full(rec.state, questions)
-    shared, usage = dm.score_case_with_usage(rec.state, questions)
+    full = CaseRunner(dm).score_full(rec.state, questions)
+    shared, usage = CaseRunner(dm).score_case(rec.state, questions)
     scale = max(float(f.abs().max()) for f in full)
     assert scale > 0.5 and usage["prefix_tokens"] == cut > 50
     assert max(float((a - b).abs().max()) for a, b in zip(shared, full)) < 5e-4 * scale

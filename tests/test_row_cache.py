@@ -160,14 +160,14 @@ def test_bounds_and_switches(model):
     assert Predictor(model, META, row_cache_mb=1).row_cache_stats()["max_bytes"] == 1 << 20
     assert Predictor(model, META, row_cache_mb=1).info()["row_cache_mb"] == 1.0
     off = Predictor(model, META)  # the default
-    assert off.info()["row_cache_mb"] == 0 and off.encoder.cache_kw(model).keys() == {"state_cache"}
+    assert off.info()["row_cache_mb"] == 0 and off.encoder.cache_kw(off.runner).keys() == {"state_cache"}
     req = _req(angry=ANGRY)
     off.predict(req)
     with forwards(model) as calls:
         off.predict(req)
     assert calls and off.row_cache_stats()["entries"] == 0 and off.row_cache_stats()["max_bytes"] == 0
     rows_only = Predictor(model, META, state_cache_mb=0, row_cache_mb=ROWS)  # each cache on its own switch
-    assert rows_only.encoder.cache_kw(model).keys() == {"row_cache"}
+    assert rows_only.encoder.cache_kw(rows_only.runner).keys() == {"row_cache"}
     want = rows_only.predict(req)
     with forwards(model) as calls:
         assert rows_only.predict(req) == want

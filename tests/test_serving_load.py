@@ -19,6 +19,7 @@ from rlcd.bench.serve import BackgroundServer, _load, plan_requests  # noqa: E40
 from rlcd.predict import Predictor  # noqa: E402
 from rlcd.server import create_app  # noqa: E402
 from rlcd.serving.batcher import Batcher, BatchingConfig  # noqa: E402
+from rlcd.model.runner import CaseRunner  # noqa: E402
 
 STATE = "Order 1182: the courier left the parcel at the wrong address."
 REQ = {"state": STATE, "questions": {"angry": {"type": "noul", "instructions": "Is the customer upset?"}}}
@@ -297,10 +298,11 @@ def test_score_cases_equals_each_request_alone(spec):
         model.head.w_c.weight.mul_(8)
     states = ["short", STATE * 3, {"ticket": 7, "text": "json state"}, "another one with more words in it", STATE]
     images = model.supports_images
-    cases = [model.prepare_case(st, _questions(1 + i % 4, i), _image(i) if images and i % 2 == 0 else None)
+    runner = CaseRunner(model)
+    cases = [runner.prepare_case(st, _questions(1 + i % 4, i), _image(i) if images and i % 2 == 0 else None)
              for i, st in enumerate(states)]
-    solo = [model.score_cases([c])[0] for c in cases]
-    batched = model.score_cases(cases)
+    solo = [runner.score_cases([c])[0] for c in cases]
+    batched = runner.score_cases(cases)
     assert len({u["calls"] for _, u in batched}) == 1 and batched[0][1]["batched_requests"] == len(cases)
     worst = 0.0
     for (s_logits, s_usage), (b_logits, b_usage) in zip(solo, batched):
@@ -399,10 +401,11 @@ def test_a_batch_whose_longest_rows_all_belong_to_the_first_request(spec):
     crit = {f"option{i}": "a long description of this option with many many words in it" for i in range(8)}
     long_q = Question(type="choice", instructions="Which option fits the ticket best of all?", criteria=crit)
     short_q = Question(type="noul", instructions="Late?")
-    cases = [model.prepare_case("first state", [long_q, long_q]), model.prepare_case("second state", [short_q] * 2)]
-    batched = model.score_cases(cases, path="prefix")  # short states: the planner alone would pick full rows
+    runner = CaseRunner(model)
+    cases = [runner.prepare_case("first state", [long_q, long_q]), runner.prepare_case("second state", [short_q] * 2)]
+    batched = runner.score_cases(cases, path="prefix")  # short states: the planner alone would pick full rows
     assert batched[0][1]["calls"] >= 2, "the rows must split into calls by length for this check"
     for case, (b_logits, _) in zip(cases, batched):
-        (s_logits, _), = model.score_cases([case], path="prefix")
+        (s_logits, _), = runner.score_cases([case], path="prefix")
         for a, b in zip(s_logits, b_logits):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

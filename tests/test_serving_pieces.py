@@ -20,6 +20,7 @@ torch.set_num_threads(1)
 
 from _tiny_export import TEMPERATURES, build_tiny_model  # noqa: E402
 
+from rlcd.model.runner import CaseRunner  # noqa: E402
 from rlcd.schema import Question, RecordError  # noqa: E402
 from rlcd.serving.canonical import asked_forms  # noqa: E402
 from rlcd.serving.errors import PredictError  # noqa: E402
@@ -27,6 +28,7 @@ from rlcd.serving.limits import Limits  # noqa: E402
 from rlcd.serving.mapping import answers, check_temperatures, respond  # noqa: E402
 from rlcd.serving.prepared import Prepared  # noqa: E402
 from rlcd.serving.request import parse_request  # noqa: E402
+from rlcd.serving.runner import Runner, Usage  # noqa: E402
 from rlcd.serving.scoring import Scorer  # noqa: E402
 from rlcd.serving.state_encoding import StateEncoder, cache_scope, from_record_error, state_cache_bytes  # noqa: E402
 
@@ -45,7 +47,8 @@ URGENT = Question(type="score", instructions="How urgent is it?", criteria=["not
 
 @pytest.fixture(scope="module")
 def model():
-    return build_tiny_model()
+    """The engine serving drives (`Runner`): the tiny model under a `CaseRunner`."""
+    return CaseRunner(build_tiny_model())
 
 
 def _softmax(z, t: float = 1.0) -> np.ndarray:
@@ -113,7 +116,7 @@ def test_the_scope_moves_when_a_parameter_changes_in_place(model):
     case, _ = enc.encode(model, LONG, [ANGRY], ["angry"], max_tokens=512)
     model.score_cases([case], **enc.cache_kw(model))
     assert enc.stats()["misses"] == 1 and enc.stats()["entries"] == 1
-    p = next(model.parameters())
+    p = next(model.model.parameters())
     with torch.no_grad():
         p.add_(0.0)  # the same values, a new in-place version
     assert cache_scope(model, META) != before
@@ -179,7 +182,7 @@ def test_a_batch_gives_each_request_its_lone_logits_and_skips_empty_ones(model):
     counted = Poisoned(model, None)
     out = Scorer(lambda: counted).score_many(reqs)
     assert counted.calls == [2]  # one batched call, the empty request not in it
-    assert out[1] == ([], {"input_tokens": 0})
+    assert out[1] == ([], Usage())
     for i in (0, 2):
         (want, _), = model.score_cases([reqs[i].case])
         for g, w in zip(out[i][0], want):
@@ -195,7 +198,7 @@ def test_a_lone_failing_request_raises_and_nothing_to_score_needs_no_model(model
         raise AssertionError("the model was asked for")
 
     empty = Prepared(_parse({"x": {"type": "choice", "criteria": ["only"]}}), None, None)
-    assert Scorer(no_model).score_many([empty, empty]) == [([], {"input_tokens": 0})] * 2
+    assert Scorer(no_model).score_many([empty, empty]) == [([], Usage())] * 2
 
 
 def test_voted_logits_are_the_normalised_mean_log_probability_of_the_orders(model):
@@ -329,3 +332,57 @@ def test_asked_forms_off_asks_every_question_as_sent():
     assert canon is None and asking == qs
     canon, asking = asked_forms(qs, True)
     assert asking[0].labels == ["a", "b"] and canon[0].source == (1, 0) and asking[1] is ANGRY
+
+
+# ------------------------------------------------------------------------------------------- the engines
+def _members(protocol: type) -> set[str]:
+    return {k for k in vars(protocol) if not k.startswith("_")} | set(getattr(protocol, "__annotations__", {}))
+
+
+def _missing(cls: type, protocol: type) -> list[str]:
+    """What `cls` lacks of `protocol`: a member, or a method parameter the protocol passes (by name and kind)."""
+    import inspect
+
+    out = []
+    for name in sorted(_members(protocol)):
+        if not hasattr(cls, name):
+            out.append(name)
+            continue
+        want = vars(protocol).get(name)
+        if not inspect.isfunction(want):
+            continue
+        have = inspect.signature(getattr(cls, name)).parameters
+        for p in inspect.signature(want).parameters.values():
+            if p.name == "self":
+                continue
+            got = have.get(p.name)
+            if got is None or (got.kind != p.kind and got.kind != inspect.Parameter.POSITIONAL_OR_KEYWORD):
+                out.append(f"{name}({p.name})")
+    return out
+
+
+def test_both_engines_are_runners(model):
+    """`Predictor`, `Scorer` and `StateEncoder` drive a `Runner`: the torch engine (`CaseRunner`) and the portable
+    runtime (`PortableModel`, checked on its class: loading one needs an export) both implement it, member by
+    member and parameter by parameter; the check fails on what does not."""
+    from rlcd.portable.runtime import PortableModel
+
+    assert isinstance(model, Runner)
+    assert not isinstance(model.model, Runner)  # the nn.Module is not an engine: the Predictor wraps it
+    assert _missing(CaseRunner, Runner) == [] and _missing(PortableModel, Runner) == []
+
+    class Old:  # the engine surface before the protocol: no identity(), no `keyed`
+        supports_images, placement = False, {}
+
+        def eval(self):
+            return self
+
+        def prepare_case(self, state, questions, image=None, ids=None, *, case_id=None, max_tokens=None):
+            return None
+
+        def score_cases(self, cases, **_):
+            return []
+
+    assert _missing(Old, Runner) == ["identity", "prepare_case(keyed)", "score_cases(state_cache)",
+                                     "score_cases(row_cache)"]
+    assert not isinstance(Old(), Runner)

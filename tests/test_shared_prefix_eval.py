@@ -10,6 +10,7 @@ torch.set_num_threads(1)
 
 from rlcd.model.build import build_model  # noqa: E402
 from rlcd.schema import Question, Record  # noqa: E402
+from rlcd.model.runner import CaseRunner  # noqa: E402
 
 STATE = {"ticket": "Parcel arrived damaged, the box was crushed and the vase inside is broken.", "priority": "high"}
 QS = [
@@ -29,7 +30,7 @@ def model(preset):
         from rlcd.model.collate import pad_rows
 
         with torch.no_grad():
-            rows = dm.encode_case(STATE, QS)
+            rows = CaseRunner(dm).cases.rows(STATE, QS)
             b = pad_rows(rows, pad_id=dm.encoder.pad_id, image_pad_id=dm.encoder.image_pad_id)
             dm.init_centring([b])
             lg = dm(b)
@@ -67,9 +68,10 @@ def test_case_features_equal_full_row_features(preset, tmp_path):
     cases = [records(0, STATE, QS, image=img),
              records(1, "A much shorter state.", QS[1:3]),
              records(2, dict(STATE, notes="second ticket " * 5), QS[::-1])]
-    inputs = [dm.case_inputs_from_records(rs, tmp_path) for rs in cases]
-    assert [r.ids for r in inputs[1].rows] == [r.ids for r in dm.encode_case("A much shorter state.", QS[1:3])]
-    feats, usages = dm.case_features_with_usage(inputs, max_rows=3, path="prefix")
+    inputs = [CaseRunner(dm).cases.from_records(rs, tmp_path) for rs in cases]
+    shorter = CaseRunner(dm).cases.rows("A much shorter state.", QS[1:3])
+    assert [r.ids for r in inputs[1].rows] == [r.ids for r in shorter]
+    feats, usages = CaseRunner(dm).features(inputs, max_rows=3, path="prefix")
     assert [u["path"] for u in usages] == ["prefix"] * 3 and usages[0]["calls"] >= 3
     collate = dm.collator(image_root=tmp_path)
     normalise(dm, [r for rs in cases for r in rs], collate)
@@ -87,7 +89,7 @@ def test_case_features_equal_full_row_features(preset, tmp_path):
     # the features carry information: a different state moves them far beyond the tolerance
     assert float((feats[0][1][0] - feats[1][0][0]).abs().max()) > 1e-2
     # score_cases = case_features + head: the logits of the full-row forward
-    scored = dm.score_cases(inputs, max_rows=3, path="prefix")
+    scored = CaseRunner(dm).score_cases(inputs, max_rows=3, path="prefix")
     diff, scale = 0.0, 0.0
     for recs, (lgs, _) in zip(cases, scored):
         with torch.inference_mode():
@@ -103,11 +105,11 @@ def test_case_inputs_from_records_refuses_mixed_states(tmp_path):
     dm = model("tiny-llama")
     rs = records(0, STATE, QS[:2]) + records(1, "other", QS[:1])
     with pytest.raises(ValueError, match="do not share one state"):
-        dm.case_inputs_from_records(rs)
+        CaseRunner(dm).cases.from_records(rs)
     from rlcd.schema import RecordError
 
     with pytest.raises(RecordError, match="text-only"):
-        dm.case_inputs_from_records(records(0, STATE, QS[:2], image="a.png"), tmp_path)
+        CaseRunner(dm).cases.from_records(records(0, STATE, QS[:2], image="a.png"), tmp_path)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
@@ -115,27 +117,27 @@ def test_planner_runs_a_single_question_as_one_full_forward(preset):
     dm = model(preset)
     calls = []
     handle = dm.decoder().register_forward_hook(lambda *a: calls.append(1)) if preset == "tiny-llama" else None
-    one = dm.prepare_case(STATE, QS[:1])
-    (lg, usage), = dm.score_cases([one])
+    one = CaseRunner(dm).prepare_case(STATE, QS[:1])
+    (lg, usage), = CaseRunner(dm).score_cases([one])
     assert usage["path"] == "full" and usage["prefix_tokens"] == 0 and usage["calls"] == 1
     assert usage["input_tokens"] == usage["full_tokens"] == len(one.rows[0])
-    assert dm.n_tokens(STATE, QS[:1])["path"] == "full"
+    assert CaseRunner(dm).n_tokens(STATE, QS[:1])["path"] == "full"
     n_auto = len(calls)
-    ref = dm.score_full(STATE, QS[:1])
+    ref = CaseRunner(dm).score_full(STATE, QS[:1])
     torch.testing.assert_close(lg[0], ref[0], atol=1e-5, rtol=0)
-    (forced, u2), = dm.score_cases([one], path="prefix")
+    (forced, u2), = CaseRunner(dm).score_cases([one], path="prefix")
     assert u2["path"] == "prefix" and u2["calls"] == 2
     torch.testing.assert_close(forced[0], ref[0], atol=1e-4, rtol=0)
     if handle is not None:
         handle.remove()
         assert n_auto == 1 and len(calls) == 1 + 1 + 2  # auto: one forward; score_full: one; prefix: two
     # several questions over a long shared state take the prefix path; a mixed batch plans per case
-    many = dm.prepare_case(STATE, QS)
-    (_, u_one), (_, u_many) = dm.score_cases([one, many])
+    many = CaseRunner(dm).prepare_case(STATE, QS)
+    (_, u_one), (_, u_many) = CaseRunner(dm).score_cases([one, many])
     assert (u_one["path"], u_many["path"]) == ("full", "prefix")
-    assert dm.plan_paths([one, many], path="full") == [None, None]
+    assert CaseRunner(dm).plan([one, many], path="full").prefix_len == [None, None]
     with pytest.raises(ValueError, match="path must be"):
-        dm.plan_paths([one], path="fast")
+        CaseRunner(dm).plan([one], path="fast").prefix_len
 
 
 def mixed_records(dm, tmp_path):

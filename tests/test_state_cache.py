@@ -21,6 +21,7 @@ from conftest import answer_gap  # noqa: E402
 from rlcd.model.state_cache import PrefixState, snapshot_row  # noqa: E402
 from rlcd.serving.cache import StateCache  # noqa: E402
 from rlcd.predict import Predictor, _cache_scope  # noqa: E402
+from rlcd.model.runner import CaseRunner  # noqa: E402
 
 TOL = 1e-4
 LONG = ("Order 5521: the parcel arrived two weeks late, the box was crushed, two of the three plates inside "
@@ -250,14 +251,14 @@ def test_a_cold_question_costs_what_it_cost_without_the_cache():
     full forward: the same answer bit for bit) and keeps its state from that forward's own cache, uncopied; the
     next question about the state is warm and gets the cold answer."""
     model = build_tiny_model(model_spec="tiny-llama")
-    assert model.kv_only_cache
+    assert CaseRunner(model).kv_only_cache
     meta = {"model": "tiny-llama", "temperatures": dict(TEMPERATURES)}
     warm = Predictor(model, meta, state_cache_mb=64)
     cold = Predictor(model, meta, state_cache_mb=0)
     for state in (LONG, SHORT + " " + LONG):
         case = warm.prepare(_req(state, "angry")).case
-        (_, usage), = model.score_cases([case], state_cache=StateCache(64 << 20).scoped("probe"))
-        (_, off), = model.score_cases([case])
+        (_, usage), = CaseRunner(model).score_cases([case], state_cache=StateCache(64 << 20).scoped("probe"))
+        (_, off), = CaseRunner(model).score_cases([case])
         assert usage["calls"] == off["calls"] == 1 and usage["path"] == off["path"] == "full"
         assert warm.predict(_req(state, "angry")) == cold.predict(_req(state, "angry")), "the cache-off answer"
     stats = warm.state_cache_stats()
@@ -288,13 +289,14 @@ def test_a_cold_case_of_several_rows_run_as_full_rows_stores_its_state_once():
     for n in range(1, len(words)):
         state = " ".join(words[:n])
         case = warm.prepare(_req(state, "angry", "late")).case
-        on, off = model.plan_paths([case], state_cut=True)[0], model.plan_paths([case])[0]
+        plan = CaseRunner(model).plan([case], state_prefix=True)
+        on, off = plan.prefix_len[0], plan.off[0]
         if on is not None and off is None:
             break
     else:
         pytest.fail("no state length where only the cache-on plan shares the prefix")
     assert on * 2 > CALL_OVERHEAD
-    (_, usage), = model.score_cases([case], state_cache=StateCache(64 << 20).scoped("probe"))
+    (_, usage), = CaseRunner(model).score_cases([case], state_cache=StateCache(64 << 20).scoped("probe"))
     assert usage["path"] == "full" and usage["calls"] == 1 and usage["cached_tokens"] == 0
     assert warm.predict(_req(state, "angry", "late")) == cold.predict(_req(state, "angry", "late"))
     assert warm.state_cache_stats()["stores"] == 1
@@ -327,10 +329,12 @@ def test_changed_lora_weights_or_a_merge_never_hit():
 def test_scopes_differ_by_model_export_and_frame(base):
     other = build_tiny_model(seed=1)
     llama = build_tiny_model(model_spec="tiny-llama")
-    scopes = {_cache_scope(base.model, base.meta), _cache_scope(other, base.meta), _cache_scope(llama, base.meta),
-              _cache_scope(base.model, {**base.meta, "checkpoint_sha256": "0" * 64})}
+    scopes = {_cache_scope(base.runner, base.meta), _cache_scope(CaseRunner(other), base.meta),
+              _cache_scope(CaseRunner(llama), base.meta),
+              _cache_scope(base.runner, {**base.meta, "checkpoint_sha256": "0" * 64})}
     assert len(scopes) == 4
-    assert _cache_scope(base.model, base.meta) == _cache_scope(base.model, dict(base.meta))  # and is stable
+    assert _cache_scope(base.runner, base.meta) == _cache_scope(base.runner, dict(base.meta))  # and is stable
+    assert _cache_scope(base.runner, base.meta) == _cache_scope(CaseRunner(base.model), base.meta)  # the model's
 
 
 def test_one_cache_shared_by_two_models_never_crosses(base):
@@ -342,8 +346,9 @@ def test_one_cache_shared_by_two_models_never_crosses(base):
 
     q = Question(type="choice", instructions="Which department?", criteria=["billing", "shipping"])
     for m in (base.model, other):
-        case = m.prepare_case(LONG, [q], None, ["dept"])
-        m.score_cases([case], state_cache=shared.scoped(_cache_scope(m, base.meta)))
+        runner = CaseRunner(m)
+        case = runner.prepare_case(LONG, [q], None, ["dept"])
+        runner.score_cases([case], state_cache=shared.scoped(_cache_scope(runner, base.meta)))
     assert shared.stats()["misses"] == 2 and shared.stats()["hits"] == 0 and shared.stats()["entries"] == 2
 
 
@@ -453,13 +458,13 @@ def gemma():
 def _gcase(dm, text: str, qs: slice):
     from test_model_families import QS
 
-    return dm.prepare_case({"t": text}, QS[qs])
+    return CaseRunner(dm).prepare_case({"t": text}, QS[qs])
 
 
 def _assert_cold_answers(dm, cases, results):
     """Each case's probabilities equal those it gets alone with no cache, within TOL (float64 softmax)."""
     for case, (logits, _) in zip(cases, results):
-        (want, _), = dm.score_cases([case])
+        (want, _), = CaseRunner(dm).score_cases([case])
         assert max(float(w.abs().max()) for w in want) > 0.5, "logits too small for a meaningful comparison"
         for g, w in zip(logits, want):
             gap = (torch.softmax(g.double(), -1) - torch.softmax(w.double(), -1)).abs().max()
@@ -477,10 +482,10 @@ def test_gemma3_states_shorter_than_the_window_are_served_from_the_cache(gemma):
     cropped as the forward crops them) and several warm states at once; every answer is the cold one."""
     dm, cache = gemma, StateCache(64 << 20)
     sc = cache.scoped("gemma")
-    assert not dm.kv_only_cache  # the prefix path stores it (no full-row shortcut)
+    assert not CaseRunner(dm).kv_only_cache  # the prefix path stores it (no full-row shortcut)
     a = _gcase(dm, G_A, slice(0, 2))
-    assert dm.plan_paths([a], state_cut=True) == [30]
-    _assert_cold_answers(dm, [a], dm.score_cases([a], state_cache=sc))
+    assert CaseRunner(dm).plan([a], state_prefix=True).prefix_len == [30]
+    _assert_cold_answers(dm, [a], CaseRunner(dm).score_cases([a], state_cache=sc))
     assert cache.stats()["stores"] == 1 and cache.stats()["hits"] == 0
     (stored,) = cache._entries.values()
     kinds = [type(layer).__name__ for layer in stored.cache.layers]
@@ -495,7 +500,7 @@ def test_gemma3_states_shorter_than_the_window_are_served_from_the_cache(gemma):
         [_gcase(dm, t, slice(2, 5)) for t in (G_A, G_B, G_C)],  # every state warm, width 48
     ]
     for batch, hits, stores in zip(batches, (1, 2, 3, 6), (1, 2, 3, 3)):
-        results = dm.score_cases(batch, state_cache=sc)
+        results = CaseRunner(dm).score_cases(batch, state_cache=sc)
         assert cache.stats()["hits"] == hits and cache.stats()["stores"] == stores
         assert results[0][1]["cached_tokens"] == 30  # the first case's prefix came from the cache
         _assert_cold_answers(dm, batch, results)
@@ -509,11 +514,11 @@ def test_gemma3_short_prefixes_of_a_batch_padded_past_the_window_are_stored(gemm
     sc = cache.scoped("gemma")
     batch = [_gcase(dm, G_E, slice(0, 2)), _gcase(dm, G_F, slice(0, 2))]
     assert [c.rows[0].prefix_len for c in batch] == [42, 30]
-    _assert_cold_answers(dm, batch, dm.score_cases(batch, state_cache=sc))
+    _assert_cold_answers(dm, batch, CaseRunner(dm).score_cases(batch, state_cache=sc))
     assert cache.stats()["stores"] == 2
     assert sorted(s.tokens for s in cache._entries.values()) == [30, 42]
     later = [_gcase(dm, G_F, slice(2, 4)), _gcase(dm, G_E, slice(3, 5))]
-    _assert_cold_answers(dm, later, dm.score_cases(later, state_cache=sc))
+    _assert_cold_answers(dm, later, CaseRunner(dm).score_cases(later, state_cache=sc))
     assert cache.stats()["hits"] == 2
 
 
@@ -527,12 +532,12 @@ def test_gemma3_a_state_longer_than_the_window_is_not_stored_and_answers_cold(ge
     assert long.rows[0].prefix_len == 71 > WINDOW
     for qs in (slice(0, 2), slice(2, 5)):
         case = _gcase(dm, G_LONG, qs)
-        _assert_cold_answers(dm, [case], dm.score_cases([case], state_cache=sc))
+        _assert_cold_answers(dm, [case], CaseRunner(dm).score_cases([case], state_cache=sc))
     assert cache.stats()["stores"] == 0 and cache.stats()["misses"] == 2 and cache.stats()["hits"] == 0
-    dm.score_cases([_gcase(dm, G_A, slice(0, 2))], state_cache=sc)
+    CaseRunner(dm).score_cases([_gcase(dm, G_A, slice(0, 2))], state_cache=sc)
     assert cache.stats()["stores"] == 1
     batch = [_gcase(dm, G_A, slice(2, 4)), _gcase(dm, G_LONG, slice(1, 4)), _gcase(dm, G_C, slice(0, 2))]
-    results = dm.score_cases(batch, state_cache=sc)
+    results = CaseRunner(dm).score_cases(batch, state_cache=sc)
     assert cache.stats()["hits"] == 1 and cache.stats()["stores"] == 2  # the short new state stored, not the long
     assert [u["cached_tokens"] for _, u in results] == [30, 0, 0]
     _assert_cold_answers(dm, batch, results)
@@ -545,9 +550,9 @@ def test_gemma3_a_lone_question_about_a_state_past_the_window_runs_as_one_full_f
     dm, cache = gemma, StateCache(64 << 20)
     sc = cache.scoped("gemma")
     long = _gcase(dm, G_LONG, slice(0, 1))
-    assert dm.plan_paths([long], state_cut=True) == dm.plan_paths([long]) == [None]
-    assert dm.max_state_tokens == WINDOW - 1
-    results = dm.score_cases([long], state_cache=sc)
+    assert CaseRunner(dm).plan([long], state_prefix=True).prefix_len == CaseRunner(dm).plan([long]).prefix_len == [None]
+    assert CaseRunner(dm).max_state_tokens == WINDOW - 1
+    results = CaseRunner(dm).score_cases([long], state_cache=sc)
     (_, usage), = results
     assert usage["path"] == "full" and usage["calls"] == 1 and usage["cached_tokens"] == 0
     assert cache.stats()["stores"] == 0
@@ -557,7 +562,7 @@ def test_gemma3_a_lone_question_about_a_state_past_the_window_runs_as_one_full_f
 def test_max_state_tokens_is_none_without_sliding_layers():
     from _tiny_export import build_tiny_model
 
-    assert build_tiny_model(0, "tiny-llama").max_state_tokens is None
+    assert CaseRunner(build_tiny_model(0, "tiny-llama")).max_state_tokens is None
 
 
 def _sliding_cache(sliding_window: int, keys: torch.Tensor):

@@ -238,6 +238,9 @@ def extract_split(model, records: Sequence[Record], collator, split: str, out: P
     done = len(entries) - sum(len(chunk_entries(chunks[i])) for i in todo)
     if done and progress:
         progress(done)
+    from rlcd.model.runner import CaseRunner
+
+    runner = CaseRunner(model)
     was = model.training
     model.eval()
     for i in todo:
@@ -254,9 +257,8 @@ def extract_split(model, records: Sequence[Record], collator, split: str, out: P
                 return len(segments) - 1
 
             for call in chunks[i]:
-                cases = [model.case_inputs_from_records([entries[j][0] for j in g], image_root=collator.image_root)
-                         for g in call]
-                for g, case, (prefix, states) in zip(call, cases, model.case_cut_states(cases, model.cut_layer)):
+                cases = [runner.cases.from_records([entries[j][0] for j in g], collator.image_root) for g in call]
+                for g, case, (prefix, states) in zip(call, cases, runner.cut_states(cases, model.cut_layer)):
                     p = write(*prefix) if prefix is not None else -1
                     for j, enc, row in zip(g, case.rows, states):
                         rec, order = entries[j]

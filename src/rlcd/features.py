@@ -37,7 +37,7 @@ every position once (at most MAX_ORDERS = 8 rows; above 8 candidates, 8 rows spr
 order `perm_seed mod n_orders(K)` (`order_of_draw`), so every cached order of a row is equally likely.
 Dev, calibration and test rows are scored in their given order only.
 
-Extraction runs all questions of one state from one prefix forward (`DecisionModel.case_features`,
+Extraction runs all questions of one state from one prefix forward (`CaseRunner.case_features`,
 the serving path) when the model has it, several cases per call. A zero LoRA is switched off for it (peft's
 `disable_adapter`): the same features bit for bit, 1.2x faster on SmolLM2-135M.
 """
@@ -52,7 +52,6 @@ import shutil
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -61,7 +60,7 @@ import torch
 from rlcd.data.sampling import ORDERS_SCHEME, orders_of, orders_scheme, with_fixed_order
 from rlcd.errors import OptionError
 from rlcd.files import pid_alive, plain_mode
-from rlcd.model.collate import RowLabels
+from rlcd.model.collate import FeatureBatch  # noqa: F401 (defined beside the other batches; importable here as before)
 from rlcd.partial import Partial, chunk_digest, chunk_entries, drop_finished, plan_chunks
 from rlcd.schema import TYPE_ID, Record
 
@@ -161,18 +160,6 @@ def key_id(key: dict[str, Any]) -> str:
 # what a training step reads
 
 
-@dataclass
-class FeatureBatch(RowLabels):
-    """A micro-batch of cached features: what `DecisionModel.forward` needs instead of token ids, plus the
-    `Batch` fields the objective and the diagnostics read (`RowLabels`)."""
-
-    h_dec: torch.Tensor  # [B, H]
-    h_cand: torch.Tensor  # [B, Kmax, H] (0 on padding)
-
-    def __len__(self) -> int:
-        return int(self.h_dec.shape[0])
-
-
 class FeatureCache:
     """A complete cache directory, loaded into memory (CPU tensors)."""
 
@@ -268,6 +255,13 @@ ROWS_PER_CALL = 64
 _CHUNK_SUFFIX = ("safetensors",)
 
 
+def _shares_prefixes(model: Any) -> bool:
+    """Whether `extract_split` runs a case's rows on one prefix forward for this model (a `DecisionModel`)."""
+    from rlcd.model.decision import DecisionModel
+
+    return isinstance(model, DecisionModel)
+
+
 @torch.no_grad()
 def extract_split(model, records: Sequence[Record], collator, split: str, *, rows_per_call: int | None = None,
                   progress: Callable[[int], None] | None = None, shared: bool = True,
@@ -275,7 +269,7 @@ def extract_split(model, records: Sequence[Record], collator, split: str, *, row
                   choice_orders: str = "balanced") -> tuple[dict[str, torch.Tensor], list]:
     """The tensors and index of one split: every entry's (h_dec, h_cand) from the frozen backbone.
 
-    Rows of one case (one state) share a prefix forward (`model.case_features`) when the model has it;
+    Rows of one case (one state) share a prefix forward (`CaseRunner.case_features`) for a `DecisionModel`;
     otherwise (or `shared=False`, the per-row reference of `rlcd bench features`) full rows are run,
     `rows_per_call` (default ROWS_PER_CALL) at a time. A zero LoRA is switched off unless `lora_off=False`
     (what the bench compares). `cut_states`: a `rlcd.cut_cache.CutCache` this model matches below its cut: only
@@ -292,7 +286,11 @@ def extract_split(model, records: Sequence[Record], collator, split: str, *, row
     n = len(entries)
     was = model.training
     model.eval()
-    shared = getattr(model, "case_features", None) if shared and cut_states is None else None
+    from rlcd.model.decision import DecisionModel
+    from rlcd.model.runner import CaseRunner
+
+    runner = CaseRunner(model) if shared and cut_states is None and isinstance(model, DecisionModel) else None
+    shared = runner.case_features if runner is not None else None
     groups = entries_by_case(entries) if shared is not None else [[j] for j in range(n)]
     chunks = plan_chunks(groups, rows_per_call or ROWS_PER_CALL)
     digests = [chunk_digest(c, entries) for c in chunks]
@@ -315,7 +313,7 @@ def extract_split(model, records: Sequence[Record], collator, split: str, *, row
                             int(batch.suffixes[b][0].shape[0]) + (int(batch.prefixes[batch.prefix_of[b]][0].shape[0])
                                                                   if batch.prefix_of[b] is not None else 0)))
         elif shared is not None:
-            cases = [model.case_inputs_from_records([entries[j][0] for j in g], image_root=collator.image_root) for g in call]
+            cases = [runner.cases.from_records([entries[j][0] for j in g], collator.image_root) for g in call]
             for g, c, feats in zip(call, cases, shared(cases)):
                 for j, row, (d, cand) in zip(g, c.rows, feats):
                     out.append((j, d.float().cpu(), cand.float().cpu(), len(row)))
@@ -453,7 +451,7 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
             manifest = {"key": key, "key_id": kid, "complete": True, "splits": counts, "row_tokens": tokens,
                         "seconds": round(seconds, 3), "attempts": partial.attempts,
                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                        "shared_prefix": hasattr(model, "case_features"),
+                        "shared_prefix": _shares_prefixes(model),
                         "from_cut_states": str(cut_states.root) if cut_states is not None else None}
             publish(tmp, final, manifest)
         partial.remove()

@@ -1,9 +1,10 @@
 """Predictor: load a run's `export/` and answer System One (`/v1/systemone`) requests.
 
 The request format is transformers' (`rlcd.serving.request`: `{"model"?, "state", "questions", "assets"?}` plus
-rlcd's `image` alias). A request goes through three steps: `prepare` (validation, image decoding, canonical forms
-and tokenising: no model call, safe in threads), `score` (the model call, under a lock; `score_many` batches
-several requests) and `respond`; `predict` runs the three. Each step is a piece of `rlcd.serving`, with its own
+rlcd's `image` alias). The engine is a `serving.runner.Runner`: a `DecisionModel` under a `model.runner.CaseRunner`
+(torch), or the portable runtime's `PortableModel` (onnxruntime, no torch). A request goes through three steps:
+`prepare` (validation, image decoding, canonical forms and tokenising: no model call, safe in threads), `score` (the
+model call, under a lock; `score_many` batches several requests) and `respond`; `predict` runs the three. Each step is a piece of `rlcd.serving`, with its own
 docstring and tests, shared by the server, `rlcd predict`, the batch scorer and the ONNX runtime:
 
 * `serving.canonical`       request canonicalisation: each question asked in one canonical form (`canonical`,
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from .device import Placement
 from .order_votes import DEFAULT_COMBINE, check_combine, check_votes
@@ -40,11 +41,26 @@ from .serving.images import open_image, request_image
 from .serving.limits import Limits
 from .serving.prepared import Prepared
 from .serving.request import parse_request
-from .serving.scoring import Scorer
+from .serving.runner import Runner, Usage
+from .serving.cache import StateCache
+from .serving.scoring import Scored, Scorer
 from .serving.state_encoding import DEFAULT_STATE_CACHE_MB, StateEncoder
 # importable from here as before the pieces were split out (tests, benches, docs name them so)
 from .serving.state_encoding import cache_scope as _cache_scope  # noqa: F401
 from .serving.state_encoding import from_record_error, state_cache_bytes  # noqa: F401
+
+if TYPE_CHECKING:
+    from .model.decision import DecisionModel
+
+
+def as_runner(model: Runner | DecisionModel) -> Runner:
+    """The engine a Predictor drives: a `Runner` as it is (the portable runtime, a `CaseRunner`), a `DecisionModel`
+    under a `CaseRunner` (torch is imported only then: the portable server runs without it)."""
+    if isinstance(model, Runner):
+        return model
+    from .model.runner import CaseRunner
+
+    return CaseRunner(model)
 
 
 def _run_name(path: Path) -> str:
@@ -75,8 +91,9 @@ class Predictor:
     """Answers typed-decision requests with one merged, calibrated model: the `rlcd.serving` pieces composed (see
     the module docstring). Thread-safe: the model calls are serialised by the scorer's lock."""
 
-    def __init__(self, model: Any, meta: Mapping[str, Any], *, name: str | None = None,
-                 limits: Limits | None = None, strict_model: bool = False, loader: Any = None,
+    def __init__(self, model: Runner | DecisionModel | None, meta: Mapping[str, Any], *, name: str | None = None,
+                 limits: Limits | None = None, strict_model: bool = False,
+                 loader: Callable[[], Runner | DecisionModel] | None = None,
                  state_cache_mb: float = DEFAULT_STATE_CACHE_MB, order_votes: int = 1, canonical: bool = True,
                  vote_combine: str = DEFAULT_COMBINE, row_cache_mb: float = 0):
         self.temperatures = mapping.check_temperatures(meta)
@@ -86,33 +103,43 @@ class Predictor:
         self.vote_combine = check_combine(vote_combine)
         self.meta = dict(meta)
         self.encoder = StateEncoder(self.meta, state_cache_mb, row_cache_mb)
-        self.scorer = Scorer(lambda: self.model, self.encoder.cache_kw)
-        self._model, self._loader, self._loading = model, loader, threading.Lock()
+        self.scorer = Scorer(lambda: self.runner, self.encoder.cache_kw)
+        self._runner = as_runner(model) if model is not None else None
+        self._loader, self._loading = loader, threading.Lock()
         self.name = name or str(meta.get("model") or "rlcd")
         self.limits = limits or Limits()
         self.strict_model = bool(strict_model)
-        self.takes_images = bool(getattr(model, "supports_images", True)) if model is not None else _reads_images(meta)
+        self.takes_images = (bool(self._runner.supports_images) if self._runner is not None
+                             else _reads_images(meta))
         self.release_date: str | None = None  # /v1/models: the day the export was written (from_run sets it)
-        if model is not None:
-            model.eval()
+        if self._runner is not None:
+            self._runner.eval()
 
     @property
-    def model(self) -> Any:
-        """The merged model; a lazy Predictor (`from_run(lazy=True)`) loads it when a request first needs it."""
-        if self._model is None:
+    def runner(self) -> Runner:
+        """The engine; a lazy Predictor (`from_run(lazy=True)`) loads its model when a request first needs it."""
+        if self._runner is None:
             with self._loading:
-                if self._model is None:
-                    self._model = self._loader()
-                    self._model.eval()
-        return self._model
+                if self._runner is None:
+                    runner = as_runner(self._loader())
+                    runner.eval()
+                    self._runner = runner
+        return self._runner
+
+    @property
+    def model(self) -> Runner | DecisionModel:
+        """The model the engine runs, loaded if need be: a `CaseRunner`'s `DecisionModel` (tests and benches reach
+        its tokenizer, encoder and weights), else the engine itself (the portable runtime is its own model)."""
+        runner = self.runner
+        return getattr(runner, "model", runner)
 
     @property
     def loaded(self) -> bool:
         """Whether the model is in memory (a lazy Predictor's is not until a request needs it): /ready reads it."""
-        return self._model is not None
+        return self._runner is not None
 
     @property
-    def state_cache(self) -> Any:
+    def state_cache(self) -> StateCache:
         """The state cache (`rlcd.serving.cache.StateCache`, owned by `serving.state_encoding`)."""
         return self.encoder.cache
 
@@ -156,7 +183,8 @@ class Predictor:
             "limits": self.limits.to_dict(), "strict_model": self.strict_model, "images": self.takes_images,
             "confidence": "transformers' System One definitions: choice (p_max - 1/K) / (1 - 1/K); score "
                           "1 - E|level - argmax| / E_uniform|level - middle|; noul has none (its answer is P(true))",
-            "placement": getattr(self._model, "placement", None), "order_votes": self.order_votes,
+            "placement": self._runner.placement if self._runner is not None else None,
+            "order_votes": self.order_votes,
             "vote_combine": self.vote_combine, "canonical_requests": self.canonical,
             "row_cache_mb": self.encoder.rows.max_bytes / (1 << 20),
         }
@@ -175,16 +203,16 @@ class Predictor:
         scored = [i for i, q in enumerate(asking) if q.k > 1]  # one option: a fixed answer, no model
         if not scored:
             return Prepared(parsed, decoded, None, canon=canon)
-        case, votes = self.encoder.encode(self.model, parsed.state, [asking[i] for i in scored],
+        case, votes = self.encoder.encode(self.runner, parsed.state, [asking[i] for i in scored],
                                           [parsed.qids[i] for i in scored], decoded, max_tokens=lim.max_tokens,
                                           order_votes=self.order_votes)
         return Prepared(parsed, decoded, case, votes, canon)
 
-    def score(self, prepared: Prepared) -> tuple[list[Any], dict]:
+    def score(self, prepared: Prepared) -> tuple[list[Any], Usage]:
         """The model call for one request: logits per question and usage (serialised by a lock)."""
         return self.score_many([prepared])[0]
 
-    def score_many(self, prepared: list[Prepared]) -> list[Any]:
+    def score_many(self, prepared: list[Prepared]) -> list[Scored | Exception]:
         """Several requests in one batched model call: [(logits, usage) or the request's own exception], in order
         (`serving.scoring.Scorer.score_many`)."""
         return self.scorer.score_many(prepared, self.vote_combine)

@@ -292,12 +292,14 @@ def flip_interval(flips: Sequence[float], groups: Sequence[str], *, resamples: i
 def model_scorer(model, collator, *, device: Any = "cpu", batch_size: int = 32, shared: bool = True) -> ScoreFn:
     """Wrap a DecisionModel (``model(batch) -> [B, Kmax]`` logits) and a Collator as a ScoreFn.
 
-    ``shared`` (default) and a model that scores cases (``case_inputs_from_records``): each case's state runs
+    ``shared`` (default) and a DecisionModel (a model that scores cases): each case's state runs
     once and its records as suffixes on its cache (``case_scoring.score_records``, at most max(batch_size, 64)
     rows per call); else every record as a full row through the collator, records of similar K together."""
     import torch
 
-    if shared and hasattr(model, "case_inputs_from_records") and hasattr(model, "score_cases"):
+    from rlcd.model.decision import DecisionModel
+
+    if shared and isinstance(model, DecisionModel):
         from rlcd.model.case_scoring import score_records
 
         def score_cases(records: list[Record]) -> list[list[float]]:

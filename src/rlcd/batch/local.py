@@ -179,7 +179,7 @@ def run_local(predictor: Any, rows: Iterable[Row], writer: PartWriter, *, batch_
             progress.update(progress.start + session[0])
 
     writer.start()
-    predictor.model  # noqa: B018 - loaded now (a lazy Predictor's), so scoring_seconds is the scoring alone
+    predictor.runner  # noqa: B018 - loaded now (a lazy Predictor's), so scoring_seconds is the scoring alone
     if progress is not None:
         progress.ready()  # the eta counts scoring, not the loading
     t1, c1 = time.perf_counter(), time.process_time()

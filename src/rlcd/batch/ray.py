@@ -68,7 +68,7 @@ class _Scorer:
 
     def __init__(self, spec: PredictorSpec, batch_size: int = DEFAULT_BATCH_SIZE, image_root: str | None = None):
         self.predictor = spec.load()
-        self.predictor.model  # noqa: B018 - loaded once, here, not in the first batch
+        self.predictor.runner  # noqa: B018 - loaded once, here, not in the first batch
         self.batch_size = batch_size
         self.image_root = Path(image_root) if image_root else None
 

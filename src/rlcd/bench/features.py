@@ -3,7 +3,7 @@
 Two ratios on generated synth data (six questions per case):
 
 * extraction: row tokens per second of `rlcd.features.extract_split` over the train split with prefix
-  sharing (one state forward per case, its questions as suffixes: `DecisionModel.case_features`) vs
+  sharing (one state forward per case, its questions as suffixes: `CaseRunner.case_features`) vs
   every row as a full forward (`shared=False`); "row tokens" are the full rows' tokens in both, so the
   ratio is the speed-up; and prefix-shared with the run's zero LoRA switched off (what extraction does)
   vs left on (`lora_off=False`): `lora_off_ratio`;

@@ -12,7 +12,7 @@ training-session builder, and measures in one process:
    layers incl. LoRA, and the scorer; not the token embedding, which is a lookup, not the vision
    tower, which text rows never run, and no vocabulary projection, which the model never computes).
 2. **serve**  -- one request of 50 questions over a shared ~1,000-token state, scored with
-   `DecisionModel.score_case` (shared prefix, parallel suffixes) after `merge()`: p50/p95 latency,
+   `CaseRunner.score_case` (shared prefix, parallel suffixes) after `merge()`: p50/p95 latency,
    decisions/s (= 50 / p50).
 3. **prefix** -- `rlcd.bench.prefix.run_prefix_bench` on the same model (32 questions, ~512-token
    state): speedup of the shared prefix over row-by-row forwards vs the token-count bound.
@@ -199,21 +199,22 @@ def param_counts(dm: Any) -> dict:
 
 def serve_request(dm: Any, tokenizer: Any, *, questions: int, state_tokens: int, repeats: int, warmup: int,
                   seed: int = 0) -> dict:
-    """Latency of one `score_case` request (`questions` questions over one ~`state_tokens` state)."""
+    """Latency of one `CaseRunner.score_case` request (`questions` questions over one ~`state_tokens` state)."""
     from rlcd.bench.prefix import make_questions, make_state
+    from rlcd.model.runner import CaseRunner
 
     state = make_state(tokenizer, state_tokens, seed + 11)
     qs = make_questions(questions, seed + 11)
     ids = [f"q{i}" for i in range(len(qs))]
-    dev = dm.device
+    dev, runner = dm.device, CaseRunner(dm)
     for _ in range(warmup):
-        dm.score_case_with_usage(state, qs, ids=ids)
+        runner.score_case(state, qs, ids=ids)
     lat = []
-    usage: dict = {}
+    usage: Any = {}
     for _ in range(repeats):
         _sync(dev)
         t0 = time.perf_counter()
-        logits, usage = dm.score_case_with_usage(state, qs, ids=ids)
+        logits, usage = runner.score_case(state, qs, ids=ids)
         _sync(dev)
         lat.append(time.perf_counter() - t0)
     lat.sort()

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..model.runner import CaseRunner
 from .prefix import make_questions, make_state
 
 TEMPERATURES = {"choice": 1.0, "noul": 1.0, "score": 1.0}
@@ -104,7 +105,7 @@ def serving_section(run_dir: Path, *, sizes: tuple[int, ...], repeats: int, stat
             t_ours.append((t1 - t0) * 1000)
             t_theirs.append((t2 - t1) * 1000)
         p50_ours, p50_theirs = statistics.median(t_ours), statistics.median(t_theirs)
-        usage = pred.model.n_tokens(state, [q for q in make_questions(n, seed)])
+        usage = CaseRunner(pred.model).n_tokens(state, [q for q in make_questions(n, seed)])
         row = {"questions": n, "rlcd_p50_ms": p50_ours, "pipeline_p50_ms": p50_theirs,
                "ratio": p50_theirs / p50_ours, "max_prob_diff": max_prob_diff(ours, theirs),
                "rlcd_path": usage["path"], "rlcd_input_tokens": usage["input_tokens"],
@@ -133,9 +134,10 @@ def evaluation_section(model: Any, *, cases: int, seed: int, say: Callable[[str]
     diff = max(max(abs(a - b) for a, b in zip(s["logits"], f["logits"])) for s, f in zip(shared, full))
     from ..model.case_scoring import group_cases
 
-    inputs = [model.case_inputs_from_records([records[i] for i in g]) for g in group_cases(records)]
-    cuts = model.plan_paths(inputs)
-    shared_tokens = sum((cut or 0) + sum(len(r) - (cut or 0) for r in c.rows) for c, cut in zip(inputs, cuts))
+    runner = CaseRunner(model)
+    inputs = [runner.cases.from_records([records[i] for i in g]) for g in group_cases(records)]
+    lens = runner.plan(inputs).prefix_len
+    shared_tokens = sum((n or 0) + sum(len(r) - (n or 0) for r in c.rows) for c, n in zip(inputs, lens))
     full_tokens = sum(c.n_tokens for c in inputs)
     res = {"cases": cases, "rows": len(records), "questions_per_case": len(records) / cases,
            "full_tokens": full_tokens, "shared_tokens": shared_tokens, "token_bound": full_tokens / shared_tokens,

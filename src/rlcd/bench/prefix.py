@@ -2,7 +2,7 @@
 
 Builds a model (default the random `tiny` preset, hidden >= 256), a request of N mixed-type
 questions over one state of about L tokens, and scores it (a) row by row with one full forward per
-question (batch 1) and (b) with `DecisionModel.score_case` (prefix once, suffixes batched). Reports
+question (batch 1) and (b) with `CaseRunner.score_case` (prefix once, suffixes batched). Reports
 the largest absolute logit difference, the median times, the measured speedup and the token-count
 bound `(B*L) / (P + B*(L-P))` (B rows, L mean row length, P shared prefix length), and
 ratio = speedup / bound. The last printed line is machine-readable:
@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..model.runner import CaseRunner
 from ..schema import Question
 
 PARITY_FACTOR = 1.5  # the prefix path may be this much further from float32 than full rows in the same dtype
@@ -84,7 +85,7 @@ def run_prefix_bench(model: str = "tiny", questions: int = 32, state_tokens: int
     The head is the model's own random head with its centring buffers set on a small synthetic batch.
     `logit_std` rescales W_d so the logits have that standard deviation (logits are linear in W_d, so
     differences scale with them: compare `rel_diff`, or `tol_ok` = within atol 1e-4 + rtol 1e-5).
-    `exact` runs `score_case(exact=True)` (cut on the DeltaNet chunk grid).
+    `exact` runs `score_case(exact=True)` (the shared prefix on the DeltaNet chunk grid).
     """
     dm = decision_model
     if dm is None:
@@ -104,21 +105,22 @@ def run_prefix_bench(model: str = "tiny", questions: int = 32, state_tokens: int
     qids = [f"q{i}" for i in range(len(qs))]
 
     # warm-up (allocator, lazy inits), then medians
-    dm.score_full(state, qs[:2], ids=qids[:2])
-    dm.score_case_with_usage(state, qs, ids=qids, exact=exact)
+    runner = CaseRunner(dm)
+    runner.score_full(state, qs[:2], ids=qids[:2])
+    runner.score_case(state, qs, ids=qids, exact=exact)
     # interleaved, so a load change on a shared machine hits both paths alike
     times_full, times_shared = [], []
-    full = shared = None
+    full = shared = usage = None
     for _ in range(max(1, repeats)):
         t0 = time.perf_counter()
-        full = dm.score_full(state, qs, ids=qids, batch_size=1)
+        full = runner.score_full(state, qs, ids=qids, batch_size=1)
         t1 = time.perf_counter()
-        shared = dm.score_case_with_usage(state, qs, ids=qids, exact=exact)[0]
+        shared, usage = runner.score_case(state, qs, ids=qids, exact=exact)
         t2 = time.perf_counter()
         times_full.append(t1 - t0)
         times_shared.append(t2 - t1)
     t_full, t_shared = statistics.median(times_full), statistics.median(times_shared)
-    usage = dict(dm.last_usage)
+    usage = dict(usage)
 
     diff = max(float((a - b).abs().max()) for a, b in zip(full, shared))
     max_logit = max(float(a.abs().max()) for a in full)
@@ -180,7 +182,7 @@ def precision_parity(dm: Any, state: Any, qs: list[Question], qids: list[str], f
     if dtype == torch.float32:
         return {"err_full": None, "err_prefix": None, "parity_ok": bool(tol_ok)}
     ref_model = copy.deepcopy(dm).to(torch.float32).eval()
-    ref = ref_model.score_full(state, qs, ids=qids, batch_size=1)
+    ref = CaseRunner(ref_model).score_full(state, qs, ids=qids, batch_size=1)
     del ref_model
     err_full = max(float((a - r).abs().max()) for a, r in zip(full, ref))
     err_prefix = max(float((b - r).abs().max()) for b, r in zip(shared, ref))
@@ -195,11 +197,12 @@ def _centre_on_request(dm: Any, seed: int, logit_std: float | None = None) -> No
     that the logits on that batch have that standard deviation (trained heads reach |logits| of
     10-50, see QWEN35-NOTES.md).
     """
+    from ..model.cases import CaseEncoder
     from ..model.collate import pad_rows
 
     state = make_state(dm.tokenizer, 64, seed + 7)
     qs = make_questions(6, seed + 7)
-    rows = dm.encode_case(state, qs)
+    rows = CaseEncoder.for_model(dm).rows(state, qs)
     batch = pad_rows(rows, pad_id=dm.encoder.pad_id, image_pad_id=dm.encoder.image_pad_id,
                      types=[q.type for q in qs])
     dm.init_centring([batch])

@@ -349,7 +349,7 @@ def run_serve_bench(run: Any, requests: int = 96, levels: tuple[int, ...] = (1, 
     window = DEFAULT_WINDOW_MS if window_ms is None else float(window_ms)
     modes = {"batched": BatchingConfig(window_ms=window, max_queue=max(256, 2 * max(levels)), timeout_s=timeout),
              "unbatched": BatchingConfig(window_ms=0.0, max_queue=max(256, 2 * max(levels)), timeout_s=timeout)}
-    out: dict[str, Any] = {"model": predictor.name, "placement": getattr(predictor.model, "placement", None),
+    out: dict[str, Any] = {"model": predictor.name, "placement": predictor.runner.placement,
                            "requests_per_level": requests, "levels": list(levels), "sizes": list(sizes),
                            "malformed_fraction": malformed, "seed": seed, "window_ms": window, "modes": {}}
     # warm-up, not recorded: the first load on a cold model pays for allocator growth and first-shape

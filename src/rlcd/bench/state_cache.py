@@ -88,8 +88,8 @@ def run_state_cache_bench(predictor: Any, *, threads: tuple[int, ...] = (1, 2), 
 
     many = isinstance(predictor, Mapping)
     labelled = dict(predictor) if many else {"": predictor}
-    pairs = {k: (Predictor(p.model, p.meta, name=p.name, limits=p.limits, state_cache_mb=1024),
-                 Predictor(p.model, p.meta, name=p.name, limits=p.limits, state_cache_mb=0))
+    pairs = {k: (Predictor(p.runner, p.meta, name=p.name, limits=p.limits, state_cache_mb=1024),
+                 Predictor(p.runner, p.meta, name=p.name, limits=p.limits, state_cache_mb=0))
              for k, p in labelled.items()}
     five = request_of("x", 5, seed)["questions"]
     qids = list(five)
@@ -158,13 +158,13 @@ def run_state_cache_bench(predictor: Any, *, threads: tuple[int, ...] = (1, 2), 
 
 def _summary(on: Any, name: str, times: dict, *, threads: tuple[int, ...], repeats: int, state_tokens: int,
              seed: int, sample_state: str, say: Callable[[str], None], scenarios: tuple[str, ...] = SCENARIOS) -> dict:
-    model = on.model
-    sample = model.prepare_case(sample_state, [make_questions(5, seed)[0]]).rows[0]
+    runner = on.runner
+    sample = runner.prepare_case(sample_state, [make_questions(5, seed)[0]]).rows[0]
     qids = list(request_of("x", 5, seed)["questions"])
-    out: dict[str, Any] = {"model": name, "placement": getattr(model, "placement", None),
+    out: dict[str, Any] = {"model": name, "placement": runner.placement,
                            "state_tokens": state_tokens, "prefix_tokens": sample.prefix_len, "repeats": repeats,
                            "threads": list(threads), "p50_ms": {}, "ratios": {},
-                           "suffixes": {q: suffix_breakdown(model.encoder, m)
+                           "suffixes": {q: suffix_breakdown(on.model.encoder, m)
                                         for q, m in zip(qids, make_questions(5, seed))},
                            "cache": on.state_cache_stats()}
     for t in threads:

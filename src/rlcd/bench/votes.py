@@ -31,15 +31,15 @@ def run_votes_bench(predictor: Any, *, votes: tuple[int, ...] = DEFAULT_VOTES, q
     votes = tuple(dict.fromkeys(check_votes(n) for n in votes))
     if 1 not in votes:
         votes = (1, *votes)  # the ratios' base
-    model = predictor.model
-    preds = {n: Predictor(model, predictor.meta, name=predictor.name, limits=predictor.limits, state_cache_mb=0,
+    runner = predictor.runner
+    preds = {n: Predictor(runner, predictor.meta, name=predictor.name, limits=predictor.limits, state_cache_mb=0,
                           order_votes=n) for n in votes}
     qs = request_of("x", questions, seed)["questions"]
     times: dict[int, list[float]] = {n: [] for n in votes}
     tokens: dict[int, int] = {}
     rows: dict[int, int] = {}
     for r in range(repeats + 1):  # round 0 warms up: not recorded
-        req = {"state": make_state(model.tokenizer, state_tokens, seed * 1_000_003 + r), "questions": qs}
+        req = {"state": make_state(predictor.model.tokenizer, state_tokens, seed * 1_000_003 + r), "questions": qs}
         for n in votes:
             p = preds[n]
             t0 = time.perf_counter()
@@ -54,7 +54,7 @@ def run_votes_bench(predictor: Any, *, votes: tuple[int, ...] = DEFAULT_VOTES, q
     p50 = {n: statistics.median(times[n]) for n in votes}
     kinds = [q["type"] for q in qs.values()]
     out: dict[str, Any] = {
-        "model": predictor.name, "placement": getattr(model, "placement", None), "questions": questions,
+        "model": predictor.name, "placement": runner.placement, "questions": questions,
         "choice_questions": kinds.count("choice"),
         "choice_options": [len(q["criteria"]) for q in qs.values() if q["type"] == "choice"],
         "state_tokens": state_tokens, "repeats": repeats, "votes": list(votes),

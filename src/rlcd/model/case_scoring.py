@@ -5,7 +5,7 @@ a full-row forward pays for that state once per question. `score_records` groups
 cases (a record without `case_id` is a case of its own; records that share a `case_id` but not the
 state or image are kept apart), packs whole cases into model calls of at most `max_rows` rows and
 `max_tokens` processed tokens (cases sorted by length, so a call's prefixes are padded little), and
-scores each call with `DecisionModel.score_cases`: the prefixes in one forward, every question as a
+scores each call with `CaseRunner.score_cases`: the prefixes in one forward, every question as a
 suffix on its case's cache, or full rows where the planner finds that cheaper (a single question).
 The logits come back in input order and equal the full-row ones up to float32 noise.
 """
@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..schema import Record
+from .decision import DecisionModel
 
 
 def group_cases(records: Sequence[Record]) -> list[list[int]]:
@@ -46,24 +47,27 @@ def pack_cases(sizes: Sequence[tuple[int, int]], *, max_rows: int, max_tokens: i
     return calls
 
 
-def score_records(model: Any, records: Sequence[Record], *, image_root: Any = None, max_rows: int = 64,
+def score_records(model: DecisionModel, records: Sequence[Record], *, image_root: Any = None, max_rows: int = 64,
                   max_tokens: int = 16384, path: str = "auto",
                   on_rows: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     """Logits [k] (float32, CPU) per record, in input order, scored case by case (module docstring).
 
     `on_rows(n)` is called after each model call with the number of rows it scored (progress).
-    `path`: "auto" (the planner), "prefix" or "full" (forced; see `DecisionModel.plan_paths`).
+    `path`: "auto" (the planner), "prefix" or "full" (forced; see `rlcd.model.plan.plan_paths`).
     """
+    from .runner import CaseRunner
+
+    runner = CaseRunner(model)
     records = list(records)
     groups = group_cases(records)
-    cases = [model.case_inputs_from_records([records[i] for i in g], image_root) for g in groups]
+    cases = [runner.cases.from_records([records[i] for i in g], image_root) for g in groups]
     # long states together: a call's prefixes are left-padded to its longest
     order = sorted(range(len(cases)), key=lambda c: (len(cases[c].rows[0]), c))
     sizes = [(len(cases[c].rows), cases[c].n_tokens) for c in order]
     out: list[torch.Tensor | None] = [None] * len(records)
     for call in pack_cases(sizes, max_rows=max_rows, max_tokens=max_tokens):
         chosen = [order[j] for j in call]
-        scored = model.score_cases([cases[c] for c in chosen], max_rows=max_rows, path=path)
+        scored = runner.score_cases([cases[c] for c in chosen], max_rows=max_rows, path=path)
         n = 0
         for c, (logits, _) in zip(chosen, scored):
             for i, lg in zip(groups[c], logits):

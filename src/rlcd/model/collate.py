@@ -50,7 +50,7 @@ class Batch:
 @dataclass
 class RowLabels:
     """What the objective and the diagnostics read of a micro-batch, whatever its features come from: the base
-    of the cached batches (`rlcd.features.FeatureBatch`, `rlcd.model.cut_forward.CutBatch`); `Batch` carries the
+    of the cached batches (`FeatureBatch`, `rlcd.model.cut_forward.CutBatch`); `Batch` carries the
     same fields."""
 
     cand_mask: torch.Tensor  # [B, Kmax] bool
@@ -68,6 +68,18 @@ class RowLabels:
     @property
     def kmax(self) -> int:
         return int(self.cand_mask.shape[1])
+
+
+@dataclass
+class FeatureBatch(RowLabels):
+    """A micro-batch of cached features (`rlcd.features.FeatureCache.batch`): what `DecisionModel.forward` needs
+    instead of token ids, plus the `Batch` fields the objective and the diagnostics read (`RowLabels`)."""
+
+    h_dec: torch.Tensor  # [B, H]
+    h_cand: torch.Tensor  # [B, Kmax, H] (0 on padding)
+
+    def __len__(self) -> int:
+        return int(self.h_dec.shape[0])
 
 
 def moved(obj: Any, device: Any, non_blocking: bool = False) -> Any:

@@ -1,7 +1,7 @@
 """The cross-request state cache: a state's prefix computed once, reused by later requests about it.
 
 Agents ask several questions about one state over time, in separate requests. Within a request the
-state's prefix already runs once (`DecisionModel.score_cases`); this cache keeps that prefix's decoder
+state's prefix already runs once (`CaseRunner.score_cases`); this cache keeps that prefix's decoder
 state -- what the shared-prefix path hands its suffix calls, nothing else -- so a later request about
 the same state runs only its questions' suffixes.
 
@@ -211,7 +211,7 @@ def image_digest(pixel_values: torch.Tensor | None, grid: torch.Tensor | None) -
 
 @dataclass(frozen=True)
 class RowFeatures:
-    """One answered row's features as the decoder left them (`DecisionModel.case_features`): the decision
+    """One answered row's features as the decoder left them (`CaseRunner.case_features`): the decision
     position's last hidden state [H] and the markers' [k, H], each its own copy; `nbytes` their bytes. What a row
     cache holds: a later request with the same row about the same state and image runs only the head on it."""
 

@@ -1,8 +1,8 @@
 """The portable export at serving time: onnxruntime + tokenizers + numpy, no torch.
 
-`PortableModel(DIR)` has the surface `Predictor` drives on a `DecisionModel` (`prepare_case`, `score_cases`,
-`supports_images`, `placement`, `eval`), so `load_portable(DIR)` is the same `Predictor` -- same validation,
-answers, usage and wire format (`rlcd serve --export DIR`) -- on another engine:
+`PortableModel(DIR)` is a `rlcd.serving.runner.Runner`, as the torch engine (`rlcd.model.runner.CaseRunner`) is, so
+`load_portable(DIR)` is the same `Predictor` -- same validation, answers, usage and wire format (`rlcd serve
+--export DIR`) -- on another engine:
 
 * prompts: `rlcd.model.prompt.PromptEncoder` itself, on the `tokenizers` library's tokenizer.json and the
   frame recorded in the manifest (marker, reserved tokens, chat head, pad id): the same token ids as the
@@ -32,6 +32,8 @@ from rlcd.model.frame import PromptSpec
 from rlcd.model.prompt import EncodedRow, PromptEncoder
 from rlcd.portable import layout
 from rlcd.schema import QUESTION_TYPES
+from rlcd.serving.cache import ScopedStateCache
+from rlcd.serving.runner import Usage
 
 FORMAT = "rlcd.onnx/1"
 MANIFEST, SCORER, TOKENIZER = "manifest.json", "scorer.safetensors", "tokenizer.json"
@@ -233,15 +235,20 @@ class PortableModel:
         return {"device": "cpu", "dtype": self.manifest["graph"]["precision"], "runtime": "onnxruntime",
                 "threads": self.threads}
 
+    def identity(self) -> dict[str, Any]:
+        """What this engine's answers depend on (the request caches' scope; this engine reads no cache)."""
+        return {"export": str(self.path.resolve()), "graph": self.graph, "placement": self.placement,
+                "object": id(self)}
+
     def meta(self) -> dict[str, Any]:
         """What `Predictor` reads from an export's model.json: the source run's, with these temperatures."""
         src = dict(self.manifest.get("source") or {})
         return {**src, "temperatures": dict(self.temperatures)}
 
-    # ------------------------------------------------------------------ the Predictor surface
+    # ------------------------------------------------------------------ the Runner surface
     def prepare_case(self, state: Any, questions: Sequence[Any], image: Any = None, ids: Sequence[str] | None = None,
                      *, case_id: str | None = None, max_tokens: int | None = None, keyed: bool = False) -> PortableCase:
-        """Rows tokenised as `DecisionModel.encode_case` does (the prefix once); images refused (text-only).
+        """Rows tokenised as `CaseEncoder.rows` does (the prefix once); images refused (text-only).
         `keyed` is accepted and means nothing: this engine reads no request cache."""
         if image is not None:
             self.encoder.refuse_image(case_id)
@@ -251,17 +258,19 @@ class PortableModel:
         return PortableCase([self.encoder.encode(state, q, row=qid, prefix=prefix, max_tokens=max_tokens)
                              for q, qid in zip(questions, qids)])
 
-    def score_cases(self, cases: Sequence[PortableCase], **_: Any) -> list[tuple[list[np.ndarray], dict]]:
-        """[(logits per question [k] float32, usage)] per case; usage counts tokens as the torch path does."""
+    def score_cases(self, cases: Sequence[PortableCase], *, state_cache: ScopedStateCache | None = None,
+                    row_cache: ScopedStateCache | None = None) -> list[tuple[list[np.ndarray], Usage]]:
+        """[(logits per question [k] float32, usage)] per case; usage counts tokens as the torch path does. The
+        request caches are accepted and not read: the graph takes whole packed rows, no decoder state to keep (a
+        portable Predictor turns them off)."""
         feats = self.case_features(cases)
         out = []
         for c, fs in zip(cases, feats):
             logits = [self.scorer(hd, hc) for hd, hc in fs]
-            cut = layout.case_prefix_len(c.rows) if c.rows else None
-            out.append((logits, {"input_tokens": layout.processed_tokens(c.rows) if c.rows else 0,
-                                 "prefix_tokens": cut or 0, "rows": len(c.rows), "full_tokens": c.n_tokens,
-                                 "image_tokens": 0, "batched_requests": len(cases),
-                                 "path": "prefix" if cut is not None else "full"}))
+            n = layout.case_prefix_len(c.rows) if c.rows else None
+            out.append((logits, Usage(input_tokens=layout.processed_tokens(c.rows) if c.rows else 0,
+                                      prefix_tokens=n or 0, rows=len(c.rows), full_tokens=c.n_tokens,
+                                      batched_requests=len(cases), path="prefix" if n is not None else "full")))
         return out
 
     # ------------------------------------------------------------------ features and scorer

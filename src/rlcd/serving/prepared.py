@@ -12,16 +12,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlcd.serving.request import ParsedRequest
+from rlcd.serving.runner import Case
 
 
 @dataclass
 class Prepared:
     """A request ready for the model: parsed, its image decoded (or None), its rows tokenised
-    (`case`, a `DecisionModel.prepare_case` result)."""
+    (`case`, a `Runner.prepare_case` result)."""
 
     request: ParsedRequest
     image: Any
-    case: Any = None  # None when no question needs the model (each has a single option)
+    case: Case | None = None  # None when no question needs the model (each has a single option)
     # order votes: per scored question (the case's first rows, in order), the orders it is asked in; the rows
     # of the orders after the first follow the scored questions in the case, question by question. None: no votes
     votes: list[list[list[int]]] | None = None

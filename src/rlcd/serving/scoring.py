@@ -1,6 +1,6 @@
 """Scoring: the model call for a batch of prepared requests, serialised, with one request's failure kept its own.
 
-`Scorer.score_many` runs every request that needs the model in one `DecisionModel.score_cases` call (prefixes
+`Scorer.score_many` runs every request that needs the model in one `Runner.score_cases` call (prefixes
 batched, suffixes batched: each request's logits equal those it gets alone, up to float noise), under a lock, so a
 shared Predictor is thread-safe while validation and image decoding run outside it. Should the batched call fail,
 each request is scored alone, so one bad request cannot fail the others: its own exception takes its place in the
@@ -14,7 +14,7 @@ score questions are never voted. The usage counts every order's suffix (they are
 
 Answers are deterministic: the model is in eval mode and the scorer's centring buffers are frozen, so the same
 request gives the same logits whatever came before (< 1e-4 in probability, tested); the only state a call leaves is
-the state cache (`serving.state_encoding`), whose argument `cache_kw(model)` is taken under the lock.
+the state cache (`serving.state_encoding`), whose argument `cache_kw(runner)` is taken under the lock.
 """
 
 from __future__ import annotations
@@ -23,23 +23,28 @@ import threading
 from typing import Any, Callable, Mapping, Sequence
 
 from rlcd.order_votes import DEFAULT_COMBINE, voted
+from rlcd.serving.cache import ScopedStateCache
 from rlcd.serving.prepared import Prepared
+from rlcd.serving.runner import Case, Runner, Usage
+
+Scored = tuple[list[Any], Usage]  # (logits per question, usage)
 
 
 class Scorer:
-    """The model calls of one served model. `model`: a callable returning the model (a lazy Predictor loads it on
-    the first call that needs it); `cache_kw(model)`: the extra `score_cases` arguments (the scoped state cache)."""
+    """The model calls of one served model. `runner`: a callable returning the engine (a lazy Predictor loads it on
+    the first call that needs it); `cache_kw(runner)`: the extra `score_cases` arguments (the scoped caches)."""
 
-    def __init__(self, model: Callable[[], Any], cache_kw: Callable[[Any], Mapping[str, Any]] | None = None):
-        self._model = model
-        self._cache_kw = cache_kw or (lambda model: {})
+    def __init__(self, runner: Callable[[], Runner],
+                 cache_kw: Callable[[Runner], Mapping[str, ScopedStateCache]] | None = None):
+        self._runner = runner
+        self._cache_kw = cache_kw or (lambda runner: {})
         self.lock = threading.Lock()  # around every model call
 
-    def _call(self, cases: Sequence[Any]) -> list[Any]:
-        model = self._model()
-        return model.score_cases(list(cases), **self._cache_kw(model))
+    def _call(self, cases: Sequence[Case]) -> list[Scored]:
+        runner = self._runner()
+        return runner.score_cases(list(cases), **self._cache_kw(runner))
 
-    def score_cases(self, cases: Sequence[Any]) -> list[Any]:
+    def score_cases(self, cases: Sequence[Case]) -> list[Scored | Exception]:
         """[(logits, usage) or the exception that case raised alone], in order; a lone case's error is raised."""
         with self.lock:
             try:
@@ -47,7 +52,7 @@ class Scorer:
             except Exception:
                 if len(cases) == 1:
                     raise
-        out: list[Any] = []
+        out: list[Scored | Exception] = []
         for case in cases:
             try:
                 with self.lock:
@@ -56,10 +61,10 @@ class Scorer:
                 out.append(e)
         return out
 
-    def score_many(self, prepared: Sequence[Prepared], how: str = DEFAULT_COMBINE) -> list[Any]:
+    def score_many(self, prepared: Sequence[Prepared], how: str = DEFAULT_COMBINE) -> list[Scored | Exception]:
         """[(logits per scored question, usage) or an exception] per request, in order; a voted question's logits
         are its orders combined by `how`."""
-        out: list[Any] = [([], {"input_tokens": 0}) for _ in prepared]
+        out: list[Scored | Exception] = [([], Usage()) for _ in prepared]
         live = [i for i, p in enumerate(prepared) if p.case is not None]
         if live:
             for i, res in zip(live, self.score_cases([prepared[i].case for i in live])):

@@ -210,7 +210,7 @@ class Family:
     def select_cache_rows(self, cache: Any, index: torch.Tensor, device: Any) -> Any:
         """Row i of the result is row `index[i]` of `cache` (rows may repeat), in place; returns it.
 
-        Used by `DecisionModel.score_cases` to give every suffix row its own request's prefix. One rule for
+        Used by `prefix_forward.cache_rows` to give every suffix row its own case's prefix. One rule for
         every family and every cache width: `reorder_cache` (an `index_select` of each state), which also
         repeats a one-row cache (`batch_repeat_interleave` would repeat every row of a wider one)."""
         cache.reorder_cache(index.to(device))
