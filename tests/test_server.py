@@ -312,6 +312,11 @@ def test_malformed_plan_covers_every_kind():
     kinds = [p["kind"] for p in plan]
     assert kinds.count("ok") == 180
     assert set(kinds) - {"ok"} == set(MALFORMED_KINDS)
+    with_images = [p for p in plan if p["kind"] == "ok" and b'"image"' in p["body"]]
+    assert len(with_images) == 45, "every fourth good request carries an image"
+    text_only = plan_requests(200, malformed=0.1, sizes=(1, 5, 50), seed=0, max_questions=50, images=False)
+    assert [p["kind"] for p in text_only] == kinds  # a text-only backbone's load: the same plan without images
+    assert not [p for p in text_only if p["kind"] == "ok" and b'"image"' in p["body"]]
 
 
 def test_cli_commands_parse(tmp_path_factory):

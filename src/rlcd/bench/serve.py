@@ -72,8 +72,9 @@ def synthetic_questions(n: int, rng: random.Random) -> dict[str, dict]:
 
 
 def plan_requests(n: int, *, malformed: float, sizes: tuple[int, ...], seed: int,
-                  max_questions: int) -> list[dict[str, Any]]:
-    """The load: [{kind, size, body (bytes)}], deterministic from `seed`."""
+                  max_questions: int, images: bool = True) -> list[dict[str, Any]]:
+    """The load: [{kind, size, body (bytes)}], deterministic from `seed`. `images`: every fourth good request
+    carries an image (False for a text-only backbone, which refuses them: they would be 4xx, not load)."""
     rng = random.Random(seed)
     n_bad = int(round(n * malformed))
     bad_slots = set(rng.sample(range(n), n_bad)) if n_bad else set()
@@ -111,7 +112,7 @@ def plan_requests(n: int, *, malformed: float, sizes: tuple[int, ...], seed: int
             continue
         size = sizes[n_good % len(sizes)]
         req = {"state": state, "questions": synthetic_questions(size, rng)}
-        if n_good % 4 == 3:
+        if images and n_good % 4 == 3:
             req["image"] = {"base64": _png_b64(seed * 100003 + i)}
         n_good += 1
         plan.append({"kind": "ok", "size": size, "n_questions": size, "body": json.dumps(req).encode()})
@@ -314,7 +315,8 @@ def model_batching_profile(predictor: Any, limits: Any, sizes: tuple[int, ...], 
     modes, this ratio bounds the server's batching speedup."""
     out: dict[str, Any] = {}
     for size in sizes:
-        plan = plan_requests(n, malformed=0.0, sizes=(size,), seed=seed, max_questions=limits.max_questions)
+        plan = plan_requests(n, malformed=0.0, sizes=(size,), seed=seed, max_questions=limits.max_questions,
+                             images=predictor.takes_images)
         prepared = [predictor.prepare(json.loads(p["body"]), limits=limits) for p in plan]
         predictor.score_many(prepared[:2])  # warm-up
         t0 = time.perf_counter()
@@ -345,7 +347,8 @@ def run_serve_bench(run: Any, requests: int = 96, levels: tuple[int, ...] = (1, 
         raise ValueError("need requests >= 1, concurrency levels >= 1 and 0 <= malformed <= 1")
     sizes = tuple(int(s) for s in sizes)
     predictor, limits = serve_predictor(run, sizes, placement)
-    plan = plan_requests(requests, malformed=malformed, sizes=sizes, seed=seed, max_questions=limits.max_questions)
+    plan = plan_requests(requests, malformed=malformed, sizes=sizes, seed=seed, max_questions=limits.max_questions,
+                         images=predictor.takes_images)
     window = DEFAULT_WINDOW_MS if window_ms is None else float(window_ms)
     modes = {"batched": BatchingConfig(window_ms=window, max_queue=max(256, 2 * max(levels)), timeout_s=timeout),
              "unbatched": BatchingConfig(window_ms=0.0, max_queue=max(256, 2 * max(levels)), timeout_s=timeout)}
