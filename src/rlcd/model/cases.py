@@ -37,12 +37,6 @@ class CaseInputs:
     def n_tokens(self) -> int:
         return sum(len(r) for r in self.rows)
 
-    def digest(self) -> str | None:
-        """The image's key (computed here once; None without an image)."""
-        if self.pixel_values is not None and self.image_digest is None:
-            self.image_digest = image_digest(self.pixel_values, self.grid)
-        return self.image_digest
-
     def subset(self, rows: Sequence[int]) -> "CaseInputs":
         """The same case with only `rows` (by index; itself when that is every row)."""
         if len(rows) == len(self.rows):

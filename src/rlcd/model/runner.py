@@ -41,8 +41,8 @@ from .decision import DecisionModel
 from .plan import CALL_OVERHEAD, Plan, plan_paths, plan_suffix_groups, request_tokens
 from .prefix_forward import left_pad, prefix_positions, read_states, run_prefixes, suffix_forward
 from .prompt import EncodedRow
-from .state_cache import (PrefixState, RowFeatures, max_state_tokens, prefix_key, row_key, snapshot_row,
-                          stack_states)
+from .state_cache import (PrefixState, RowFeatures, image_digest, max_state_tokens, prefix_key, row_key,
+                          snapshot_row, stack_states)
 
 SHAPE_GRANULE = 16  # batched calls round their padded lengths up to this (right pads are never read)
 Features = list[list[tuple[torch.Tensor, torch.Tensor]]]  # per case, per row: (h_dec [H], h_cand [k, H])
@@ -144,7 +144,7 @@ class CaseRunner:
         if row_cache is not None:
             for c, ks, fs in zip(cases, row_keys, feats):
                 for j, r in enumerate(c.rows):
-                    ks[j] = row_key(r.ids, c.digest(), r.decision_pos, r.marker_pos, exact)
+                    ks[j] = row_key(r.ids, _image_key(c), r.decision_pos, r.marker_pos, exact)
                     got = row_cache.get(ks[j])
                     if got is not None:
                         fs[j] = (got.h_dec, got.h_cand)
@@ -158,7 +158,7 @@ class CaseRunner:
             keep, store = None, {}
             if state_cache is not None and pre:
                 for i in pre:
-                    keys[i] = prefix_key(cases[i].rows[0].ids[:run_len[i]], cases[i].digest())
+                    keys[i] = prefix_key(cases[i].rows[0].ids[:run_len[i]], _image_key(cases[i]))
                     warm[i] = state_cache.get(keys[i])
                 # a cold case the cache-off plan runs as full rows: full rows still, its state kept from their cache
                 if path == "auto" and self.kv_only_cache:
@@ -291,6 +291,14 @@ class CaseRunner:
         n = self.plan([CaseInputs(rows, n_img=image_tokens)]).prefix_len[0]
         return {"input_tokens": request_tokens(rows), "prefix_tokens": n or 0, "full_tokens": sum(len(r) for r in rows),
                 "rows": len(rows), "path": "prefix" if n is not None else "full"}
+
+
+def _image_key(case: CaseInputs) -> str | None:
+    """The request caches' key of the case's image (`state_cache.image_digest`), kept on the case once computed
+    (`CaseEncoder.prepare(keyed=True)` computes it before, off the model thread); None without an image."""
+    if case.pixel_values is not None and case.image_digest is None:
+        case.image_digest = image_digest(case.pixel_values, case.grid)
+    return case.image_digest
 
 
 # ---------------------------------------------------------------------------------------------- the executions

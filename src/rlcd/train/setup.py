@@ -2,9 +2,10 @@
 
 Every input is checked and the model is built before anything is written, so a failed start leaves no
 run directory behind. Order (`setup`): the run's inputs (`_new_start` / `_resume_start`: config, samples,
-placement, the resume checkpoint or the `--init` source) -> `build_session` (model, resume/init weights
-loaded *before* the feature cache is looked up, since a LoRA they bring is part of the frozen backbone,
-the sources, optimizer, DDP) -> the training state restored (resume) or the centring estimated (new run)
+placement, the resume checkpoint or the `--init` source) -> `build_session`, one `_setup_*` part each as
+torchtune's recipes do (data, placement, model with the row check and the resume/init weights loaded *before*
+the feature cache is looked up, since a LoRA they bring is part of the frozen backbone, caches, optimizer, DDP,
+sources) -> the training state restored (resume) or the centring estimated (new run)
 -> the run directory created and locked -> the tracker and the "session" event.
 """
 
@@ -39,12 +40,13 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
                   objective_fn=None, records=None, feature_cache: bool = True, progress: bool = True,
                   print_fn: Callable[[str], None] | None = None,
                   load_weights: Callable[[Any], None] | None = None, start_step: int = 0) -> Session:
-    """Model, optimizer, sampler, dev subset and feature sources of a run. `records`: the (train, dev) rows
-    if the caller already read them; `backbone`: a ready backbone for `build_model` (tests, benchmarks);
-    `load_weights` puts a resume's or an `--init`'s trainable weights into the built model before the feature
-    cache is looked up, since a LoRA they bring is part of the frozen backbone whose features the cache holds.
-    `start_step`: the update a resume continues from; a run whose head phase lies behind it (an LP-FT run
-    past its warm-up, LoRA moved) reads no cache and extracts none.
+    """Model, optimizer, sampler, dev subset and feature sources of a run, one `_setup_*` part each, in this order:
+    data, placement, model (with the row check and the resume's or `--init`'s weights), caches, optimizer, DDP,
+    sources. `records`: the (train, dev) rows if the caller already read them; `backbone`: a ready backbone for
+    `build_model` (tests, benchmarks); `load_weights` puts a resume's or an `--init`'s trainable weights into the
+    built model before the feature cache is looked up, since a LoRA they bring is part of the frozen backbone whose
+    features the cache holds. `start_step`: the update a resume continues from; a run whose head phase lies behind
+    it (an LP-FT run past its warm-up, LoRA moved) reads no cache and extracts none.
 
     A run whose head learns alone for a while (`head_only`, `head_warmup`) reads its frozen features from
     the data directory's feature cache (`rlcd.features`; extracted here on first need, by rank 0 while the
@@ -52,72 +54,133 @@ def build_session(config: dict, samples: dict, d: Dist, *, placement: Placement 
     `lora_layers` run trains on the cut-state cache (`rlcd.cut_cache`, the same way) unless `feature_cache`
     is False (the backbone then runs live, autograd building no graph below the first LoRA layer).
     A head-only run's LoRA adapters stay at B = 0 with requires_grad off, so its export merges to the base."""
-    from rlcd.data.sampling import Sampler
-    from rlcd.model.build import build_model
-
     recipe = Recipe.from_dict(config["recipe"])
     local_accum(recipe.grad_accum, d.world, recipe.batch_size)
+    data = _setup_data(config, samples, recipe, records)
+    placement = placement or _setup_placement(config, d)
+    model = _setup_model(config, recipe, data, placement, backbone=backbone, load_weights=load_weights)
+    features, cut_states = _setup_caches(model, recipe, data, d, enabled=feature_cache, progress=progress,
+                                         print_fn=print_fn, start_step=start_step)
+    optimizer = _setup_optimizer(model, recipe)
+    wrapped = _setup_ddp(model, recipe, d, placement.torch_device)
+    collator, sampler, sources = _setup_sources(model, recipe, data, placement.torch_device, features=features,
+                                                cut_states=cut_states, start_step=start_step)
+    return Session(recipe=recipe, horizon=int(config["decay_horizon"]), model=model, wrapped=wrapped,
+                   optimizer=optimizer, collator=collator, records=data.by_id, dev=data.dev, sampler=sampler, dist=d,
+                   device=placement.torch_device, sources=sources, objective_fn=objective_fn,
+                   head_peak=(config.get("init") or {}).get("head_lr_peak"))
+
+
+@dataclass
+class _Data:
+    """A run's rows as the session reads them: the training pool (and its derived forms) by group, the dev subset."""
+
+    data_dir: Path
+    train: list[Record]
+    dev_rows: list[Record]
+    by_id: dict[str, Record]
+    pool: dict[str, list[str]]
+    derived: dict[str, list[str]] | None
+    dev: dict[str, list[Record]]
+
+    def pool_rows(self) -> list[Record]:
+        """Every training-pool row, derived forms included (what the row check renders)."""
+        return [self.by_id[i] for ids in (*self.pool.values(), *(self.derived or {}).values()) for i in ids]
+
+
+def _setup_data(config: dict, samples: dict, recipe: Recipe, records=None) -> _Data:
+    """The data directory's rows (`records` if the caller read them) and the frozen samples' pool and dev subset."""
     data_dir = Path(config["data_dir"])
     train, dev_rows = records or load_records(data_dir)
-    by_id = {r.id: r for r in train}
     pool = {g: list(ids) for g, ids in samples["train"].items()}
     derived = samples.get("train_derived") if recipe.forms == "derived" else None
     if recipe.forms == "derived" and not derived:
         raise OptionError("recipe forms=derived but the run's samples.json holds no derived pool (train_derived)")
     dev_by_id = {r.id: r for r in dev_rows}
     dev = {g: [dev_by_id[i] for i in ids] for g, ids in samples["dev"].items()}
-    placement = placement or resolve_placement(config.get("device", "auto"), config.get("dtype", "auto"),
-                                               local_rank=d.local_rank if d.active else None)
-    device = placement.torch_device
+    return _Data(data_dir, train, dev_rows, {r.id: r for r in train}, pool, derived, dev)
+
+
+def _setup_placement(config: dict, d: Dist) -> Placement:
+    """The run's device and dtype (`rlcd.device.resolve_placement`) when the caller did not resolve them."""
+    return resolve_placement(config.get("device", "auto"), config.get("dtype", "auto"),
+                             local_rank=d.local_rank if d.active else None)
+
+
+def _setup_model(config: dict, recipe: Recipe, data: _Data, placement: Placement, *, backbone=None,
+                 load_weights: Callable[[Any], None] | None = None) -> Any:
+    """The model built under the recipe's seed, every pool and dev row checked against it (`check_rows`), in
+    training mode (a head-only run's LoRA frozen), with the resume's or `--init`'s weights loaded."""
+    from rlcd.model.build import build_model
+
     torch.manual_seed(recipe.seed)
-    model = build_model(config, device=device, dtype=placement.torch_dtype, backbone=backbone)
-    check_rows(model, config["model"], data_dir,
-               [by_id[i] for ids in (*pool.values(), *(derived or {}).values()) for i in ids],
-               [r for rows in dev.values() for r in rows])
+    model = build_model(config, device=placement.torch_device, dtype=placement.torch_dtype, backbone=backbone)
+    check_rows(model, config["model"], data.data_dir, data.pool_rows(), [r for rows in data.dev.values() for r in rows])
     model.train()
     if recipe.head_only:
         for p in model.param_groups()["lora"]:
             p.requires_grad_(False)
     if load_weights is not None:
         load_weights(model)
+    return model
+
+
+def _setup_caches(model: Any, recipe: Recipe, data: _Data, d: Dist, *, enabled: bool, progress: bool,
+                  print_fn: Callable[[str], None] | None, start_step: int) -> tuple[Any, Any]:
+    """(feature cache, cut-state cache), each None unless the recipe reads it: the cut states of a `lora_layers`
+    run, the frozen features of a head phase still ahead (rank 0 extracts a missing one, the others wait)."""
     features = cut_states = None
-    known = {"train": train, "dev": dev_rows}
-    if feature_cache and recipe.lora_layers is not None:
+    known = {"train": data.train, "dev": data.dev_rows}
+    if enabled and recipe.lora_layers is not None:
         from rlcd.cut_cache import ensure_cut_states
 
         cut_states = _rank0_first(d, lambda main: ensure_cut_states(
-            model, data_dir, progress=progress and main, say=print_fn if main else None, records=known))
-    if feature_cache and (recipe.head_only or start_step < recipe.head_warmup):
+            model, data.data_dir, progress=progress and main, say=print_fn if main else None, records=known))
+    if enabled and (recipe.head_only or start_step < recipe.head_warmup):
         from rlcd.cut_cache import find_cut_states
         from rlcd.features import ensure_features
 
         def build(main: bool):  # on a miss, from a cut-state cache this model matches: the top layers only
-            return ensure_features(model, data_dir, progress=progress and main, say=print_fn if main else None,
-                                   records=known, cut_states=lambda: find_cut_states(model, data_dir, any_cut=True),
+            return ensure_features(model, data.data_dir, progress=progress and main, say=print_fn if main else None,
+                                   records=known, cut_states=lambda: find_cut_states(model, data.data_dir, any_cut=True),
                                    choice_orders=recipe.choice_orders)
 
         features = _rank0_first(d, build)
+    return features, cut_states
+
+
+def _setup_optimizer(model: Any, recipe: Recipe) -> torch.optim.Optimizer:
+    """AdamW over the `lora` and `head` groups at their own learning rates."""
     groups = model.param_groups()
-    optimizer = torch.optim.AdamW(
+    return torch.optim.AdamW(
         [{"params": groups["lora"], "lr": recipe.lr_lora, "name": "lora"},
          {"params": groups["head"], "lr": recipe.lr_head, "name": "head"}],
         weight_decay=recipe.weight_decay,
     )
-    wrapped = model
-    if d.active:
-        from torch.nn.parallel import DistributedDataParallel as DDP
 
-        wrapped = DDP(model, device_ids=[device.index or 0] if device.type == "cuda" else None,
-                      find_unused_parameters=recipe.head_warmup > 0)  # LoRA gets no gradient in the warm-up
-    collator = model.collator(image_root=data_dir)
-    case_of = ({i: by_id[i].case_id for ids in (*pool.values(), *(derived or {}).values()) for i in ids}
+
+def _setup_ddp(model: Any, recipe: Recipe, d: Dist, device: torch.device) -> Any:
+    """The module the updates call: the model itself, or DDP around it under torchrun."""
+    if not d.active:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model, device_ids=[device.index or 0] if device.type == "cuda" else None,
+               find_unused_parameters=recipe.head_warmup > 0)  # LoRA gets no gradient in the warm-up
+
+
+def _setup_sources(model: Any, recipe: Recipe, data: _Data, device: torch.device, *, features: Any,
+                   cut_states: Any, start_step: int) -> tuple[Any, Any, Any]:
+    """(collator, sampler, sources): the model's collator on the data directory, the pool's sampler (whole cases
+    with `batch_by=case`), and where each update's features come from (`plan_sources`)."""
+    from rlcd.data.sampling import Sampler
+
+    collator = model.collator(image_root=data.data_dir)
+    case_of = ({i: data.by_id[i].case_id for ids in (*data.pool.values(), *(data.derived or {}).values()) for i in ids}
                if recipe.batch_by == "case" else None)
     sources = plan_sources(recipe, collator=collator, device=device, features=features, cut_states=cut_states,
                            start_step=start_step)
-    return Session(recipe=recipe, horizon=int(config["decay_horizon"]), model=model, wrapped=wrapped,
-                   optimizer=optimizer, collator=collator, records=by_id, dev=dev,
-                   sampler=Sampler(pool, case_of, derived, recipe.forms_share), dist=d, device=device, sources=sources,
-                   objective_fn=objective_fn, head_peak=(config.get("init") or {}).get("head_lr_peak"))
+    return collator, Sampler(data.pool, case_of, data.derived, recipe.forms_share), sources
 
 
 def precision_deviation(placement: Placement) -> dict | None:
