@@ -21,9 +21,13 @@ from _tiny_export import tiny_export, tiny_predictor  # noqa: E402
 from conftest import user_error  # noqa: E402
 
 from rlcd.batch.io import parts_dir, read_output, rejects_path  # noqa: E402
-from rlcd.batch.local import rounds  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+# |p_batch - p_single|: the job packs a state's lines into one case (`rlcd.batch.packing`), so a line's suffix runs
+# on the tiny Qwen3.5's prefix path while alone it may run as a full row: another DeltaNet chunk grid and batch shape,
+# equal up to float noise (~6e-6 relative in logits, the engines' contract); measured up to 1.5e-6 in probability.
+# A line given another line's rows is off by 1e-2 or more. On the demo's SmolLM2, `rlcd bench batch` measures it.
+TOL = 1e-5
 STATES = [
     "The parcel arrived two weeks late and the box was damaged.",
     {"ticket": 7, "text": "Refund requested for a blue jacket, size L.", "priority": "high"},
@@ -122,7 +126,7 @@ def check_against_predictor(predictor, requests, answers):
     assert set(by_id) == {r["id"] for r in requests}
     for req in requests:
         body = {k: v for k, v in req.items() if k != "id"}
-        assert max_diff(by_id[req["id"]], predictor.predict(body)) < 1e-6, req["id"]
+        assert max_diff(by_id[req["id"]], predictor.predict(body)) < TOL, req["id"]
 
 
 # ------------------------------------------------------------------------------------------------- local
@@ -223,16 +227,7 @@ def test_a_processed_split_is_one_request_per_record(run_dir, predictor, tmp_pat
     answers = read_output(out)
     assert [a["id"] for a in answers] == [r.id for r in records]
     for rec, ans in zip(records, answers):
-        assert max_diff(ans, predictor.predict(split_request(rec), image_root=data)) < 1e-6
-
-
-def test_rounds_put_each_state_once_per_call_and_keep_every_row():
-    keys = ["a", "b", "a", "c", "a", "b", "d"]
-    got = rounds(keys, 2)
-    assert sorted(i for r in got for i in r) == list(range(len(keys)))
-    assert got == [[0, 1], [2, 5], [4], [3, 6]]  # block {a, b}: first a and b, then the second ones, ...
-    for r in got:
-        assert len({keys[i] for i in r}) == len(r)
+        assert max_diff(ans, predictor.predict(split_request(rec), image_root=data)) < TOL
 
 
 @pytest.mark.slow
@@ -271,7 +266,7 @@ def test_a_killed_job_resumes_to_the_uninterrupted_output(run_dir, tmp_path):
     a, b = read_output(whole), read_output(killed)
     assert [x["id"] for x in b] == [x["id"] for x in a]  # none lost, none twice, same order
     for x, y in zip(a, b):
-        assert x["line"] == y["line"] and max_diff(y, x) < 1e-6
+        assert x["line"] == y["line"] and max_diff(y, x) < TOL
     assert rejects_path(killed).read_text() == rejects_path(whole).read_text()
 
 

@@ -1,14 +1,11 @@
 """The batch job in one process: rows read in windows, scored by one `Predictor`, committed part by part.
 
 `score_rows(predictor, rows)` is the scoring core the Ray actors run too. It uses the Predictor's own three
-steps -- `prepare` (validation, tokenising), `score_many` (one batched model call), `respond` -- and adds
-only the order the requests go in: the window's requests are grouped by state (the request's state and
-image specs, as JSON), and the groups taken `batch_size` at a time; a block's first round holds each
-group's first request (the cold states in one batched forward, each stored in the state cache), the next
-rounds the groups' later requests (their states warm: only their questions run). A block's states are
-what the cache must hold at once (`batch_size` x ~12.5 MiB for a 250-token SmolLM2-135M state: the
-default 16 fits the default 256 MiB). Answers do not depend on that order (the Predictor's batched and
-cached logits equal its single ones up to float noise).
+steps -- `prepare` (validation, tokenising), the model call, `respond` -- and adds only how the calls are made
+(`rlcd.batch.packing`): a window's requests about one state (the request's state and image specs, as JSON) are
+packed into one case, its prefix run once for all of them, and `batch_size` states of similar length go through one
+model call. Answers do not depend on that (each request's logits equal its single ones up to float noise, its usage
+is its own).
 
 A request that breaks a rule (a `RecordError` from `prepare`, or its own model call failing while the
 rest of its batch succeeds: `Predictor.score_many`) is a reject `{"field", "reason"}`, never a failed job.
@@ -23,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from rlcd.batch.io import Outcome, PartWriter, Row
+from rlcd.batch.packing import score_packed
 from rlcd.schema import RecordError
 
 DEFAULT_BATCH_SIZE = 16  # states per batched model call
@@ -109,21 +107,6 @@ def state_key(prepared: Any) -> str:
     return json.dumps([r.state, r.images], sort_keys=True, ensure_ascii=False, default=str)
 
 
-def rounds(keys: list[str], batch_size: int) -> list[list[int]]:
-    """The order of the model calls (see the module docstring): indices of `keys` grouped by key (first-seen
-    order), `batch_size` groups a block; per block, round r holds the r-th member of each group that has one."""
-    groups: dict[str, list[int]] = {}
-    for i, k in enumerate(keys):
-        groups.setdefault(k, []).append(i)
-    members = list(groups.values())
-    out = []
-    for b in range(0, len(members), batch_size):
-        block = members[b: b + batch_size]
-        for r in range(max(len(g) for g in block)):
-            out.append([g[r] for g in block if len(g) > r])
-    return out
-
-
 def score_rows(predictor: Any, rows: list[Row], *, batch_size: int = DEFAULT_BATCH_SIZE,
                image_root: Path | None = None, on_done: Callable[[int], None] | None = None) -> list[Outcome]:
     """One outcome per row, in the rows' order: the Predictor's response, or the reject. `on_done(n)` is called
@@ -140,18 +123,15 @@ def score_rows(predictor: Any, rows: list[Row], *, batch_size: int = DEFAULT_BAT
             out[row.line] = Outcome(row.line, row.id, reject=_reject(e))
     if on_done is not None and out:
         on_done(len(out))
-    for group in rounds([state_key(p) for _, p in live], batch_size):
-        batch = [live[i] for i in group]
-        results = predictor.score_many([p for _, p in batch])
-        for (row, p), res in zip(batch, results):
-            if isinstance(res, Exception):
-                if not isinstance(res, RecordError):
-                    raise res
-                out[row.line] = Outcome(row.line, row.id, reject=_reject(res))
-            else:
-                out[row.line] = Outcome(row.line, row.id, response=predictor.respond(p, *res))
-        if on_done is not None:
-            on_done(len(batch))
+    results = score_packed(predictor, [p for _, p in live], [state_key(p) for _, p in live], batch_size=batch_size,
+                           on_done=on_done)
+    for (row, p), res in zip(live, results):
+        if isinstance(res, Exception):
+            if not isinstance(res, RecordError):
+                raise res
+            out[row.line] = Outcome(row.line, row.id, reject=_reject(res))
+        else:
+            out[row.line] = Outcome(row.line, row.id, response=predictor.respond(p, *res))
     return [out[row.line] for row in rows]
 
 
@@ -208,5 +188,5 @@ def summary(writer: PartWriter, session_rows: int, seconds: float, scoring: floa
             "rows_per_cpu_s": round(session_rows / scoring_cpu, 3) if scoring_cpu else None}
 
 
-__all__ = ["PredictorSpec", "score_rows", "run_local", "rounds", "state_key", "windows", "summary", "DEFAULT_BATCH_SIZE",
+__all__ = ["PredictorSpec", "score_rows", "run_local", "state_key", "windows", "summary", "DEFAULT_BATCH_SIZE",
            "DEFAULT_CHUNK_ROWS"]
