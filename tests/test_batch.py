@@ -486,3 +486,39 @@ def test_bench_batch_mistakes_are_one_line(run_dir, tmp_path):
     user_error(["bench", "batch", run_dir, "--actors", "x"], contains="--actors")
     user_error(["bench", "batch", run_dir, "--actors", "0"], contains="--actors")
     user_error(["bench", "batch", tmp_path], contains="export")
+    user_error(["bench", "batch", run_dir, "--actors", "", "--dtype", "half"], contains="--dtype")
+
+
+def test_the_floor_arm_runs_the_rows_true_forwards():
+    """The floor's prefix-then-suffix forwards are the real computation: each row's hidden state at its decision
+    token equals the decoder's full forward of the row (float32, 1e-4), and the arm counts every row once."""
+    from _tiny_export import build_tiny_model
+
+    from rlcd.bench.batch import floor_arm, model_rows, shared_prefix, state_forwards
+
+    model = build_tiny_model(model_spec="tiny-llama")
+    dec = model.family.text_decoder(model.causal_lm())
+    request = {"state": STATES[1], "questions": {f"q{k}": QUESTIONS[k] for k in range(3)}}
+    rows = model_rows(model, request)
+    assert len(rows) == 3  # the fixed-answer question has no row
+    p = shared_prefix(rows)
+    (h,) = state_forwards(model, dec, rows)
+    (h_small, *_rest) = state_forwards(model, dec, rows, max_rows=2)
+    assert len(_rest) == 1 and torch.allclose(h_small[:, :4], h[:2, :4], atol=1e-5)
+    with torch.inference_mode():
+        for i, r in enumerate(rows):
+            full = dec(input_ids=torch.tensor([r.ids])).last_hidden_state[0]
+            assert torch.allclose(h[i, r.decision_pos - p], full[r.decision_pos], atol=1e-4, rtol=1e-4)
+    got = floor_arm(model, [request, {"state": STATES[2], "questions": {"a": QUESTIONS[1]}}], threads=1)
+    assert got["rows"] == 4 and got["rows_per_cpu_s"] > 0
+
+
+def test_answer_diff_is_the_largest_probability_gap():
+    from rlcd.bench.batch import answer_diff
+
+    want = {"answers": {"a": {"type": "noul", "noul": 0.25},
+                        "b": {"type": "choice", "probabilities": {"x": 0.5, "y": 0.5}}}}
+    got = {"answers": {"a": {"type": "noul", "noul": 0.2501},
+                       "b": {"type": "choice", "probabilities": {"x": 0.497, "y": 0.503}}}}
+    assert abs(answer_diff(got, want) - 0.003) < 1e-12
+    assert answer_diff(want, want) == 0.0

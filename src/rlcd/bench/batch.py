@@ -1,4 +1,4 @@
-"""`rlcd bench batch RUN`: rows/s of offline scoring four ways on one machine, in one interleaved run.
+"""`rlcd bench batch RUN`: rows/s of offline scoring several ways on one machine, in one interleaved run.
 
 The rows are a processed split's records (default: the run's test split), one question each. Arms, each round
 in this order, `rounds` rounds:
@@ -6,8 +6,18 @@ in this order, `rounds` rounds:
 * `http`: one HTTP request per state (all of its questions in it, as a client would send them) against
   `rlcd serve RUN` (a separate process, started once before the first round, model loaded and warmed; its
   start is not timed), sequential, on one keep-alive connection, `--batch-window-ms 0`;
-* `local`: `rlcd predict RUN --input FILE --output FILE` in one process (the file: one request per row);
-* `ray_N`: the same with `--ray --num-actors N --cpus-per-actor 1` (a local Ray cluster started by the job).
+* `local`: `rlcd predict RUN --input FILE --output FILE` in one process (the file: one request per row; the job
+  packs each window's rows about one state into one case, `rlcd.batch.packing`);
+* `local_Nt`: the same at N = (largest actor count) x threads torch threads: what the Ray arm with that many
+  single-thread actors is compared with, end to end;
+* `ray_N`: the same with `--ray --num-actors N --cpus-per-actor 1` (a local Ray cluster started by the job);
+* `floor`: in this process, the decoder's own forwards of the same shapes and nothing else -- per state, its
+  prefix once (1 x p tokens) and then its rows' suffixes on that cache (n x s, to each row's last marker, at most
+  64 rows a call) -- no plan, no head, no JSON, no process: the work no path can skip, as rows per CPU-second.
+  Text decoders (a keys-and-values cache) only.
+
+After the rounds, `singles` rows are each sent alone to the server (not timed) and every job arm's answers to them
+are compared: `max_dp_vs_single`, the largest |p_job - p_single| over their options (noul: P(true)).
 
 Every process runs with `OMP_NUM_THREADS=threads` and `--threads threads`. Per arm and round: `wall_s` (the
 process from spawn to exit, with imports, model loading and for Ray the cluster's start; for `http`, the
@@ -158,7 +168,7 @@ def job_arm(python: str, run: Path, src: Path, out: Path, extra: list[str], thre
 class Server:
     """`rlcd serve RUN` on a free loopback port, ready (model loaded, warm-up answered), RSS sampled all along."""
 
-    def __init__(self, python: str, run: Path, threads: int, timeout: float = 300):
+    def __init__(self, python: str, run: Path, threads: int, timeout: float = 300, dtype: str = "auto"):
         import socket
 
         import httpx
@@ -167,7 +177,8 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.proc = subprocess.Popen([python, "-m", "rlcd.cli", "serve", str(run), "--port", str(self.port),
-                                      "--quiet", "--batch-window-ms", "0", "--device", "cpu"], env=_env(threads),
+                                      "--quiet", "--batch-window-ms", "0", "--device", "cpu", "--dtype", dtype],
+                                     env=_env(threads),
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.rss = PeakRss(self.proc.pid)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -221,10 +232,118 @@ def http_arm(server: Server, requests: list[dict], rows: int, timeout: float) ->
             "scoring_rows_per_s": rows / wall, "peak_rss_mib": server.rss.peak / 2 ** 20, "processes": server.rss.processes}
 
 
+def floor_arm(model: Any, requests: list[dict], threads: int, max_rows: int = 64) -> dict:
+    """The `floor` arm (module docstring) on `model` (a loaded `DecisionModel`): the bare decoder forwards of each
+    state's prefix and its rows' suffixes, timed by this process's CPU and wall clock."""
+    import torch
+
+    torch.set_num_threads(threads)
+    dec = model.family.text_decoder(model.causal_lm())
+    cases = [model_rows(model, req) for req in requests]
+    n_rows = sum(len(c) for c in cases)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for rows in cases:
+        state_forwards(model, dec, rows, max_rows)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"rows": n_rows, "answered": n_rows, "wall_s": wall, "rows_per_s": n_rows / wall,
+            "scoring_rows_per_s": n_rows / wall, "rows_per_cpu_s": n_rows / cpu if cpu > 0 else None,
+            "peak_rss_mib": tree_rss(os.getpid())[0] / 2 ** 20, "processes": 1}
+
+
+def state_forwards(model: Any, dec: Any, rows: list[Any], max_rows: int = 64) -> list[Any]:
+    """One state's bare forwards: its prefix once, then its rows' suffixes (to each row's last marker) on copies of
+    that cache, `max_rows` a call. Returns each call's last hidden states [n, s, H] (a suffix position j is row
+    token p + j, p = `shared_prefix(rows)`)."""
+    import torch
+
+    from ..model.families.base import cache_kwarg
+
+    dev = model.device
+    with torch.inference_mode():
+        p = shared_prefix(rows)
+        cache = dec(input_ids=torch.tensor([rows[0].ids[:p]], device=dev), use_cache=True).past_key_values
+        out = []
+        for c in range(0, len(rows), max_rows):
+            chunk = rows[c: c + max_rows]
+            suf = [r.ids[p: r.marker_pos[-1] + 1] for r in chunk]
+            s_max = max(len(x) for x in suf)
+            sids = torch.full((len(chunk), s_max), model.encoder.pad_id, dtype=torch.long, device=dev)
+            mask = torch.zeros((len(chunk), p + s_max), dtype=torch.long, device=dev)
+            mask[:, :p] = 1
+            for i, x in enumerate(suf):
+                sids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+                mask[i, p: p + len(x)] = 1
+            out.append(dec(input_ids=sids, attention_mask=mask, use_cache=True,
+                           **{cache_kwarg(dec): _repeated(cache, len(chunk))}).last_hidden_state)
+    return out
+
+
+def shared_prefix(rows: list[Any]) -> int:
+    """The rows' common token prefix, up to the first decision position (`model.plan.request_tokens`' p)."""
+    ids = [list(r.ids) for r in rows]
+    n = min(len(x) for x in ids)
+    common = next((i for i in range(n) if any(x[i] != ids[0][i] for x in ids)), n)
+    return min(common, min(int(r.decision_pos) for r in rows))
+
+
+def _repeated(cache: Any, n: int) -> Any:
+    """A copy of a one-row DynamicCache with its row repeated n times (the suffix call appends to its own)."""
+    import copy
+
+    out = copy.copy(cache)
+    out.layers = []
+    for layer in cache.layers:
+        new = copy.copy(layer)
+        new.keys = layer.keys.expand(n, *layer.keys.shape[1:]).contiguous()
+        new.values = layer.values.expand(n, *layer.values.shape[1:]).contiguous()
+        out.layers.append(new)
+    return out
+
+
+def model_rows(model: Any, request: dict) -> list[Any]:
+    """A per-state request's rows as the engine renders them (canonical forms, the model's prompt frame)."""
+    from ..serving.canonical import asked_forms
+    from ..serving.limits import Limits
+    from ..serving.request import parse_request
+
+    parsed = parse_request(request, Limits(), served=(), strict_model=False, takes_images=False)
+    _, asking = asked_forms(parsed.questions, True)
+    from ..model.cases import CaseEncoder
+
+    return CaseEncoder.for_model(model).rows(parsed.state, [q for q in asking if q.k > 1])
+
+
+def answer_diff(got: dict, want: dict) -> float:
+    """Largest |p_got - p_want| over every question's options (noul: P(true)) of two System One responses."""
+    worst = 0.0
+    for qid, w in want["answers"].items():
+        g = got["answers"][qid]
+        if w["type"] == "noul":
+            worst = max(worst, abs(g["noul"] - w["noul"]))
+        else:
+            worst = max(worst, max(abs(g["probabilities"][k] - w["probabilities"][k]) for k in w["probabilities"]))
+    return worst
+
+
+def singles(server: Server, src: Path, n: int, timeout: float) -> dict[str, dict]:
+    """The first `n` rows of the input file, each sent alone to the server: {id: response}."""
+    import httpx
+
+    out = {}
+    with httpx.Client(base_url=server.url, timeout=timeout, trust_env=False) as client, open(src) as fh:
+        for line in list(fh)[:n]:
+            obj = json.loads(line)
+            r = client.post("/v1/systemone", json={k: v for k, v in obj.items() if k != "id"})
+            r.raise_for_status()
+            out[obj["id"]] = r.json()
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ the bench
 def run_batch_bench(run: Path, *, data: Path | None = None, splits: tuple[str, ...] = ("test",),
                     rows: int | None = None, rounds: int = 2, actors: tuple[int, ...] = (1, 2), threads: int = 1,
-                    chunk_rows: int = 8, batch_size: int = 16, python: str | None = None, timeout: float = 600,
+                    chunk_rows: int = 256, batch_size: int = 16, python: str | None = None, timeout: float = 1800,
+                    floor: bool = True, n_singles: int = 200, dtype: str = "float32",
                     say: Callable[[str], None] = print) -> dict[str, Any]:
     """The arms of the module docstring, interleaved over `rounds`; returns per-arm runs, medians and the
     projection. `python`: the interpreter of the processes (default: this one; it needs ray for the Ray arms)."""
@@ -233,26 +352,40 @@ def run_batch_bench(run: Path, *, data: Path | None = None, splits: tuple[str, .
     python = python or sys.executable
     run = Path(run)
     data = Path(data) if data is not None else Run(run).data_dir
-    arms = ["http", "local", *(f"ray_{n}" for n in actors)]
+    wide = max(actors) * threads if actors and max(actors) > 1 else None
+    arms = ["http", "local", *([f"local_{wide}t"] if wide else []), *(f"ray_{n}" for n in actors),
+            *(["floor"] if floor else [])]
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="rlcd-bench-batch-") as tmp:
         tmp = Path(tmp)
         src, per_state, n_rows = bench_inputs(data, splits, rows, tmp)
         say(f"batch bench: {n_rows} rows ({len(per_state)} states) from {data} {','.join(splits)}; "
-            f"{rounds} rounds of {', '.join(arms)}; {threads} thread(s) a process")
-        job = ["--chunk-rows", str(chunk_rows), "--batch-size", str(batch_size)]
-        server = Server(python, run, threads)
+            f"{rounds} rounds of {', '.join(arms)}; {threads} thread(s) a process, {dtype}")
+        job = ["--chunk-rows", str(chunk_rows), "--batch-size", str(batch_size), "--dtype", dtype]
+        model = None
+        if floor:  # loaded once, not timed
+            from ..device import Placement
+            from ..export import load_export
+
+            model = load_export(run, placement=Placement("cpu", dtype, "the bench's --dtype"))[0]
+        server = Server(python, run, threads, dtype=dtype)
+        outputs: dict[str, Path] = {}
         try:
             for r in range(rounds):
                 for arm in arms:
                     if arm == "http":
                         got = http_arm(server, per_state, n_rows, timeout)
-                    elif arm == "local":
-                        got = job_arm(python, run, src, tmp / "local.jsonl", job, threads, timeout)
+                    elif arm == "floor":
+                        got = floor_arm(model, per_state, threads)
+                    elif arm.startswith("local"):
+                        n = wide if arm != "local" else threads
+                        outputs[arm] = tmp / f"{arm}.jsonl"
+                        got = job_arm(python, run, src, outputs[arm], job, n, timeout)
                     else:
                         n = int(arm.split("_")[1])
-                        got = job_arm(python, run, src, tmp / f"{arm}.jsonl",
+                        outputs[arm] = tmp / f"{arm}.jsonl"
+                        got = job_arm(python, run, src, outputs[arm],
                                       [*job, "--ray", "--num-actors", str(n), "--cpus-per-actor", "1"], threads, timeout)
                     got["round"] = r
                     runs[arm].append(got)
@@ -262,13 +395,35 @@ def run_batch_bench(run: Path, *, data: Path | None = None, splits: tuple[str, .
                         f"{'-' if cpu is None else f'{cpu:.2f}'} rows per CPU-second, "
                         f"scoring {'-' if steady is None else f'{steady:.2f}'} rows/s, peak RSS "
                         f"{got['peak_rss_mib']:.0f} MiB ({got['processes']} processes)")
+            single = singles(server, src, n_singles, timeout) if n_singles else {}
+            agree = {}
+            for arm, path in outputs.items():
+                from ..batch.io import read_output
+
+                got_by_id = {a["id"]: a for a in read_output(path)}
+                agree[arm] = max((answer_diff(got_by_id[i], w) for i, w in single.items()), default=None)
         finally:
             server.stop()
     median = {a: {k: statistics.median(x[k] for x in runs[a]) if all(x[k] is not None for x in runs[a]) else None
                   for k in ("rows_per_s", "scoring_rows_per_s", "rows_per_cpu_s", "wall_s", "peak_rss_mib")} for a in arms}
     out: dict[str, Any] = {"run": str(run), "rows": n_rows, "states": len(per_state), "splits": list(splits),
-                           "rounds": rounds, "threads": threads, "chunk_rows": chunk_rows, "batch_size": batch_size,
-                           "cpus": os.cpu_count(), "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg()), "arms": arms, "median": median, "runs": runs}
+                           "rounds": rounds, "threads": threads, "dtype": dtype, "chunk_rows": chunk_rows,
+                           "batch_size": batch_size, "cpus": os.cpu_count(), "loadavg_before": list(load_before),
+                           "loadavg_after": list(os.getloadavg()), "arms": arms, "median": median, "runs": runs,
+                           "singles": len(single), "max_dp_vs_single": agree}
+
+    def ratio(a: str, b: str, key: str) -> float | None:
+        x, y = median.get(a, {}).get(key), median.get(b, {}).get(key)
+        return x / y if x and y else None
+
+    out["ratios"] = {"local_over_http_rows_per_cpu_s": ratio("local", "http", "rows_per_cpu_s"),
+                     "local_over_floor_rows_per_cpu_s": ratio("local", "floor", "rows_per_cpu_s"),
+                     "http_over_floor_rows_per_cpu_s": ratio("http", "floor", "rows_per_cpu_s")}
+    if wide:
+        out["ratios"][f"ray_{max(actors)}_over_local_{wide}t_rows_per_s"] = ratio(f"ray_{max(actors)}",
+                                                                               f"local_{wide}t", "rows_per_s")
+        out["ratios"][f"ray_{max(actors)}_over_local_{wide}t_scoring_rows_per_s"] = ratio(
+            f"ray_{max(actors)}", f"local_{wide}t", "scoring_rows_per_s")
     base = median.get(f"ray_{min(actors)}", {}).get("scoring_rows_per_s") if actors else None
     per_cpu = median.get(f"ray_{min(actors)}", {}).get("rows_per_cpu_s") if actors else None
     if base and per_cpu:
@@ -287,10 +442,14 @@ def run_batch_bench(run: Path, *, data: Path | None = None, splits: tuple[str, .
             f"{'-' if m['rows_per_cpu_s'] is None else format(m['rows_per_cpu_s'], '.2f')} rows per CPU-second, scoring "
             f"{'-' if m['scoring_rows_per_s'] is None else format(m['scoring_rows_per_s'], '.2f')} rows/s, "
             f"peak RSS {m['peak_rss_mib']:.0f} MiB")
+    say("ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in out["ratios"].items() if v is not None))
+    say("max |p_job - p_single| over " + f"{len(single)} rows: " + ", ".join(
+        f"{a} {'-' if v is None else f'{v:.2e}'}" for a, v in agree.items()))
     if "projection" in out:
         p = out["projection"]
         say("projection (not measured): " + ", ".join(f"{n} actors {v:.1f} rows/s" for n, v in p["rows_per_s"].items()))
     return out
 
 
-__all__ = ["run_batch_bench", "bench_inputs", "tree_rss", "PeakRss", "PROJECTED_ACTORS"]
+__all__ = ["run_batch_bench", "bench_inputs", "floor_arm", "state_forwards", "answer_diff", "shared_prefix", "tree_rss", "PeakRss",
+           "PROJECTED_ACTORS"]

@@ -439,14 +439,20 @@ def batch(
     rounds: Annotated[int, typer.Option(min=1, help="interleaved rounds of every arm (median)")] = 2,
     actors: Annotated[str, typer.Option(help="Ray actor counts, comma-separated (empty: no Ray arms)")] = "1,2",
     threads: Annotated[int, typer.Option(min=1, help="torch threads of every process")] = 1,
-    chunk_rows: Annotated[int, typer.Option(min=1, help="rows per committed part of the batch jobs")] = 8,
+    chunk_rows: Annotated[int, typer.Option(min=1, help="rows per committed part of the batch jobs")] = 256,
+    batch_size: Annotated[int, typer.Option(min=1, help="states per model call of the batch jobs")] = 16,
+    floor: Annotated[bool, typer.Option(help="measure the floor arm: the bare decoder forwards of the same shapes")] = True,
+    singles: Annotated[int, typer.Option(min=0, help="rows sent alone to compare the jobs' answers with")] = 200,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16, every arm")] = "float32",
     python: Annotated[Optional[Path], typer.Option(
         help="interpreter of the measured processes (it needs ray for the Ray arms; default: this one)")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the result here (bench format)")] = None,
 ) -> None:
     """Offline scoring rows/s on one machine, interleaved: one HTTP request per state against `rlcd serve`,
-    `rlcd predict --input` in one process, and through Ray with each actor count; peak RSS of each; and a
-    projection (labelled as such) of rows/s per actor x actors."""
+    `rlcd predict --input` in one process (packed), the same at the Ray arm's total threads, through Ray with each
+    actor count, and the floor (the decoder's own forwards of the same shapes); peak RSS of each; the ratios; the
+    jobs' largest |p - p_single| over --singles rows; and a projection (labelled as such) of rows/s per actor x
+    actors."""
     from rlcd.bench.batch import run_batch_bench
     from rlcd.progress import echo
     from rlcd.run import find_export
@@ -470,11 +476,15 @@ def batch(
         if subprocess.run([str(python or sys.executable), "-c", "import ray"], capture_output=True).returncode:
             raise typer.BadParameter("the Ray arms need ray in the interpreter: pip install 'rlcd[ray]', give "
                                      "--python PATH, or --actors ''", param_hint="--actors")
+    if dtype not in ("float32", "bfloat16"):
+        raise typer.BadParameter(f"{dtype!r}: float32 or bfloat16", param_hint="--dtype")
     res = run_batch_bench(path, data=data, splits=splits, rows=rows, rounds=rounds, actors=actor_t, threads=threads,
-                          chunk_rows=chunk_rows, python=str(python) if python else None, say=echo)
+                          chunk_rows=chunk_rows, batch_size=batch_size, floor=floor, n_singles=singles, dtype=dtype,
+                          python=str(python) if python else None, say=echo)
     _save("batch", json_out, res, ("--data", data, None), ("--split", split, "test"), ("--rows", rows, None),
           ("--rounds", rounds, 2), ("--actors", actors, "1,2"), ("--threads", threads, 1),
-          ("--chunk-rows", chunk_rows, 8), ("--python", python, None), positional=(path,))
+          ("--chunk-rows", chunk_rows, 256), ("--batch-size", batch_size, 16), ("--floor", floor, True),
+          ("--singles", singles, 200), ("--dtype", dtype, "float32"), ("--python", python, None), positional=(path,))
 
 
 @app.command("report")
