@@ -522,3 +522,14 @@ def test_answer_diff_is_the_largest_probability_gap():
                        "b": {"type": "choice", "probabilities": {"x": 0.497, "y": 0.503}}}}
     assert abs(answer_diff(got, want) - 0.003) < 1e-12
     assert answer_diff(want, want) == 0.0
+
+
+def test_ray_blocks_give_every_actor_work_and_stay_within_a_part():
+    from rlcd.batch.ray import rows_per_block
+
+    assert rows_per_block(1200, 256, 2) == 150  # 8 blocks: 4 an actor (one block was one actor's alone)
+    assert rows_per_block(1_000_000, 256, 8) == 256  # a part's rows at most
+    assert rows_per_block(3, 256, 4) == 1 and rows_per_block(0, 256, 2) == 1
+    for n, chunk, actors in [(1200, 256, 2), (999, 64, 3), (10, 256, 16), (5000, 256, 1)]:
+        per = rows_per_block(n, chunk, actors)
+        assert 1 <= per <= chunk and -(-n // per) >= min(n, 4 * actors) or per == chunk

@@ -140,6 +140,14 @@ def predict_dataset(ds: Any, spec: PredictorSpec | str | Path, *, batch_size: in
                           compute=ActorPoolStrategy(size=num_actors), **kw)  # `concurrency` is deprecated
 
 
+def rows_per_block(rows: int, chunk_rows: int, num_actors: int) -> int:
+    """Rows per Ray Data block of the job's input: at most a part's (`chunk_rows`), and small enough that each actor
+    gets about 4 blocks. A file read as one block is one task, which one actor runs while the others wait (2 actors
+    scored at one's rate, 0.60x a local process at 2 threads, before: benchmarks/results/batch.json); several a
+    piece keep the last actor from running one long block alone."""
+    return max(1, min(chunk_rows, -(-rows // (4 * max(1, num_actors)))))
+
+
 def write_todo(rows: Iterable[Row], path: Path) -> int:
     """The rows to score as a Parquet file (line, id, request JSON, reason, field) for `ray.data.read_parquet`,
     written in slices (bounded memory). Returns the row count."""
@@ -194,7 +202,9 @@ def run_ray(spec: PredictorSpec, rows: Iterable[Row], writer: PartWriter, *, add
             ctx = ray.data.DataContext.get_current()
             ctx.execution_options.preserve_order = True
             ctx.enable_progress_bars = False
-            ds = predict_dataset(ray.data.read_parquet(str(todo)), spec, batch_size=batch_size,
+            source = ray.data.read_parquet(str(todo)).repartition(
+                target_num_rows_per_block=rows_per_block(n, chunk_rows, num_actors))
+            ds = predict_dataset(source, spec, batch_size=batch_size,
                                  rows_per_call=chunk_rows, num_actors=num_actors, cpus_per_actor=cpus_per_actor,
                                  gpus_per_actor=gpus_per_actor, image_root=image_root)
             done, first, last = 0, float("inf"), float("-inf")
@@ -220,4 +230,4 @@ def run_ray(spec: PredictorSpec, rows: Iterable[Row], writer: PartWriter, *, add
     return summary(writer, n, time.perf_counter() - t0, (last - first) if n else None, cpu if n else None)
 
 
-__all__ = ["predict_dataset", "run_ray", "write_todo", "require_ray", "check_address", "TODO"]
+__all__ = ["predict_dataset", "run_ray", "rows_per_block", "write_todo", "require_ray", "check_address", "TODO"]

@@ -256,12 +256,12 @@ def state_forwards(model: Any, dec: Any, rows: list[Any], max_rows: int = 64) ->
     token p + j, p = `shared_prefix(rows)`)."""
     import torch
 
-    from ..model.families.base import cache_kwarg
+    from ..model.families.base import cache_kwarg, out_cache
 
     dev = model.device
     with torch.inference_mode():
         p = shared_prefix(rows)
-        cache = dec(input_ids=torch.tensor([rows[0].ids[:p]], device=dev), use_cache=True).past_key_values
+        cache = out_cache(dec(input_ids=torch.tensor([rows[0].ids[:p]], device=dev), use_cache=True))
         out = []
         for c in range(0, len(rows), max_rows):
             chunk = rows[c: c + max_rows]
@@ -343,7 +343,7 @@ def singles(server: Server, src: Path, n: int, timeout: float) -> dict[str, dict
 def run_batch_bench(run: Path, *, data: Path | None = None, splits: tuple[str, ...] = ("test",),
                     rows: int | None = None, rounds: int = 2, actors: tuple[int, ...] = (1, 2), threads: int = 1,
                     chunk_rows: int = 256, batch_size: int = 16, python: str | None = None, timeout: float = 1800,
-                    floor: bool = True, n_singles: int = 200, dtype: str = "float32",
+                    floor: bool = True, n_singles: int = 200, dtype: str = "float32", only: tuple[str, ...] = (),
                     say: Callable[[str], None] = print) -> dict[str, Any]:
     """The arms of the module docstring, interleaved over `rounds`; returns per-arm runs, medians and the
     projection. `python`: the interpreter of the processes (default: this one; it needs ray for the Ray arms)."""
@@ -355,6 +355,11 @@ def run_batch_bench(run: Path, *, data: Path | None = None, splits: tuple[str, .
     wide = max(actors) * threads if actors and max(actors) > 1 else None
     arms = ["http", "local", *([f"local_{wide}t"] if wide else []), *(f"ray_{n}" for n in actors),
             *(["floor"] if floor else [])]
+    if only:
+        unknown = sorted(set(only) - set(arms))
+        if unknown:
+            raise ValueError(f"no arm {', '.join(unknown)}: the arms are {', '.join(arms)}")
+        arms = [a for a in arms if a in only]
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="rlcd-bench-batch-") as tmp:
@@ -369,7 +374,7 @@ def run_batch_bench(run: Path, *, data: Path | None = None, splits: tuple[str, .
             from ..export import load_export
 
             model = load_export(run, placement=Placement("cpu", dtype, "the bench's --dtype"))[0]
-        server = Server(python, run, threads, dtype=dtype)
+        server = Server(python, run, threads, dtype=dtype)  # also answers the singles
         outputs: dict[str, Path] = {}
         try:
             for r in range(rounds):

@@ -444,6 +444,7 @@ def batch(
     floor: Annotated[bool, typer.Option(help="measure the floor arm: the bare decoder forwards of the same shapes")] = True,
     singles: Annotated[int, typer.Option(min=0, help="rows sent alone to compare the jobs' answers with")] = 200,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16, every arm")] = "float32",
+    arms: Annotated[str, typer.Option(help="only these arms, comma-separated (default: all)")] = "",
     python: Annotated[Optional[Path], typer.Option(
         help="interpreter of the measured processes (it needs ray for the Ray arms; default: this one)")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the result here (bench format)")] = None,
@@ -478,13 +479,21 @@ def batch(
                                      "--python PATH, or --actors ''", param_hint="--actors")
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter(f"{dtype!r}: float32 or bfloat16", param_hint="--dtype")
-    res = run_batch_bench(path, data=data, splits=splits, rows=rows, rounds=rounds, actors=actor_t, threads=threads,
-                          chunk_rows=chunk_rows, batch_size=batch_size, floor=floor, n_singles=singles, dtype=dtype,
-                          python=str(python) if python else None, say=echo)
+    only = tuple(a.strip() for a in arms.split(",") if a.strip())
+    try:
+        res = run_batch_bench(path, data=data, splits=splits, rows=rows, rounds=rounds, actors=actor_t,
+                              threads=threads, chunk_rows=chunk_rows, batch_size=batch_size, floor=floor,
+                              n_singles=singles, dtype=dtype, only=only, python=str(python) if python else None,
+                              say=echo)
+    except ValueError as e:
+        if "no arm" not in str(e):
+            raise
+        raise typer.BadParameter(str(e), param_hint="--arms") from None
     _save("batch", json_out, res, ("--data", data, None), ("--split", split, "test"), ("--rows", rows, None),
           ("--rounds", rounds, 2), ("--actors", actors, "1,2"), ("--threads", threads, 1),
           ("--chunk-rows", chunk_rows, 256), ("--batch-size", batch_size, 16), ("--floor", floor, True),
-          ("--singles", singles, 200), ("--dtype", dtype, "float32"), ("--python", python, None), positional=(path,))
+          ("--singles", singles, 200), ("--dtype", dtype, "float32"), ("--arms", arms, ""), ("--python", python, None),
+          positional=(path,))
 
 
 @app.command("report")
