@@ -494,14 +494,15 @@ def test_the_floor_arm_runs_the_rows_true_forwards():
     token equals the decoder's full forward of the row (float32, 1e-4), and the arm counts every row once."""
     from _tiny_export import build_tiny_model
 
-    from rlcd.bench.batch import floor_arm, model_rows, shared_prefix, state_forwards
+    from rlcd.bench.batch import floor_arm, model_rows, state_forwards
+    from rlcd.model.plan import shared_prefix_len
 
     model = build_tiny_model(model_spec="tiny-llama")
     dec = model.family.text_decoder(model.causal_lm())
     request = {"state": STATES[1], "questions": {f"q{k}": QUESTIONS[k] for k in range(3)}}
     rows = model_rows(model, request)
     assert len(rows) == 3  # the fixed-answer question has no row
-    p = shared_prefix(rows)
+    p = shared_prefix_len(rows)
     (h,) = state_forwards(model, dec, rows)
     (h_small, *_rest) = state_forwards(model, dec, rows, max_rows=2)
     assert len(_rest) == 1 and torch.allclose(h_small[:, :4], h[:2, :4], atol=1e-5)

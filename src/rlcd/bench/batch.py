@@ -253,14 +253,15 @@ def floor_arm(model: Any, requests: list[dict], threads: int, max_rows: int = 64
 def state_forwards(model: Any, dec: Any, rows: list[Any], max_rows: int = 64) -> list[Any]:
     """One state's bare forwards: its prefix once, then its rows' suffixes (to each row's last marker) on copies of
     that cache, `max_rows` a call. Returns each call's last hidden states [n, s, H] (a suffix position j is row
-    token p + j, p = `shared_prefix(rows)`)."""
+    token p + j, p = `model.plan.shared_prefix_len(rows)`: their common prefix, up to a decision token)."""
     import torch
 
     from ..model.families.base import cache_kwarg, out_cache
+    from ..model.plan import shared_prefix_len
 
     dev = model.device
     with torch.inference_mode():
-        p = shared_prefix(rows)
+        p = shared_prefix_len(rows)
         cache = out_cache(dec(input_ids=torch.tensor([rows[0].ids[:p]], device=dev), use_cache=True))
         out = []
         for c in range(0, len(rows), max_rows):
@@ -276,14 +277,6 @@ def state_forwards(model: Any, dec: Any, rows: list[Any], max_rows: int = 64) ->
             out.append(dec(input_ids=sids, attention_mask=mask, use_cache=True,
                            **{cache_kwarg(dec): _repeated(cache, len(chunk))}).last_hidden_state)
     return out
-
-
-def shared_prefix(rows: list[Any]) -> int:
-    """The rows' common token prefix, up to the first decision position (`model.plan.request_tokens`' p)."""
-    ids = [list(r.ids) for r in rows]
-    n = min(len(x) for x in ids)
-    common = next((i for i in range(n) if any(x[i] != ids[0][i] for x in ids)), n)
-    return min(common, min(int(r.decision_pos) for r in rows))
 
 
 def _repeated(cache: Any, n: int) -> Any:
@@ -456,5 +449,5 @@ def run_batch_bench(run: Path, *, data: Path | None = None, splits: tuple[str, .
     return out
 
 
-__all__ = ["run_batch_bench", "bench_inputs", "floor_arm", "state_forwards", "answer_diff", "shared_prefix", "tree_rss", "PeakRss",
+__all__ = ["run_batch_bench", "bench_inputs", "floor_arm", "state_forwards", "answer_diff", "tree_rss", "PeakRss",
            "PROJECTED_ACTORS"]
