@@ -31,7 +31,8 @@
 # the cut cache keeps its finished chunks and a run its last checkpoint (every 100 updates), and a re-run goes on.
 # The cut-state caches are large (1,000 cases: ~2.1 GB in float32; 16,000: ~34 GB) and live under runs/, which may not
 # reach the next session's machine: what a run needs to resume that is small (its last checkpoint) can be committed
-# with SAVE=DIR (copies each unfinished run's config, samples and checkpoints/last into DIR); RESTORE=DIR puts them
+# with SAVE=DIR (copies each unfinished run's config, samples, metrics, dev evaluations and checkpoints/last and
+# best into DIR); RESTORE=DIR puts them
 # back before the stages run (the cut states are then rebuilt, deterministically, from the committed data recipe).
 # From the repo root (make gemma first):
 #   STOP_AT=06:50 setsid nohup bash docs/experiments/real-weights/run-data-scale.sh >> runs/ds/run.log 2>&1 &
@@ -151,6 +152,9 @@ save_unfinished() {  # SAVE=DIR: the small part of each unfinished run (config, 
     rm -rf "${SAVE:?}/$(basename "$run")"; mkdir -p "$SAVE/$(basename "$run")/checkpoints"
     cp "$run/config.json" "$run/samples.json" "$run/metrics.jsonl" "$SAVE/$(basename "$run")/"
     cp -r "$run/checkpoints/last" "$SAVE/$(basename "$run")/checkpoints/"
+    # the best so far (a resume that never beats it exports it) and the dev evaluations the report reads
+    [ ! -d "$run/checkpoints/best" ] || cp -r "$run/checkpoints/best" "$SAVE/$(basename "$run")/checkpoints/"
+    [ ! -d "$run/dev-evals" ] || cp -r "$run/dev-evals" "$SAVE/$(basename "$run")/"
     stamp "saved $run's last checkpoint (update $(last_step "$run")) into $SAVE"
   done
 }
