@@ -12,8 +12,8 @@ import torch
 
 torch.set_num_threads(1)
 
-from _tiny_export import tiny_export, tiny_predictor  # noqa: E402
-from test_batch import TOL, max_diff  # noqa: E402
+from test_batch import TOL, max_diff, predictor, run_dir  # noqa: E402,F401 - fixtures
+from test_predict import png  # noqa: E402,F401 - a fixture
 
 from rlcd.batch.io import Row  # noqa: E402
 from rlcd.batch.local import score_rows  # noqa: E402
@@ -31,29 +31,6 @@ QUESTIONS = {
     "urgent": {"type": "score", "instructions": "How urgent is it?", "criteria": ["not", "a bit", "quite", "very"]},
 }
 MIDDLE = {"ticket": 7, "text": "Refund requested for a blue jacket, size L.", "priority": "high"}
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    return tiny_export(tmp_path_factory.getbasetemp())
-
-
-@pytest.fixture(scope="module")
-def predictor(run_dir):
-    return tiny_predictor(run_dir.parent)
-
-
-@pytest.fixture(scope="module")
-def png(tmp_path_factory) -> Path:
-    from PIL import Image
-
-    root = tmp_path_factory.mktemp("img")
-    im = Image.new("RGB", (40, 28))
-    for x in range(40):
-        for y in range(28):
-            im.putpixel((x, y), ((x * 5) % 256, (y * 7) % 256, (x + y) % 256))
-    im.save(root / "a.png")
-    return root / "a.png"
 
 
 def fake_row(n: int, prefix: int) -> EncodedRow:

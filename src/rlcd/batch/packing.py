@@ -101,8 +101,8 @@ def score_packed(predictor: Any, prepared: Sequence[Any], keys: Sequence[str], *
     """Per prepared request, in order: (logits per scored question, usage) or the request's own exception --
     what `Predictor.score_many` returns, with each state's requests packed into one case (module docstring).
     `on_done(n)`: called as n more requests are scored (the progress bar)."""
-    out: list[Any] = list(predictor.score_many([p for p in prepared if p.case is None]))[::-1]
-    out = [None if p.case is not None else out.pop() for p in prepared]
+    fixed = iter(predictor.score_many([p for p in prepared if p.case is None]))  # no model call
+    out: list[Any] = [None if p.case is not None else next(fixed) for p in prepared]
     for block in blocks(packs(prepared, keys), batch_size, max_tokens):
         results = predictor.scorer.score_cases([pk.case for pk in block])
         for pk, res in zip(block, results):
