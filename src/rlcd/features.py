@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -290,8 +291,9 @@ def extract_split(model, records: Sequence[Record], collator, split: str, *, row
     from rlcd.model.runner import CaseRunner
 
     runner = CaseRunner(model) if shared and cut_states is None and isinstance(model, DecisionModel) else None
+    by_case = shared and (runner is not None or cut_states is not None)  # a case's rows in one call, one prefix
     shared = runner.case_features if runner is not None else None
-    groups = entries_by_case(entries) if shared is not None else [[j] for j in range(n)]
+    groups = entries_by_case(entries) if by_case else [[j] for j in range(n)]
     chunks = plan_chunks(groups, rows_per_call or ROWS_PER_CALL)
     digests = [chunk_digest(c, entries) for c in chunks]
     todo = [i for i, d in enumerate(digests) if partial is None or not partial.has(split, i, d, _CHUNK_SUFFIX)]
@@ -305,7 +307,11 @@ def extract_split(model, records: Sequence[Record], collator, split: str, *, row
         out = []
         if cut_states is not None:
             flat = [j for g in call for j in g]
-            batch = cut_states.batch(split, [entries[j][0] for j in flat], [entries[j][1] for j in flat])
+            # each case a unit: its stored prefix runs once through the layers above the cut, its rows' suffixes on
+            # it (2.6x fewer tokens than full rows on Gemma's 1k benchmark); a unit that cannot share runs as rows
+            starts = list(itertools.accumulate((len(g) for g in call), initial=0))
+            units = [list(range(a, b)) for a, b in zip(starts, starts[1:])] if by_case else None
+            batch = cut_states.batch(split, [entries[j][0] for j in flat], [entries[j][1] for j in flat], units=units)
             d, cand = model.features(batch)
             for b, j in enumerate(flat):
                 k = entries[j][0].question.k
