@@ -1,4 +1,4 @@
-"""Committed artefacts (docs/, benchmarks/results/) name files relative to the repo, never by this machine's
+"""Committed artefacts (docs/, benchmarks/results/, models/) name files relative to the repo, never by this machine's
 absolute paths (issue 70): the scan, and the rewrite the collect steps run (`rlcd.relpaths`)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ _ABSOLUTE = re.compile(r"(?<![\w.~$/-])/(?:work|root|home|tmp|mnt|Users)/[^\s\"'
 def _committed_json():
     import subprocess
 
-    listed = subprocess.run(["git", "ls-files", "docs", "benchmarks/results"], cwd=ROOT, capture_output=True,
+    listed = subprocess.run(["git", "ls-files", "docs", "benchmarks/results", "models"], cwd=ROOT, capture_output=True,
                             text=True, check=True).stdout.split()
     return [ROOT / f for f in listed if f.endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz"))]
 

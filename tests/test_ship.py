@@ -71,6 +71,50 @@ def test_ship_writes_a_servable_directory_that_answers_as_the_run(run, tmp_path)
     assert a == b
 
 
+def test_the_shipped_json_names_no_path_of_the_machine_it_was_made_on(run, tmp_path):
+    """A shipped directory is committed and copied: its JSON says `runs/...` or `$TMPDIR/...`, never this machine's
+    absolute paths (the evaluations name their data directories)."""
+    import shutil
+
+    from rlcd.ship import ship
+
+    src = tmp_path / "run"
+    shutil.copytree(run, src)
+    ev = src / "eval-sealed" / "evaluation.json"
+    ev.write_text(json.dumps({**json.loads(ev.read_text()), "evaluated_on": str(tmp_path / "runs" / "sealed"),
+                              "scratch": str(tmp_path / "scratch")}))
+    out = ship(src, tmp_path / "models" / "m")
+    shipped = json.loads((out / "evaluation-sealed.json").read_text())
+    assert shipped["evaluated_on"] == "runs/sealed"
+    if tmp_path.parts[1] == "tmp":
+        assert shipped["scratch"] == "$TMPDIR/" + str((tmp_path / "scratch").relative_to("/tmp"))
+    for f in out.glob("*.json"):
+        assert str(tmp_path) not in f.read_text(), f.name
+
+
+@pytest.mark.parametrize("present", [True, False])
+def test_the_backbones_licence_file_travels_with_the_model_and_the_card_says_so_only_then(run, tmp_path, present):
+    import shutil
+
+    from rlcd.ship import ship
+
+    src = tmp_path / "run"
+    shutil.copytree(run, src)
+    terms = tmp_path / "pkg" / "TERMS.html"
+    if present:
+        terms.parent.mkdir()
+        terms.write_text("<p>terms</p>")
+    meta_path = src / "export" / "model.json"
+    meta = json.loads(meta_path.read_text())
+    meta["backbone"]["license"] = {"name": "Some Terms", "url": "https://example.org/terms", "file": str(terms)}
+    meta_path.write_text(json.dumps(meta))
+    out = ship(src, tmp_path / "models" / "m")
+    card = (out / "README.md").read_text()
+    assert (out / "TERMS.html").is_file() == present
+    assert ("a copy: `TERMS.html` beside this card" in card) == present
+    assert "[Some Terms](https://example.org/terms)" in card
+
+
 def test_the_card_states_the_sealed_gap_computed_independently(run, tmp_path):
     """Every sealed number in the card is the mean over rows of NLL(model at the type's T) - NLL(posterior), the
     uniform answer's beside it; recomputed here in float64 from the prediction rows."""

@@ -8,9 +8,11 @@ the backbone's package is missing (`rlcd.model.packaged`).
 
 Beside the export: `config.json` (the run's resolved recipe, paths relative), `evaluation-sealed.json` (the
 sealed test set's evaluation, scored once by `rlcd evaluate RUN --data SEALED --out sealed`), `evaluation.json`
-(the run's own test split) and `README.md`, the card: what it was trained on, its sealed-test numbers with 95%
-case-bootstrap intervals (the calibrated gap to the Bayes floor overall and per type), the backbone's licence and
-what it is not for. The card's numbers are computed here from the sealed predictions, so they are the model's.
+(the run's own test split), the backbone's licence file when its package has one, and `README.md`, the card:
+what it was trained on, its sealed-test numbers with 95% case-bootstrap intervals (the calibrated gap to the
+Bayes floor overall and per type), the backbone's licence and what it is not for. The card's numbers are
+computed here from the sealed predictions, so they are the model's. Every JSON names paths relative to the
+repo (`rlcd.relpaths`), none of the machine it was made on.
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ def model_card(name: str, meta: Mapping[str, Any], config: Mapping[str, Any], se
 def ship(run_dir: str | Path, out: str | Path, *, sealed: str = "sealed", name: str | None = None,
          about: str = "", force: bool = False) -> Path:
     """Copy RUN's export and the files above into `out` (refusing a non-empty `out` without `force`); returns it."""
-    from rlcd.relpaths import relative_text
+    from rlcd.relpaths import relative_text, relativize
 
     run, out = Run(run_dir), Path(out)
     if not (run.export_dir / "model.json").is_file():
@@ -172,6 +174,11 @@ def ship(run_dir: str | Path, out: str | Path, *, sealed: str = "sealed", name: 
     config = json.loads(relative_text(run.config_path.read_text(encoding="utf-8"), Path.cwd()))
     own = _load(run.evaluation_path) if run.evaluation_path.is_file() else None
     name = name or out.name
+    bb = meta.get("backbone") or {}
+    lic = bb.get("license") if isinstance(bb.get("license"), Mapping) else {}
+    licence_file = Path(lic["file"]) if lic.get("file") and Path(lic["file"]).is_file() else None
+    if lic.get("file") and licence_file is None:  # the card says "a copy beside this card" only when there is one
+        meta = {**meta, "backbone": {**bb, "license": {k: v for k, v in lic.items() if k != "file"}}}
     card = model_card(name, meta, config, numbers, own, root=run.root, about=about)
     if out.exists():
         shutil.rmtree(out) if out.is_dir() else out.unlink()
@@ -184,6 +191,9 @@ def ship(run_dir: str | Path, out: str | Path, *, sealed: str = "sealed", name: 
     if own is not None:
         shutil.copyfile(run.evaluation_path, out / "evaluation.json")
     (out / "README.md").write_text(card)
+    if licence_file is not None:  # the weights' licence travels with a model derived from them (as `rlcd export`'s)
+        shutil.copyfile(licence_file, out / licence_file.name)
+    relativize([out], Path.cwd())  # a shipped directory names no path of the machine it was made on
     return out
 
 
