@@ -71,8 +71,9 @@ def test_stage_costs_sum_the_arms_stages_only(tmp_path):
                    "train d10000-top2\t999\t999\t9\t0\n"  # another arm whose label starts with d1000
                    "evaluate d1000-top2 sealed\t20\t30\t2\t0\n"
                    "cut d4000\t400\t700\t10\t0\n")
-    assert ds.stage_costs(tsv, "d1000") == {"cpu_s": 180 + 5 + 18 + 1 + 30 + 2, "wall_s": 130.0}
-    assert ds.stage_costs(tsv, "d4000") == {"cpu_s": 710.0, "wall_s": 400.0}
+    assert ds.stage_costs(tsv, "d1000") == {"cpu_s": 180 + 5 + 18 + 1 + 30 + 2, "wall_s": 130.0,
+                                            "train_cpu_s": 180 + 5 + 18 + 1}  # the evaluation is not training
+    assert ds.stage_costs(tsv, "d4000") == {"cpu_s": 710.0, "wall_s": 400.0, "train_cpu_s": 710.0}
     assert ds.stage_costs(tmp_path / "none.tsv", "d1000") == {}
 
 
@@ -80,7 +81,8 @@ def test_the_command_writes_the_table_the_picture_and_the_sentence_of_the_best_a
     small, _, _ = _arm(tmp_path, "d1000-top2", 3.0, 1)  # sharp random logits: the larger gap
     large, rows, temps = _arm(tmp_path, "d4000-top2", 0.1, 2)
     tsv = tmp_path / "costs.tsv"
-    tsv.write_text("stage\twall_s\tuser_s\tsys_s\texit\ncut d4000\t3000\t5400\t0\t0\n")
+    tsv.write_text("stage\twall_s\tuser_s\tsys_s\texit\ncut d4000\t3000\t5400\t0\t0\n"
+                   "evaluate d4000-top2 sealed\t900\t1800\t0\t0\n")
     out = tmp_path / "docs"
     assert ds.main(["--arm", f"4000={large}", "--arm", f"1000={small}", "--costs", str(tsv), "--backbone", "B",
                     "--out", str(out)]) == 0
@@ -91,7 +93,7 @@ def test_the_command_writes_the_table_the_picture_and_the_sentence_of_the_best_a
     assert best["gap"] < doc["arms"][0]["gaps"]["overall"]["gap"]
     line = capsys.readouterr().out.strip()
     assert line == doc["sentence"]
-    assert line.startswith(f"4,000 cases buy a calibrated gap of {best['gap']:.3f} nats") and "on B for 1.5 CPU hours" in line
+    assert line.startswith(f"4,000 cases buy a calibrated gap of {best['gap']:.3f} nats") and "on B for 1.5 CPU hours of training" in line
 
 
 def test_a_malformed_arm_is_a_usage_error(tmp_path, capsys):

@@ -24,7 +24,8 @@
 # The 16,000-case arm runs only when 4,000 beats 1,000 on the shared dev rows (calibrated NLL, the 95% interval of
 # B - A wholly below 0); the script says so either way (FORCE_LARGEST=1 runs it anyway, and says that too).
 # Every stage's wall, user and sys seconds go to $OUT/costs.tsv (GNU time); stamps (time, load) to $OUT/stamps.txt.
-# collect (COLLECT=1, the default at the end): config, metrics and evaluations (gzipped), compares, cut/feature JSON,
+# collect (COLLECT=1, the default at the end; COLLECT_ONLY=1 runs no stage, only this, on the arms as they stand):
+# config, metrics and evaluations (gzipped), compares, cut/feature JSON,
 # costs and stamps into $DOCS, with paths relative to the repo.
 #
 # STOP_AT (a UTC time, e.g. 06:50): every long stage is stopped there (timeout) and the script exits 0 saying where;
@@ -62,6 +63,7 @@ DEVICE=${DEVICE:-cpu}
 STOP_AT=${STOP_AT:-}
 FORCE_LARGEST=${FORCE_LARGEST:-0}
 COLLECT=${COLLECT:-1}
+COLLECT_ONLY=${COLLECT_ONLY:-0}
 SAVE=${SAVE:-}
 RESTORE=${RESTORE:-}
 METRICS=${METRICS:-"nll brier accuracy"}
@@ -69,6 +71,7 @@ HERE=docs/experiments/real-weights
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 RLCD=("$PY" -m rlcd.cli)
 STAMPS=$OUT/stamps.txt
+[ "${COLLECT_ONLY:-0}" != 1 ] || STAMPS=  # a collect beside a running script leaves its stamps alone
 COSTS=$OUT/costs.tsv
 source "$HERE/lib-run.sh"  # stamp, bounded (+ COSTS/LABEL), checked, stop_at_checked, train_or_resume
 die() { echo "run-data-scale: $*" >&2; exit 2; }
@@ -206,6 +209,7 @@ arm() {
 }
 
 for n in "${SZ[@]}"; do
+  [ "$COLLECT_ONLY" != 1 ] || break  # the arms as they stand, collected: no stage runs
   if [ "$n" = "$LARGEST" ] && [ "${#SZ[@]}" -ge 3 ]; then  # the largest size only when the one before it paid off
     prev=${SZ[-2]}
     verdict=$("$PY" - "$OUT/compare/compare-d$BASE-$TOP-vs-d$prev-$TOP-base-dev-nll.json" <<'PY'
@@ -238,7 +242,7 @@ if [ "$COLLECT" = 1 ]; then
     done
   done
   cp "$OUT"/compare/compare-*.json "$DOCS/" 2>/dev/null || true
-  cp "$OUT"/"$NAME"-d*-*.json "$OUT/sealed/manifest.json" "$COSTS" "$STAMPS" "$DOCS/" 2>/dev/null || true
+  cp "$OUT"/"$NAME"-d*-*.json "$OUT/sealed/manifest.json" "$COSTS" "$OUT/stamps.txt" "$DOCS/" 2>/dev/null || true
   [ ! -f "$DOCS/manifest.json" ] || mv "$DOCS/manifest.json" "$DOCS/sealed.manifest.json"
   for d in "$OUT"/d*/manifest.json; do cp "$d" "$DOCS/$(basename "$(dirname "$d")").manifest.json"; done
   arms=()  # the picture and the sentence (rlcd.analysis.data_scale): every top arm scored on the sealed set

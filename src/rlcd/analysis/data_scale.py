@@ -49,18 +49,21 @@ def arm_gaps(run: str | Path, eval_name: str) -> dict[str, Any]:
 
 def stage_costs(costs_tsv: str | Path | None, arm_label: str) -> dict[str, float]:
     """CPU seconds (user + sys) and wall seconds of the stages whose label names `arm_label` (e.g. "d4000") in a
-    run script's costs.tsv (`stage <TAB> wall_s <TAB> user_s <TAB> sys_s <TAB> exit`); a stage stopped and
-    resumed counts every try."""
+    run script's costs.tsv (`stage <TAB> wall_s <TAB> user_s <TAB> sys_s <TAB> exit`), all of them and those that
+    train (`train_cpu_s`: every stage but the `evaluate ...` ones -- what a user who trains at that size pays; the
+    evaluations are this experiment's measurement); a stage stopped and resumed counts every try."""
     if costs_tsv is None or not Path(costs_tsv).is_file():
         return {}
-    cpu = wall = 0.0
+    cpu = wall = train = 0.0
     with open(costs_tsv, newline="") as f:
         for row in csv.DictReader(f, delimiter="\t"):
-            if arm_label in (row.get("stage") or "").split() or any(
-                    w.startswith(arm_label + "-") for w in (row.get("stage") or "").split()):
+            words = (row.get("stage") or "").split()
+            if arm_label in words or any(w.startswith(arm_label + "-") for w in words):
                 cpu += float(row["user_s"]) + float(row["sys_s"])
                 wall += float(row["wall_s"])
-    return {"cpu_s": round(cpu, 1), "wall_s": round(wall, 1)}
+                if words[:1] != ["evaluate"]:
+                    train += float(row["user_s"]) + float(row["sys_s"])
+    return {"cpu_s": round(cpu, 1), "wall_s": round(wall, 1), "train_cpu_s": round(train, 1)}
 
 
 def scale_table(arms: Sequence[tuple[int, str | Path]], eval_name: str, costs_tsv: str | Path | None = None
@@ -75,8 +78,8 @@ def scale_sentence(table: Sequence[Mapping[str, Any]], backbone: str, eval_name:
     """The line a user needs, for the arm with the smallest overall gap."""
     best = min(table, key=lambda a: a["gaps"]["overall"]["gap"])
     g = best["gaps"]["overall"]
-    cpu = best["costs"].get("cpu_s")
-    cost = f"{cpu / 3600:.1f} CPU hours" if cpu else "CPU not recorded"
+    cpu = best["costs"].get("train_cpu_s")
+    cost = f"{cpu / 3600:.1f} CPU hours of training" if cpu else "CPU not recorded"
     return (f"{best['cases']:,} cases buy a calibrated gap of {g['gap']:.3f} nats [{g['ci95'][0]:.3f}, "
             f"{g['ci95'][1]:.3f}] above the Bayes floor (uniform {g['uniform_gap']:.3f}) on {backbone} for {cost}, "
             f"on {g['n']:,} {eval_name} rows")
