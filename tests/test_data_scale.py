@@ -70,9 +70,10 @@ def test_stage_costs_sum_the_arms_stages_only(tmp_path):
                    "train d1000-ce\t10\t18\t1\t0\n"
                    "train d10000-top2\t999\t999\t9\t0\n"  # another arm whose label starts with d1000
                    "evaluate d1000-top2 sealed\t20\t30\t2\t0\n"
+                   "probe coherence d1000-top2\t40\t70\t1\t0\n"
                    "cut d4000\t400\t700\t10\t0\n")
-    assert ds.stage_costs(tsv, "d1000") == {"cpu_s": 180 + 5 + 18 + 1 + 30 + 2, "wall_s": 130.0,
-                                            "train_cpu_s": 180 + 5 + 18 + 1}  # the evaluation is not training
+    assert ds.stage_costs(tsv, "d1000") == {"cpu_s": 180 + 5 + 18 + 1 + 30 + 2 + 70 + 1, "wall_s": 170.0,
+                                            "train_cpu_s": 180 + 5 + 18 + 1}  # evaluations and probes do not train
     assert ds.stage_costs(tsv, "d4000") == {"cpu_s": 710.0, "wall_s": 400.0, "train_cpu_s": 710.0}
     assert ds.stage_costs(tmp_path / "none.tsv", "d1000") == {}
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 BLOCKS = ("overall", "choice", "noul", "score")
+TRAINING_STAGES = ("cut", "features", "train")  # run-data-scale.sh's stage labels that build the model
 
 
 def arm_gaps(run: str | Path, eval_name: str) -> dict[str, Any]:
@@ -50,8 +51,8 @@ def arm_gaps(run: str | Path, eval_name: str) -> dict[str, Any]:
 def stage_costs(costs_tsv: str | Path | None, arm_label: str) -> dict[str, float]:
     """CPU seconds (user + sys) and wall seconds of the stages whose label names `arm_label` (e.g. "d4000") in a
     run script's costs.tsv (`stage <TAB> wall_s <TAB> user_s <TAB> sys_s <TAB> exit`), all of them and those that
-    train (`train_cpu_s`: every stage but the `evaluate ...` ones -- what a user who trains at that size pays; the
-    evaluations are this experiment's measurement); a stage stopped and resumed counts every try."""
+    train (`train_cpu_s`: the `cut`, `features` and `train` stages -- what a user who trains at that size pays; the
+    evaluations and probes are this experiment's measurements); a stage stopped and resumed counts every try."""
     if costs_tsv is None or not Path(costs_tsv).is_file():
         return {}
     cpu = wall = train = 0.0
@@ -61,7 +62,7 @@ def stage_costs(costs_tsv: str | Path | None, arm_label: str) -> dict[str, float
             if arm_label in words or any(w.startswith(arm_label + "-") for w in words):
                 cpu += float(row["user_s"]) + float(row["sys_s"])
                 wall += float(row["wall_s"])
-                if words[:1] != ["evaluate"]:
+                if words[:1] and words[0] in TRAINING_STAGES:
                     train += float(row["user_s"]) + float(row["sys_s"])
     return {"cpu_s": round(cpu, 1), "wall_s": round(wall, 1), "train_cpu_s": round(train, 1)}
 
