@@ -162,6 +162,7 @@ def model_card(name: str, meta: Mapping[str, Any], config: Mapping[str, Any], se
 def ship(run_dir: str | Path, out: str | Path, *, sealed: str = "sealed", name: str | None = None,
          about: str = "", force: bool = False) -> Path:
     """Copy RUN's export and the files above into `out` (refusing a non-empty `out` without `force`); returns it."""
+    from rlcd.hf.card import licence_file
     from rlcd.relpaths import relative_text, relativize
 
     run, out = Run(run_dir), Path(out)
@@ -175,10 +176,10 @@ def ship(run_dir: str | Path, out: str | Path, *, sealed: str = "sealed", name: 
     own = _load(run.evaluation_path) if run.evaluation_path.is_file() else None
     name = name or out.name
     bb = meta.get("backbone") or {}
-    lic = bb.get("license") if isinstance(bb.get("license"), Mapping) else {}
-    licence_file = Path(lic["file"]) if lic.get("file") and Path(lic["file"]).is_file() else None
-    if lic.get("file") and licence_file is None:  # the card says "a copy beside this card" only when there is one
-        meta = {**meta, "backbone": {**bb, "license": {k: v for k, v in lic.items() if k != "file"}}}
+    licence = licence_file(bb)
+    if licence is None and isinstance(bb.get("license"), Mapping) and bb["license"].get("file"):  # the card says
+        # "a copy beside this card" only when there is one
+        meta = {**meta, "backbone": {**bb, "license": {k: v for k, v in bb["license"].items() if k != "file"}}}
     card = model_card(name, meta, config, numbers, own, root=run.root, about=about)
     if out.exists():
         shutil.rmtree(out) if out.is_dir() else out.unlink()
@@ -191,8 +192,8 @@ def ship(run_dir: str | Path, out: str | Path, *, sealed: str = "sealed", name: 
     if own is not None:
         shutil.copyfile(run.evaluation_path, out / "evaluation.json")
     (out / "README.md").write_text(card)
-    if licence_file is not None:  # the weights' licence travels with a model derived from them (as `rlcd export`'s)
-        shutil.copyfile(licence_file, out / licence_file.name)
+    if licence is not None:  # the weights' licence travels with a model derived from them (as `rlcd export`'s)
+        shutil.copyfile(licence, out / licence.name)
     relativize([out], Path.cwd())  # a shipped directory names no path of the machine it was made on
     return out
 

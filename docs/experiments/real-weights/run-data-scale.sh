@@ -71,7 +71,7 @@ HERE=docs/experiments/real-weights
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 RLCD=("$PY" -m rlcd.cli)
 STAMPS=$OUT/stamps.txt
-[ "${COLLECT_ONLY:-0}" != 1 ] || STAMPS=  # a collect beside a running script leaves its stamps alone
+[ "$COLLECT_ONLY" != 1 ] || STAMPS=  # a collect beside a running script leaves its stamps alone
 COSTS=$OUT/costs.tsv
 source "$HERE/lib-run.sh"  # stamp, bounded (+ COSTS/LABEL), checked, stop_at_checked, train_or_resume
 die() { echo "run-data-scale: $*" >&2; exit 2; }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping
 
 METRICS = ("accuracy", "nll", "brier", "ece", "ece_target")
@@ -19,6 +20,13 @@ def backbone_license(bb: Mapping[str, Any]) -> dict | None:
     """The licence the backbone's weights come under, as its preset recorded it ({name, url, file}), else None."""
     lic = bb.get("license")
     return dict(lic) if isinstance(lic, Mapping) and lic.get("name") else None
+
+
+def licence_file(bb: Mapping[str, Any]) -> Path | None:
+    """The backbone licence's bundled copy (its `file`), when it exists on this machine: what travels beside a card
+    (`rlcd export`'s hf/ directory, `rlcd ship`)."""
+    lic = backbone_license(bb)
+    return Path(lic["file"]) if lic and lic.get("file") and Path(lic["file"]).is_file() else None
 
 
 def _license_lines(bb: Mapping[str, Any], prompt: Mapping[str, Any]) -> tuple[list[str], list[str]]:

@@ -58,7 +58,7 @@ def _write_tokenizer(tokenizer: Any, out: Path) -> None:
 def write_hf_export(model: Any, meta: Mapping[str, Any], out: Path, *, evaluation: Mapping[str, Any] | None = None,
                     run_name: str = "rlcd") -> Path:
     """Write `out` (export/hf) from a merged DecisionModel on the CPU and its export metadata."""
-    from rlcd.hf.card import backbone_license, model_card
+    from rlcd.hf.card import licence_file, model_card
 
     if not getattr(model, "merged", False):
         raise ValueError("write_hf_export needs the merged model (DecisionModel.merge())")
@@ -86,9 +86,9 @@ def write_hf_export(model: Any, meta: Mapping[str, Any], out: Path, *, evaluatio
     shutil.copyfile(HERE / "modeling_rlcd.py", out / "modeling_rlcd.py")
     _write_tokenizer(model.tokenizer, out)
     (out / "README.md").write_text(model_card(meta, evaluation, run_name=run_name), encoding="utf-8")
-    lic = backbone_license(meta.get("backbone") or {})
-    if lic and lic.get("file") and Path(lic["file"]).is_file():  # the weights' licence travels with them
-        shutil.copyfile(lic["file"], out / Path(lic["file"]).name)
+    licence = licence_file(meta.get("backbone") or {})
+    if licence is not None:  # the weights' licence travels with them
+        shutil.copyfile(licence, out / licence.name)
     return out
 
 
