@@ -14,6 +14,14 @@ bf16 units (`cpu_bf16_units`: AMX-BF16 or AVX512-BF16 on x86, FEAT_BF16 on arm64
 matmuls are emulated, measured 6x slower than fp32 on AVX2), and the run's bf16 parity record
 (`rlcd export RUN --precision bfloat16`, `rlcd.precision`) exists, matches its export and passed.
 Otherwise float32; the reason is the Placement's `reason` (the startup line, /v1/models).
+
+**Attention.** `--attention sdpa|eager` (predict, serve, the batch job) picks the decoder's attention kernel for
+inference (`apply_attention`, on the inference loads: `load_export`, `load_checkpoint_model`). `sdpa` (the default)
+is torch's fused kernel: its blocking over keys follows the padded length, so a state scored beside others
+(left-padded to their width) differs from the same state alone by float noise. `eager` (matmul, masked softmax,
+matmul) adds exact zeros for the padding, so padding no longer moves an answer; what is left is the noise of other
+matrix shapes (a row's suffix batched with other rows, a full row against prefix + suffix). Its cost grows with
+the state's length. Measured: docs/SERVING.md, `benchmarks/attention_parity.py`. Training and cut states keep sdpa.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from rlcd.errors import DeviceError
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+ATTENTION_CHOICES = ("sdpa", "eager")  # transformers' attn_implementation names
 _CUDA_N = re.compile(r"cuda:(\d+)")
 
 
@@ -38,6 +47,7 @@ class Placement:
     device: str
     dtype: str
     reason: str = field(default="", compare=False)  # why `auto` chose this dtype (empty when asked for)
+    attention: str = "sdpa"  # the decoder's attention kernel at inference (ATTENTION_CHOICES)
 
     @property
     def torch_device(self) -> Any:
@@ -56,10 +66,12 @@ class Placement:
         return self.device.startswith("cuda")
 
     def to_dict(self) -> dict[str, str]:
-        return {"device": self.device, "dtype": self.dtype, **({"reason": self.reason} if self.reason else {})}
+        return {"device": self.device, "dtype": self.dtype, **({"reason": self.reason} if self.reason else {}),
+                **({"attention": self.attention} if self.attention != "sdpa" else {})}
 
     def __str__(self) -> str:
-        return f"{self.device} {self.dtype}" + (f" ({self.reason})" if self.reason else "")
+        return (f"{self.device} {self.dtype}" + (f" {self.attention} attention" if self.attention != "sdpa" else "")
+                + (f" ({self.reason})" if self.reason else ""))
 
 
 # x86: AMX-BF16 tiles or AVX512-BF16 (vdpbf16ps); arm64: FEAT_BF16 ("bf16" in /proc/cpuinfo Features)
@@ -134,7 +146,8 @@ def _cuda_count() -> int:
 
 
 def resolve_placement(device: str | None = "auto", dtype: str | None = "auto", *,
-                      local_rank: int | None = None, run: str | Path | None = None) -> Placement:
+                      local_rank: int | None = None, run: str | Path | None = None,
+                      attention: str | None = "sdpa") -> Placement:
     """`--device` / `--dtype` -> a Placement, or a one-line `DeviceError` naming the fix.
 
     `local_rank` (under torchrun) maps `auto` and `cuda` to `cuda:<local_rank>`. `run`: the run (or export)
@@ -142,6 +155,9 @@ def resolve_placement(device: str | None = "auto", dtype: str | None = "auto", *
     """
     device = (device or "auto").strip().lower()
     dtype = (dtype or "auto").strip().lower()
+    attention = (attention or "sdpa").strip().lower()
+    if attention not in ATTENTION_CHOICES:
+        raise DeviceError(f"--attention {attention!r} is not one of {', '.join(ATTENTION_CHOICES)}")
     if dtype not in DTYPE_CHOICES:
         raise DeviceError(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
     if device not in ("auto", "cpu", "cuda") and not _CUDA_N.fullmatch(device):
@@ -166,7 +182,19 @@ def resolve_placement(device: str | None = "auto", dtype: str | None = "auto", *
             dtype = "bfloat16"
         else:
             dtype, reason = cpu_auto_dtype(run)
-    return Placement(device, dtype, reason)
+    return Placement(device, dtype, reason, attention)
+
+
+def apply_attention(model: Any, placement: Placement) -> None:
+    """Set `placement.attention` on a DecisionModel's decoder (every sub-model of it: transformers'
+    `set_attn_implementation`). Numbers, not weights, change: see the module's note."""
+    backbone = getattr(model, "backbone", model)
+    base = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone
+    if hasattr(base, "set_attn_implementation"):
+        base.set_attn_implementation(placement.attention)
+    elif placement.attention != "sdpa":
+        raise DeviceError(f"--attention {placement.attention}: this backbone ({type(base).__name__}) cannot switch "
+                          "its attention kernel")
 
 
 def describe(placement: Placement) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 from safetensors.torch import load_file
 
 from rlcd import checkpoint as ckpt
-from rlcd.device import Placement, resolve_placement
+from rlcd.device import Placement, apply_attention, resolve_placement
 from rlcd.errors import RunError
 from rlcd.model.build import build_model
 from rlcd.model.fingerprint import FINGERPRINT_DTYPE, backbone_fingerprint  # noqa: F401 (public API here too)
@@ -51,6 +51,7 @@ def load_checkpoint_model(run: Run | Path, which: str = "best", *, merge: bool =
     if merge:
         model.merge()
     model.eval()
+    apply_attention(model, placement)
     log.info("model: ready in %.1f s (update %s)", time.perf_counter() - t0, loaded["state"].get("step"))
     return model, config, loaded["state"]
 
@@ -111,6 +112,7 @@ def load_export(path: Path, *, placement: Placement | None = None, backbone=None
     model.load_trainable_state_dict(load_file(str(export_dir / "trainable.safetensors"), device=placement.device))
     model.merge()
     model.eval()
+    apply_attention(model, placement)
     model.placement_reason = placement.reason
     log.info("model: ready in %.1f s", time.perf_counter() - t0)
     return model, meta

@@ -44,6 +44,7 @@ class PredictorSpec:
     canonical: bool = True
     vote_combine: str = "logmean"
     reason: str = ""
+    attention: str = "sdpa"  # --attention: the decoder's attention kernel (rlcd.device.apply_attention)
 
     def placement(self) -> Any:
         """The torch Placement the job's Predictor loads onto (None for a portable export: onnxruntime, float32):
@@ -53,8 +54,8 @@ class PredictorSpec:
             return None
         from rlcd.device import Placement, resolve_placement
 
-        p = resolve_placement(self.device, self.dtype, run=self.run)
-        return Placement(p.device, p.dtype, self.reason) if self.reason and not p.reason else p
+        p = resolve_placement(self.device, self.dtype, run=self.run, attention=self.attention)
+        return Placement(p.device, p.dtype, self.reason, p.attention) if self.reason and not p.reason else p
 
     def resolved(self) -> "PredictorSpec":
         """This spec with its placement pinned (device, dtype and why), resolved once where the job starts: every
@@ -84,10 +85,13 @@ class PredictorSpec:
 
     def identity(self) -> dict[str, Any]:
         """What a resumed job must share with its start: the model, the placement it runs on (device and dtype:
-        float32 and bfloat16 answers differ by up to ~1e-3) and the options that change answers."""
+        float32 and bfloat16 answers differ by up to ~1e-3; the attention kernel, when not the default) and the
+        options that change answers."""
         src = Path(self.export or self.run).resolve()
         p = self.placement()
         where = {"device": p.device, "dtype": p.dtype} if p is not None else {"device": "cpu", "dtype": "float32"}
+        if p is not None and p.attention != "sdpa":  # answers differ by float noise (~1e-5): a resume keeps it
+            where["attention"] = p.attention
         return {"model": str(src), "portable": self.export is not None, **where, "order_votes": self.order_votes,
                 "canonical": self.canonical, "vote_combine": self.vote_combine}
 

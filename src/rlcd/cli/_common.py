@@ -54,12 +54,19 @@ def check_order_votes(n: int) -> int:
     return n
 
 
-def placement(device: str, dtype: DType | str, *, run: Path | None = None) -> Any:
+def placement(device: str, dtype: DType | str, *, run: Path | None = None, attention: str = "sdpa") -> Any:
     """The device policy (`rlcd.device.resolve_placement`); a bad value is a one-line DeviceError. `run`: the run
-    served (its bf16 parity record lets `auto` choose bfloat16 on a CPU with bf16 units)."""
+    served (its bf16 parity record lets `auto` choose bfloat16 on a CPU with bf16 units); `attention`: --attention."""
     from rlcd.device import resolve_placement
 
-    return resolve_placement(device, dtype.value if isinstance(dtype, DType) else dtype, run=run)
+    return resolve_placement(device, dtype.value if isinstance(dtype, DType) else dtype, run=run, attention=attention)
+
+
+AttentionOpt = Annotated[str, typer.Option(
+    "--attention", metavar="KERNEL", help="the decoder's attention kernel: sdpa (fastest) or eager (a request "
+                                          "scored beside others, as the batch job and the batching server pack "
+                                          "them, gets its lone answer to ~1e-7 instead of ~1e-5; slower on long "
+                                          "states: docs/SERVING.md)")]
 
 
 def run_path(arg: Optional[Path], alias: Optional[Path], *, what: str = "RUN") -> Path:

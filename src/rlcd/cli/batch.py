@@ -54,7 +54,7 @@ def predict_batch(*, run: Optional[Path], export: Optional[Path], input: Optiona
                   threads: Optional[int], image_root: Optional[Path], order_votes: int, state_cache_mb: float,
                   device: str, dtype: str, ray: bool, ray_address: Optional[str], num_actors: int,
                   cpus_per_actor: float, gpus_per_actor: float, quiet: bool, canonical: bool = True,
-                  vote_combine: str = "logmean") -> dict[str, Any]:
+                  vote_combine: str = "logmean", attention: str = "sdpa") -> dict[str, Any]:
     """Run the job (options already checked) and return its summary."""
     from rlcd.batch.io import PartWriter, count_rows, file_format, input_identity, scan, scan_split
     from rlcd.batch.local import PredictorSpec
@@ -75,7 +75,8 @@ def predict_batch(*, run: Optional[Path], export: Optional[Path], input: Optiona
         image_root = image_root or data
     spec = PredictorSpec(run=None if export is not None else str(run), export=str(export) if export else None,
                          device=device, dtype=dtype, threads=threads, order_votes=order_votes,
-                         state_cache_mb=state_cache_mb, canonical=canonical, vote_combine=vote_combine).resolved()
+                         state_cache_mb=state_cache_mb, canonical=canonical, vote_combine=vote_combine,
+                         attention=attention).resolved()
     source = input if input is not None else data / f"{split}.jsonl"
     job = {"input": input_identity(source), **spec.identity()}
     writer = PartWriter.check(output, job, resume=resume)
@@ -83,7 +84,8 @@ def predict_batch(*, run: Optional[Path], export: Optional[Path], input: Optiona
         from rlcd.progress import echo
 
         why = f" ({spec.reason})" if spec.reason else " (as --device / --dtype ask)"
-        echo(f"predict: the model runs on {spec.device} {spec.dtype}{why}")
+        att = f", {spec.attention} attention" if spec.attention != "sdpa" else ""
+        echo(f"predict: the model runs on {spec.device} {spec.dtype}{att}{why}")
     skip = writer.next_line - 1
     rows = (scan(input, skip_through=skip, seen=writer.seen) if input is not None
             else scan_split(data, split, skip_through=skip, seen=writer.seen))

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from rlcd.cli._common import (DeviceOpt, DType, DTypeOpt, OrderVotesOpt, RunAlias, RunArg, VoteCombine,
+from rlcd.cli._common import (AttentionOpt, DeviceOpt, DType, DTypeOpt, OrderVotesOpt, RunAlias, RunArg, VoteCombine,
                               VoteCombineOpt, check_order_votes, echo_json, placement, run_path)
 
 # the server's defaults (rlcd.serving.limits.Limits), spelled here so --help needs no import of it
@@ -68,6 +68,7 @@ def predict(
     as_asked: AsAskedOpt = False,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
+    attention: AttentionOpt = "sdpa",
     input: Annotated[Optional[Path], typer.Option(
         "--input", metavar="FILE", help="batch: score every request of FILE (.jsonl: one /v1/systemone request with "
                                         "an \"id\" per line; .parquet: one per row) into --output",
@@ -141,6 +142,9 @@ def predict(
                                           ("--quiet", quiet, False)) if v != d]
     if export is not None and (run is not None or run_alias is not None):
         raise typer.BadParameter("give RUN or --export DIR, not both", param_hint="--export")
+    if export is not None and attention != "sdpa":
+        raise typer.BadParameter(f"{attention}: a portable export's graph was traced with its attention when it was "
+                                 "written; leave --attention out, or predict with the run itself", param_hint="--attention")
     if check_batch_options(input=input, data=data, split=split, output=output, single=single, resume=resume, ray=ray,
                            ray_opts=ray_opts, batch_opts=batch_opts):
         if export is not None:
@@ -160,7 +164,7 @@ def predict(
                             device=device, dtype=dtype.value, ray=ray, ray_address=ray_address,
                             num_actors=num_actors or 1, cpus_per_actor=cpus_per_actor or 1.0,
                             gpus_per_actor=gpus_per_actor or 0.0, quiet=quiet, canonical=not as_asked,
-                            vote_combine=vote_combine.value)
+                            vote_combine=vote_combine.value, attention=attention)
         from rlcd.progress import echo
 
         echo(f"rlcd predict: {res['rows']} rows read = {res['answered']} answered + {res['rejected']} rejected "
@@ -217,7 +221,7 @@ def predict(
         return
     from rlcd.predict import Predictor
 
-    where = placement(device, dtype, run=path)
+    where = placement(device, dtype, run=path, attention=attention)
     predictor = Predictor.from_run(path, placement=where, lazy=True,  # loaded only if needed
                                    state_cache_mb=state_cache_mb, order_votes=order_votes,
                                    canonical=not as_asked, vote_combine=vote_combine.value)
@@ -276,6 +280,7 @@ def serve(
     as_asked: AsAskedOpt = False,
     device: DeviceOpt = "auto",
     dtype: DTypeOpt = DType.auto,
+    attention: AttentionOpt = "sdpa",
     ctx: typer.Context = None,  # type: ignore[assignment]  # typer passes it: which options were given
 ) -> None:
     """Serve a run over HTTP: POST /v1/systemone (System One: transformers' clients and TypeSafe's SDK family),
@@ -301,7 +306,7 @@ def serve(
         if run is not None or run_alias is not None:
             raise typer.BadParameter("give RUN or --export DIR, not both", param_hint="--export")
         check_portable_options(device, dtype, state_cache_mb, given=lambda name: _given(ctx, name),
-                               row_cache_mb=row_cache_mb)
+                               row_cache_mb=row_cache_mb, attention=attention)
         from rlcd.portable.runtime import read_manifest, require_onnx
 
         read_manifest(export)  # one-line errors before binding
@@ -325,7 +330,7 @@ def serve(
     batching = BatchingConfig(window_ms=batch_window_ms, max_batch_questions=max_batch_questions,
                               max_batch_tokens=max_batch_tokens, max_queue=max_queue, timeout_s=request_timeout)
     run_server(path, host=host, port=port, image_root=image_root,
-               placement=None if export is not None else placement(device, dtype, run=path),
+               placement=None if export is not None else placement(device, dtype, run=path, attention=attention),
                portable=export is not None,
                served_model_name=served_model_name, strict_model=strict_model, batching=batching, workers=workers,
                api_key=api_key, quiet=quiet, access_log=(access_log or AccessLog.text).value, thresholds=thresholds,
@@ -347,7 +352,7 @@ def _given(ctx: Optional[typer.Context], name: str) -> bool:
 
 
 def check_portable_options(device: str, dtype: DType | str, state_cache_mb: float, *, given,
-                           row_cache_mb: float = 0) -> None:
+                           row_cache_mb: float = 0, attention: str = "sdpa") -> None:
     """`serve --export` runs onnxruntime on the CPU at the precision the export was written in, without a state
     cache: an option asking otherwise is refused in one line (exit 2) before anything loads, never ignored."""
     from rlcd.errors import OptionError
@@ -359,6 +364,9 @@ def check_portable_options(device: str, dtype: DType | str, state_cache_mb: floa
     if dtype != DType.auto.value:
         raise OptionError(f"--dtype {dtype}: a portable export's precision was fixed when it was written (manifest.json "
                           "graph.precision: float32 or int8, `rlcd export --quantize`); leave --dtype out")
+    if given("attention") and attention != "sdpa":
+        raise OptionError(f"--attention {attention}: a portable export's graph was traced with its attention when it "
+                          "was written; leave --attention out, or serve the run itself")
     if given("row_cache_mb") and row_cache_mb != 0:
         raise OptionError(f"--row-cache-mb {row_cache_mb:g}: a portable export keeps no row features (its graph "
                           "takes whole packed rows); leave --row-cache-mb out")
