@@ -113,6 +113,9 @@ def test_the_backbones_licence_file_travels_with_the_model_and_the_card_says_so_
     assert (out / "TERMS.html").is_file() == present
     assert ("a copy: `TERMS.html` beside this card" in card) == present
     assert "[Some Terms](https://example.org/terms)" in card
+    shipped = json.loads((out / "model.json").read_text())["backbone"]["license"]  # the copy beside it, or none:
+    assert shipped.get("file") == ("TERMS.html" if present else None)  # never a path of the machine that shipped
+    assert shipped["name"] == "Some Terms"
 
 
 def test_the_card_states_the_sealed_gap_computed_independently(run, tmp_path):

@@ -186,6 +186,13 @@ def ship(run_dir: str | Path, out: str | Path, *, sealed: str = "sealed", name: 
     out.mkdir(parents=True)
     for f in SHIPPED:
         shutil.copyfile(run.export_dir / f, out / f)
+    if isinstance(bb.get("license"), Mapping) and bb["license"].get("file"):
+        # the export names the licence where the backbone's package keeps it on the machine it was made on; shipped,
+        # it is the copy beside model.json, or none
+        shipped = _load(out / "model.json")
+        lic = {k: v for k, v in bb["license"].items() if k != "file"}
+        shipped["backbone"]["license"] = {**lic, "file": licence.name} if licence is not None else lic
+        (out / "model.json").write_text(json.dumps(shipped, indent=2, sort_keys=True))
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     shutil.copyfile(run.on_data(sealed).evaluation_path, out / "evaluation-sealed.json")
     (out / "sealed.json").write_text(json.dumps(numbers, indent=2, sort_keys=True) + "\n")
