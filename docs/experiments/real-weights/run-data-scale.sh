@@ -315,6 +315,7 @@ if [ "$COLLECT" = 1 ]; then
   mkdir -p "$DOCS"
   for run in "$OUT"/d*-ce "$OUT"/d*-"$TOP"; do
     [ -f "$run/config.json" ] || continue
+    [ ! -f "$run/restored.json" ] || continue  # its committed files are the originals (a re-made evaluation is a copy)
     b=$(basename "$run")
     cp "$run/config.json" "$DOCS/$b.config.json"
     gzip -9nc "$run/metrics.jsonl" > "$DOCS/$b.metrics.jsonl.gz"
