@@ -332,7 +332,14 @@ if [ "$COLLECT" = 1 ]; then
   for n in "${SZ[@]}"; do
     [ -f "$OUT/d$n-$TOP/eval-sealed/evaluation.json" ] && arms+=(--arm "$n=$OUT/d$n-$TOP")
   done
-  if [ "${#arms[@]}" -gt 0 ]; then
+  lost=()  # an arm scored in an earlier session whose predictions this machine has not re-made (yet)
+  for n in "${SZ[@]}"; do
+    [ -f "$DOCS/d$n-$TOP.eval-sealed.evaluation.json.gz" ] && [ ! -f "$OUT/d$n-$TOP/eval-sealed/evaluation.json" ] \
+      && lost+=("d$n")
+  done
+  if [ "${#lost[@]}" -gt 0 ]; then
+    stamp "the picture keeps its committed arms: ${lost[*]} restored without predictions (a later arm's compare re-makes them)"
+  elif [ "${#arms[@]}" -gt 0 ]; then
     "$PY" -m rlcd.analysis.data_scale "${arms[@]}" --eval sealed --costs "$COSTS" --backbone "$NAME" --out "$DOCS"
   fi
   "$PY" -m rlcd.relpaths "$DOCS"  # committed JSON names paths relative to the repo (runs/...), not this machine's
