@@ -228,7 +228,9 @@ def test_the_export_asks_canonical_forms_like_rlcd_serve_and_as_asked_on_request
     theirs = pipeline_answers(run / "export" / "hf", requests, tmp_path)
     ours = [client.post("/v1/systemone", json=r).json()["answers"] for r in requests]
     for qid in theirs[0]:
-        assert_same_answer(ours[0][qid], theirs[0][qid], f"canonical {qid}")
+        # as below: float32 softmax in the pipeline against float64 in rlcd (1.9e-6 on a choice's confidence on an
+        # AVX512 EPYC, 2026-12-07)
+        assert_same_answer(ours[0][qid], theirs[0][qid], f"canonical {qid}", tol=1e-5)
     as_asked = TestClient(create_app(Predictor.from_run(run, canonical=False)))
     raw = [as_asked.post("/v1/systemone", json=r).json()["answers"] for r in requests]
     (tmp_path / "off").mkdir()

@@ -187,12 +187,16 @@ def resolve_placement(device: str | None = "auto", dtype: str | None = "auto", *
 
 def apply_attention(model: Any, placement: Placement) -> None:
     """Set `placement.attention` on a DecisionModel's decoder (every sub-model of it: transformers'
-    `set_attn_implementation`). Numbers, not weights, change: see the module's note."""
+    `set_attn_implementation`). Numbers, not weights, change: see the module's note. The default (`sdpa`) leaves the
+    decoder as it was loaded: transformers' own choice per sub-model (sdpa where it has one), so a default load
+    answers exactly as before this option existed."""
+    if placement.attention == "sdpa":
+        return
     backbone = getattr(model, "backbone", model)
     base = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone
     if hasattr(base, "set_attn_implementation"):
         base.set_attn_implementation(placement.attention)
-    elif placement.attention != "sdpa":
+    else:
         raise DeviceError(f"--attention {placement.attention}: this backbone ({type(base).__name__}) cannot switch "
                           "its attention kernel")
 
