@@ -17,7 +17,9 @@ KEY = sha256 of {feature_version, backbone (family, config hash, vocabulary, mar
 frozen weight, a digest of the LoRA weights when any LoRA B is non-zero (no field for a zero LoRA: it adds
 nothing), the prompt frame, the four split files' sha256, the dtype, ORDERS_SCHEME, and -- for features computed
 from a cut-state cache (the layers above its cut run on stored states: they differ from a full forward's by
-~1e-4) -- `from_cut_states` {cut, storage}; no such field: the full backbone ran}. A cache built before that
+~1e-4) -- `from_cut_states` {cut, storage[, precision]}; no such field: the full backbone ran; and -- only when not
+float32 -- the `precision` of the frozen layers below the top (`Recipe.frozen_precision`: "bfloat16" is the full
+backbone under bfloat16 autocast, or the layers above a bfloat16 cut-state cache in float32)}. A cache built before that
 field existed whose manifest says it came from cut states is never read (nor re-keyed). The directory is
 written under a temporary name and renamed into place as the last step, so a killed extraction publishes
 nothing that a reader opens (its `.tmp-*` directory is removed by the next extraction); a directory whose
@@ -123,10 +125,12 @@ def _zero_lora_off(model):
             p.requires_grad_(flag)
 
 
-def feature_key(model, data_dir: Path, cut_states=None, choice_orders: str = "balanced") -> dict[str, Any]:
+def feature_key(model, data_dir: Path, cut_states=None, choice_orders: str = "balanced",
+                precision: str = "float32") -> dict[str, Any]:
     """Everything the cached features depend on (see the module docstring); `cut_states`: the cut-state cache
     (`rlcd.cut_cache.CutCache`) they are computed from, else the full backbone; `choice_orders`: which candidate
-    orders of a train choice row it keeps (`Recipe.choice_orders`; the key's "orders")."""
+    orders of a train choice row it keeps (`Recipe.choice_orders`; the key's "orders"); `precision`: of the frozen
+    layers (`Recipe.frozen_precision`; a field only when not float32)."""
     from rlcd.data.io import sha256_file
 
     info = model.backbone_info
@@ -144,13 +148,17 @@ def feature_key(model, data_dir: Path, cut_states=None, choice_orders: str = "ba
         "orders": orders_scheme(choice_orders),
         **({"lora": lora} if lora is not None else {}),  # absent for a zero LoRA: caches built before it stay valid
         **({"from_cut_states": cut_source(cut_states)} if cut_states is not None else {}),
+        **({"precision": precision} if precision != "float32" else {}),
     }
 
 
 def cut_source(cut_states) -> dict[str, Any]:
-    """What of a cut-state cache its features depend on beyond the model, the data and the dtype: the cut layer
-    and the storage dtype of its states (its weights below the cut are the model's: `find_cut_states`)."""
-    return {"cut": int(cut_states.key["cut"]), "storage": str(cut_states.key["storage"])}
+    """What of a cut-state cache its features depend on beyond the model, the data and the dtype: the cut layer,
+    the storage dtype of its states and the precision they were computed in (its weights below the cut are the
+    model's: `find_cut_states`)."""
+    precision = cut_states.key.get("precision")
+    return {"cut": int(cut_states.key["cut"]), "storage": str(cut_states.key["storage"]),
+            **({"precision": precision} if precision else {})}
 
 
 def key_id(key: dict[str, Any]) -> str:
@@ -267,7 +275,7 @@ def _shares_prefixes(model: Any) -> bool:
 def extract_split(model, records: Sequence[Record], collator, split: str, *, rows_per_call: int | None = None,
                   progress: Callable[[int], None] | None = None, shared: bool = True,
                   lora_off: bool = True, cut_states=None, partial=None,
-                  choice_orders: str = "balanced") -> tuple[dict[str, torch.Tensor], list]:
+                  choice_orders: str = "balanced", precision: str = "float32") -> tuple[dict[str, torch.Tensor], list]:
     """The tensors and index of one split: every entry's (h_dec, h_cand) from the frozen backbone.
 
     Rows of one case (one state) share a prefix forward (`CaseRunner.case_features`) for a `DecisionModel`;
@@ -281,7 +289,8 @@ def extract_split(model, records: Sequence[Record], collator, split: str, *, row
     `<split>-<chunk>.safetensors` (h_dec [n, H], h_cand [c, H], k [n], n_tokens [n] in the chunk's entry order),
     and the split is assembled from its files (one split in memory plus one chunk). Without it the chunks stay in
     memory. Either way the tensors are those of one pass over the same calls. `choice_orders`: "given" keeps one
-    entry per row (`Recipe.choice_orders`).
+    entry per row (`Recipe.choice_orders`). `precision` "bfloat16": a full backbone pass runs under bfloat16
+    autocast (`rlcd.cut_cache.lower_precision`); the layers above cut states always run as the model is.
     """
     entries = cache_entries(split, records, choice_orders)
     n = len(entries)
@@ -332,11 +341,15 @@ def extract_split(model, records: Sequence[Record], collator, split: str, *, row
                 out.append((j, d[b].float().cpu(), cand[b, :k].float().cpu(), int(batch.attention_mask[b].sum())))
         return out
 
+    from rlcd.cut_cache import lower_precision
+
+    frozen = lower_precision(model, precision if cut_states is None else "float32")
     with _zero_lora_off(model) if lora_off else contextlib.nullcontext():
         for i in todo:
             rows = []
             for call in chunks[i]:
-                rows.extend(features_of(call))
+                with frozen:
+                    rows.extend(features_of(call))
                 done += sum(len(g) for g in call)
                 if progress:
                     progress(done)
@@ -403,7 +416,7 @@ def check_writable(root: Path) -> None:
 
 def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callable[[str], None] | None = None,
                     records: dict[str, list[Record]] | None = None, cut_states=None,
-                    choice_orders: str = "balanced") -> FeatureCache:
+                    choice_orders: str = "balanced", precision: str = "float32") -> FeatureCache:
     """The cache of `model`'s frozen features over `data_dir`: loaded when a complete one with the same key
     exists, else extracted (all four splits) and published atomically. The extraction is resumable: its chunks
     are committed to `DATA/features/.partial-<KEY_ID>/` (`rlcd.partial`), a later call with the same key computes
@@ -412,12 +425,16 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
     extraction in progress elsewhere keeps its own). `cut_states`: a cut-state cache this model matches
     (`rlcd.cut_cache.find_cut_states(any_cut=True)`), or a function that looks one up, called only when
     extraction is needed: extraction then runs only the layers above its cut. `choice_orders`: the candidate orders
-    kept per train choice row (`Recipe.choice_orders`; in the key)."""
+    kept per train choice row (`Recipe.choice_orders`; in the key). `precision` (`Recipe.frozen_precision`):
+    "bfloat16" reads only features of that precision -- from a bfloat16 cut-state cache (`cut_states` must be one
+    of that precision) or the full backbone under bfloat16 autocast."""
     from safetensors.torch import save_file
+
+    from rlcd.cut_cache import check_precision
 
     say = say or (lambda _: None)
     data_dir = Path(data_dir)
-    key = feature_key(model, data_dir, choice_orders=choice_orders)
+    key = feature_key(model, data_dir, choice_orders=choice_orders, precision=check_precision(precision))
     root = cache_root(data_dir)
     found = FeatureCache.load(root / key_id(key), key) or _derived(key, root)
     if found is not None:
@@ -428,6 +445,9 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
     if callable(cut_states):
         cut_states = cut_states()
     if cut_states is not None:
+        if cut_states.key.get("precision", "float32") != precision:
+            raise ValueError(f"cut states {cut_states.root} were computed in {cut_states.key.get('precision', 'float32')}, "
+                             f"not in {precision}")
         key = {**key, "from_cut_states": cut_source(cut_states)}
         say(f"features: from the cut states {cut_states.root} (layers {cut_states.key['cut']}.."
             f"{model.num_layers - 1} run)")
@@ -446,7 +466,8 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
             for split, split_recs, bar in each_split(recs, "features", progress, partial, choice_orders):
                 with bar:
                     tensors, index = extract_split(model, split_recs, collator, split, progress=bar.update,
-                                                   cut_states=cut_states, partial=partial, choice_orders=choice_orders)
+                                                   cut_states=cut_states, partial=partial, choice_orders=choice_orders,
+                                                   precision=precision)
                 save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / f"{split}.safetensors"))
                 plain_mode(tmp / f"{split}.safetensors")  # safetensors writes 600 (rlcd.files)
                 (tmp / f"{split}.index.json").write_text(json.dumps(index))

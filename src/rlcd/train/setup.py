@@ -131,19 +131,28 @@ def _setup_caches(model: Any, recipe: Recipe, data: _Data, d: Dist, *, enabled: 
     run, the frozen features of a head phase still ahead (rank 0 extracts a missing one, the others wait)."""
     features = cut_states = None
     known = {"train": data.train, "dev": data.dev_rows}
+    if not enabled and recipe.frozen_precision != "float32":
+        from rlcd.errors import OptionError
+
+        raise OptionError(f"--no-cache runs the frozen layers live in float32; frozen_precision="
+                          f"{recipe.frozen_precision} is what their caches compute in: drop one of them")
     if enabled and recipe.lora_layers is not None:
         from rlcd.cut_cache import ensure_cut_states
 
+        bf16 = recipe.frozen_precision == "bfloat16"
         cut_states = _rank0_first(d, lambda main: ensure_cut_states(
-            model, data.data_dir, progress=progress and main, say=print_fn if main else None, records=known))
+            model, data.data_dir, progress=progress and main, say=print_fn if main else None, records=known,
+            storage="bfloat16" if bf16 else "float32", precision=recipe.frozen_precision))
     if enabled and (recipe.head_only or start_step < recipe.head_warmup):
         from rlcd.cut_cache import find_cut_states
         from rlcd.features import ensure_features
 
         def build(main: bool):  # on a miss, from a cut-state cache this model matches: the top layers only
             return ensure_features(model, data.data_dir, progress=progress and main, say=print_fn if main else None,
-                                   records=known, cut_states=lambda: find_cut_states(model, data.data_dir, any_cut=True),
-                                   choice_orders=recipe.choice_orders)
+                                   records=known, choice_orders=recipe.choice_orders,
+                                   cut_states=lambda: find_cut_states(model, data.data_dir, any_cut=True,
+                                                                      precision=recipe.frozen_precision),
+                                   precision=recipe.frozen_precision)
 
         features = _rank0_first(d, build)
     return features, cut_states
