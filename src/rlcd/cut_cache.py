@@ -53,13 +53,13 @@ from rlcd.data.sampling import ORDERS_SCHEME
 from rlcd.features import (building, cache_entries, cache_root, check_writable, each_split, entries_by_case,
                            key_id, publish, read_manifest, resumed, split_records)
 from rlcd.files import need_space
+from rlcd.frozen_precision import PRECISIONS, check_precision, lower_precision
 from rlcd.partial import Partial, chunk_digest, chunk_entries, drop_finished, plan_chunks
 from rlcd.schema import TYPE_ID, Record
 
 CUT_VERSION = 1
 SPLITS = ("train", "dev", "calibration", "test")
 STORAGE = ("float32", "bfloat16")
-PRECISIONS = ("float32", "bfloat16")  # what the layers below the cut compute in (bfloat16: autocast, stored bfloat16)
 PREFIX = "cut-"
 
 
@@ -112,25 +112,6 @@ def cut_key(model, data_dir: Path, storage: str = "float32", cut: int | None = N
         "num_layers": int(model.num_layers),
         **({"precision": precision} if precision != "float32" else {}),
     }
-
-
-def check_precision(precision: str) -> str:
-    from rlcd.errors import OptionError
-
-    if precision not in PRECISIONS:
-        raise OptionError(f"frozen precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    return precision
-
-
-def lower_precision(model, precision: str):
-    """The context the frozen layers run in: bfloat16 autocast on the model's device for "bfloat16" (only when the
-    model's weights are float32: a bfloat16 model already runs so), else nothing."""
-    import contextlib
-
-    p = next(model.backbone.parameters())
-    if precision == "float32" or p.dtype != torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(p.device.type, dtype=torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -341,7 +341,7 @@ def extract_split(model, records: Sequence[Record], collator, split: str, *, row
                 out.append((j, d[b].float().cpu(), cand[b, :k].float().cpu(), int(batch.attention_mask[b].sum())))
         return out
 
-    from rlcd.cut_cache import lower_precision
+    from rlcd.frozen_precision import lower_precision
 
     frozen = lower_precision(model, precision if cut_states is None else "float32")
     with _zero_lora_off(model) if lora_off else contextlib.nullcontext():
@@ -430,7 +430,7 @@ def ensure_features(model, data_dir: Path, *, progress: bool = True, say: Callab
     of that precision) or the full backbone under bfloat16 autocast."""
     from safetensors.torch import save_file
 
-    from rlcd.cut_cache import check_precision
+    from rlcd.frozen_precision import check_precision
 
     say = say or (lambda _: None)
     data_dir = Path(data_dir)
