@@ -197,7 +197,10 @@ save_unfinished() {  # SAVE=DIR: the small part of each unfinished run (config, 
   [ -n "$SAVE" ] || return 0
   local run
   for run in "$OUT"/d*-ce "$OUT"/d*-"$TOP"; do
-    [ -d "$run/checkpoints/last" ] && [ "$(last_step "$run")" != "$(planned_steps "$run")" ] || continue  # stopped early
+    [ -d "$run/checkpoints/last" ] || continue
+    # stopped early; or a top run that trained all its updates but was not scored on the sealed set yet
+    [ "$(last_step "$run")" != "$(planned_steps "$run")" ] \
+      || { [[ "$run" == *-"$TOP" ]] && [ ! -f "$run/eval-sealed/evaluation.json" ]; } || continue
     rm -rf "${SAVE:?}/$(basename "$run")"; mkdir -p "$SAVE/$(basename "$run")/checkpoints"
     cp "$run/config.json" "$run/samples.json" "$run/metrics.jsonl" "$SAVE/$(basename "$run")/"
     cp -r "$run/checkpoints/last" "$SAVE/$(basename "$run")/checkpoints/"
@@ -267,9 +270,15 @@ arm() {
     [ "$was" = "$FROZEN" ] || die "$run trains on $was cut states; run this script with FROZEN=$was"
   fi
   f="$OUT/$NAME-d$n-cut$K.json"
-  if [ ! -s "$f" ]; then
+  local label="cut d$n"
+  if [ -e "$run/checkpoints/last" ]; then  # the states are made again only to resume its training: not a cost of
+    label="re-cut d$n (to resume d$n-$TOP)"  # training at this size (rlcd.analysis.data_scale counts no "re-cut")
+  fi
+  if [ -e "$run/checkpoints/last" ] && [ "$(last_step "$run")" = "$(planned_steps "$run")" ] && [ "$n" != "$LARGEST" ]; then
+    stamp "d$n: $run has trained all its updates: its evaluations read no cut states"
+  elif [ ! -s "$f" ]; then
     stamp "cut states d$n ($NAME, K=$K, computed in $FROZEN, stored $STORAGE)"
-    rc=0; OMP_NUM_THREADS=$THREADS LABEL="cut d$n" bounded "${RLCD[@]}" features "$data" --model "$SPEC" --cut "$K" \
+    rc=0; OMP_NUM_THREADS=$THREADS LABEL="$label" bounded "${RLCD[@]}" features "$data" --model "$SPEC" --cut "$K" \
       --storage "$STORAGE" --frozen-precision "$FROZEN" --device "$DEVICE" --dtype float32 > "$f.tmp" \
       2> "$OUT/logs/d$n.cut.log" || rc=$?
     checked "$rc" "the cut states of d$n"; mv "$f.tmp" "$f"
@@ -289,7 +298,8 @@ arm() {
       --objective ce --recipe head_only=true --recipe lr_head=0.005 --steps "$CE_STEPS" "${PREC[@]}"
   fi
   [ "$n" != "$BASE" ] || evaluate_once "$ce" ""  # the 1k head: continuity with the committed CE head (0.2860)
-  if [ ! -f "$run/eval/evaluation.json" ]; then
+  if [ ! -f "$run/eval/evaluation.json" ] && ! { [ "$(last_step "$run")" = "$(planned_steps "$run" 2>/dev/null)" ] \
+      && [ "$n" != "$LARGEST" ]; }; then  # (a resume of a finished run would build its cut states for nothing)
     LABEL="train d$n-$TOP" train_or_resume "$run" "$STEPS" --data "$data" --model "$SPEC" --dtype float32 --seed 0 \
       --init "$ce" --objective ce --steps "$STEPS" --recipe lr_head=0.0005 --recipe select_by=nll \
       --recipe "lora_layers=$K" --recipe batch_by=case --recipe lr_lora=0.001 "${PREC[@]}"
