@@ -290,7 +290,7 @@ def extract_split(model, records: Sequence[Record], collator, split: str, *, row
     and the split is assembled from its files (one split in memory plus one chunk). Without it the chunks stay in
     memory. Either way the tensors are those of one pass over the same calls. `choice_orders`: "given" keeps one
     entry per row (`Recipe.choice_orders`). `precision` "bfloat16": a full backbone pass runs under bfloat16
-    autocast (`rlcd.cut_cache.lower_precision`); the layers above cut states always run as the model is.
+    autocast (`rlcd.frozen_precision.lower_precision`); the layers above cut states always run as the model is.
     """
     entries = cache_entries(split, records, choice_orders)
     n = len(entries)
