@@ -146,17 +146,35 @@ def test_a_request_waiting_past_its_timeout_is_a_503(predictor):
     assert "retry-after" in r.headers and took < 1.4  # answered at the timeout, not after the model
 
 
+class Gated(Predictor):
+    """The tiny predictor with a model that holds each batch until `release` is set (`started` says it runs)."""
+
+    def score_many(self, prepared):
+        self.started.set()
+        assert self.release.wait(30), "the test never released the model"
+        return super().score_many(prepared)
+
+
 def test_the_event_loop_stays_free_while_the_model_runs(predictor):
-    app = create_app(_slow(predictor, 1.2), batching=BatchingConfig(window_ms=0.0))
+    """/health answers while a request is inside the model: the model holds until the health answer has come back, so
+    a server that ran the model on its event loop would time the health request out (no wall-clock bound: on a
+    loaded CI machine 0.5 s was missed without anything being wrong)."""
+    gated = Gated(predictor.model, predictor.meta, name=predictor.name)
+    gated.started, gated.release = threading.Event(), threading.Event()
+    app = create_app(gated, batching=BatchingConfig(window_ms=0.0))
+    out: list[httpx.Response] = []
     with BackgroundServer(app) as server:
-        slow = threading.Thread(target=lambda: httpx.post(server.url + "/v1/systemone", json=REQ, timeout=30,
-                                                          trust_env=False))
+        slow = threading.Thread(target=lambda: out.append(
+            httpx.post(server.url + "/v1/systemone", json=REQ, timeout=60, trust_env=False)))
         slow.start()
-        time.sleep(0.2)
-        t0 = time.perf_counter()
-        h = httpx.get(server.url + "/health", timeout=30, trust_env=False)
-        assert h.status_code == 200 and time.perf_counter() - t0 < 0.5
-        slow.join()
+        try:
+            assert gated.started.wait(30), "the request never reached the model"
+            h = httpx.get(server.url + "/health", timeout=10, trust_env=False)
+            assert h.status_code == 200 and not out  # answered while the model still held the request
+        finally:
+            gated.release.set()
+            slow.join(60)
+    assert [r.status_code for r in out] == [200]
 
 
 def test_graceful_shutdown_answers_what_is_in_flight(predictor):
