@@ -198,6 +198,7 @@ save_unfinished() {  # SAVE=DIR: the small part of each unfinished run (config, 
   local run
   for run in "$OUT"/d*-ce "$OUT"/d*-"$TOP"; do
     [ -d "$run/checkpoints/last" ] || continue
+    [ ! -f "$run/restored.json" ] || continue  # restored from SAVE: its committed copy is the original
     # stopped early; or a top run that trained all its updates but was not scored on the sealed set yet
     [ "$(last_step "$run")" != "$(planned_steps "$run")" ] \
       || { [[ "$run" == *-"$TOP" ]] && [ ! -f "$run/eval-sealed/evaluation.json" ]; } || continue
