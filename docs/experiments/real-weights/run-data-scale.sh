@@ -170,6 +170,10 @@ evals = [e for e in evals if e.get("event") == "eval"]
 sys.exit(0 if len(evals) >= 2 and evals[-1]["dev_nll"] < min(e["dev_nll"] for e in evals[:-1]) else 1)
 PY
 }
+done_training() {  # RUN N: exit 0 when RUN has trained all its planned updates and N is not the largest size (only
+  # the largest may be extended while its dev NLL falls)
+  [ -e "$1/checkpoints/last" ] && [ "$(last_step "$1")" = "$(planned_steps "$1" 2>/dev/null)" ] && [ "$2" != "$LARGEST" ]
+}
 planned_steps() { grep -o '"steps": [0-9]*' "$1/config.json" | head -1 | grep -o '[0-9]*$'; }
 evaluate_once() {  # RUN, NAME (eval-NAME/, or "" for eval/), then --data D --out NAME
   local run=$1 name=$2; shift 2
@@ -280,7 +284,7 @@ arm() {
   if [ -e "$run/checkpoints/last" ]; then  # the states are made again only to resume its training: not a cost of
     label="re-cut d$n (to resume d$n-$TOP)"  # training at this size (rlcd.analysis.data_scale counts no "re-cut")
   fi
-  if [ -e "$run/checkpoints/last" ] && [ "$(last_step "$run")" = "$(planned_steps "$run")" ] && [ "$n" != "$LARGEST" ]; then
+  if done_training "$run" "$n"; then
     stamp "d$n: $run has trained all its updates: its evaluations read no cut states"
   elif [ ! -s "$f" ]; then
     stamp "cut states d$n ($NAME, K=$K, computed in $FROZEN, stored $STORAGE)"
@@ -304,8 +308,8 @@ arm() {
       --objective ce --recipe head_only=true --recipe lr_head=0.005 --steps "$CE_STEPS" "${PREC[@]}"
   fi
   [ "$n" != "$BASE" ] || evaluate_once "$ce" ""  # the 1k head: continuity with the committed CE head (0.2860)
-  if [ ! -f "$run/eval/evaluation.json" ] && ! { [ "$(last_step "$run")" = "$(planned_steps "$run" 2>/dev/null)" ] \
-      && [ "$n" != "$LARGEST" ]; }; then  # (a resume of a finished run would build its cut states for nothing)
+  if [ ! -f "$run/eval/evaluation.json" ] && ! done_training "$run" "$n"; then  # (a resume of a finished run would
+    # build its cut states for nothing)
     LABEL="train d$n-$TOP" train_or_resume "$run" "$STEPS" --data "$data" --model "$SPEC" --dtype float32 --seed 0 \
       --init "$ce" --objective ce --steps "$STEPS" --recipe lr_head=0.0005 --recipe select_by=nll \
       --recipe "lora_layers=$K" --recipe batch_by=case --recipe lr_lora=0.001 "${PREC[@]}"
