@@ -1,6 +1,7 @@
-# Sourced by the real-weights scripts that stop at a time and resume (run-forms.sh, run-backbone-topk.sh): stamps,
-# STOP_AT bounds and the train-or-resume step. Needs STOP_AT (may be empty), STAMPS (a file the stamps are also
-# appended to, or empty), THREADS, DEVICE and RLCD (the command, an array); the script calls stop_at_checked first.
+# Sourced by the real-weights scripts that stop at a time and resume (run-forms.sh, run-backbone-topk.sh,
+# run-data-scale.sh, run-bf16-control.sh): stamps, STOP_AT bounds, the train-or-resume step and the data-scale
+# recipe. Needs STOP_AT (may be empty), STAMPS (a file the stamps are also appended to, or empty), THREADS, DEVICE
+# and RLCD (the command, an array); the script calls stop_at_checked first.
 stamp() {
   local line; line="== $(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg) :: $*"
   echo "$line"; [ -z "${STAMPS:-}" ] || echo "$line" >> "$STAMPS"
@@ -52,3 +53,9 @@ train_or_resume() {  # RUN STEPS then `rlcd train` arguments after the run dir: 
   fi
   checked "$rc" "the training of $run (last checkpoint: update $(last_step "$run") of $steps)"
 }
+# The data-scale arms' recipe (issue 69; run-data-scale.sh and its control run-bf16-control.sh), one copy so that an
+# arm and its control cannot drift apart: a CE head on the frozen features (head LR 5e-3), then CE from that head
+# with LoRA on the top K layers (LoRA LR 1e-3, head LR 5e-4), one case per micro-batch, selected by dev NLL -- wave
+# 6's best real-weights recipe (run-backbone-topk.sh). The caller adds --steps, --init and --recipe lora_layers=K.
+CE_HEAD_RECIPE=(--objective ce --recipe head_only=true --recipe lr_head=0.005)
+TOPK_RECIPE=(--objective ce --recipe lr_head=0.0005 --recipe select_by=nll --recipe batch_by=case --recipe lr_lora=0.001)

@@ -11,9 +11,9 @@
 # Stages (each skipped when its output exists; STOP_AT stops and a re-run goes on, as in run-data-scale.sh):
 #   cut      `rlcd features OUT/dN --cut K --frozen-precision bfloat16` (beside the float32 cache: another key)
 #   features `rlcd features OUT/dN --frozen-precision bfloat16` (the CE head's, from those cut states)
-#   ce       CTRL/dN-ce: head only, CE_STEPS updates, head LR 5e-3 (the data-scale arms' CE head)
-#   top      CTRL/dN-topK from it: the data-scale arms' top run (CE, STEPS updates, lora_layers=K, batch_by=case,
-#            lr_lora 1e-3, lr_head 5e-4, select_by=nll), --recipe frozen_precision=bfloat16
+#   ce       CTRL/dN-ce: the data-scale arms' CE head (lib-run.sh's CE_HEAD_RECIPE), CE_STEPS updates
+#   top      CTRL/dN-topK from it: the data-scale arms' top run (lib-run.sh's TOPK_RECIPE: CE, lr_lora 1e-3,
+#            lr_head 5e-4, batch_by=case, select_by=nll), STEPS updates, lora_layers=K, frozen_precision=bfloat16
 #   evaluate `rlcd evaluate CTRL/dN-topK` (temperatures from its own calibration split)
 #   compare  `rlcd compare OUT/dN-topK CTRL/dN-topK --split dev` for nll brier accuracy, overall and per type
 # then COLLECT (config, metrics, evaluation, compares, cut/feature JSON, costs, stamps) into DOCS.
@@ -48,7 +48,10 @@ RLCD=("$PY" -m rlcd.cli)
 STAMPS=$CTRL/stamps.txt
 COSTS=$CTRL/costs.tsv
 # shellcheck source=lib-run.sh
-source "$HERE/lib-run.sh"
+source "$HERE/lib-run.sh"  # stamp, bounded (+ COSTS/LABEL), checked, stop_at_checked, train_or_resume, *_RECIPE
+COMPARES=$CTRL/compare
+# shellcheck source=lib-compare.sh
+source "$HERE/lib-compare.sh"  # compare A RUN_A B RUN_B EVAL SPLIT
 die() { echo "run-bf16-control: $*" >&2; exit 2; }
 
 # ---- checks before anything is written
@@ -87,13 +90,11 @@ if [ ! -e "$run/checkpoints/last" ]; then  # a started top run needs neither the
   staged "$CTRL/$NAME-d$N-features.json" "features d$N-bf16" "$CTRL/logs/features.log" "${RLCD[@]}" features "$data" \
     --model "$SPEC" --frozen-precision bfloat16 --device "$DEVICE" --dtype float32
   [ "$(last_step "$ce")" = "$CE_STEPS" ] || LABEL="train d$N-bf16-ce" train_or_resume "$ce" "$CE_STEPS" --data "$data" \
-    --model "$SPEC" --dtype float32 --seed 0 --objective ce --recipe head_only=true --recipe lr_head=0.005 \
-    --steps "$CE_STEPS" "${PREC[@]}"
+    --model "$SPEC" --dtype float32 --seed 0 "${CE_HEAD_RECIPE[@]}" --steps "$CE_STEPS" "${PREC[@]}"
 fi
 if [ "$(last_step "$run")" != "$STEPS" ]; then
   LABEL="train d$N-bf16-top$K" train_or_resume "$run" "$STEPS" --data "$data" --model "$SPEC" --dtype float32 \
-    --seed 0 --init "$ce" --objective ce --steps "$STEPS" --recipe lr_head=0.0005 --recipe select_by=nll \
-    --recipe "lora_layers=$K" --recipe batch_by=case --recipe lr_lora=0.001 "${PREC[@]}"
+    --seed 0 --init "$ce" --steps "$STEPS" "${TOPK_RECIPE[@]}" --recipe "lora_layers=$K" "${PREC[@]}"
 fi
 if [ ! -f "$run/eval/evaluation.json" ]; then
   stamp "evaluate $run"
@@ -102,15 +103,7 @@ if [ ! -f "$run/eval/evaluation.json" ]; then
   checked "$rc" "the evaluation of $run"
 fi
 stamp "compare $ref (float32) vs $run (bfloat16) on the dev rows"
-for metric in $METRICS; do
-  for t in all choice noul score; do
-    f="$CTRL/compare/compare-d$N-top$K-float32-vs-bfloat16-dev-$metric$([ "$t" = all ] || echo "-$t").json"
-    [ "$f" -nt "$run/eval/evaluation.json" ] && [ "$f" -nt "$ref/eval/evaluation.json" ] && continue
-    "${RLCD[@]}" compare "$ref" "$run" --split dev --metric "$metric" $([ "$t" = all ] || echo "--type $t") \
-      --json-out "$f.tmp" > /dev/null 2>> "$CTRL/compare/compare.log"
-    mv "$f.tmp" "$f"
-  done
-done
+compare "d$N-top$K-float32" "$ref" bfloat16 "$run" "" dev
 
 if [ "$COLLECT" = 1 ]; then
   stamp "collect into $DOCS"

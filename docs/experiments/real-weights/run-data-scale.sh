@@ -81,7 +81,9 @@ RLCD=("$PY" -m rlcd.cli)
 STAMPS=$OUT/stamps.txt
 [ "$COLLECT_ONLY" != 1 ] || STAMPS=  # a collect beside a running script leaves its stamps alone
 COSTS=$OUT/costs.tsv
-source "$HERE/lib-run.sh"  # stamp, bounded (+ COSTS/LABEL), checked, stop_at_checked, train_or_resume
+source "$HERE/lib-run.sh"  # stamp, bounded (+ COSTS/LABEL), checked, stop_at_checked, train_or_resume, *_RECIPE
+COMPARES=$OUT/compare
+source "$HERE/lib-compare.sh"  # compare A RUN_A B RUN_B EVAL SPLIT
 die() { echo "run-data-scale: $*" >&2; exit 2; }
 
 # ---- checks before anything is written
@@ -184,18 +186,6 @@ evaluate_once() {  # RUN, NAME (eval-NAME/, or "" for eval/), then --data D --ou
     --dtype float32 "$@" > "$OUT/logs/$(basename "$run").eval${name:+-$name}.txt" \
     2> "$OUT/logs/$(basename "$run").eval${name:+-$name}.log" || rc=$?
   checked "$rc" "the evaluation of $run${name:+ on $name}"
-}
-compare_pair() {  # run A, run B, eval name, split -> $OUT/compare/compare-A-vs-B-EVAL-SPLIT-METRIC[-TYPE].json
-  local a=$1 b=$2 ev=$3 split=$4 metric t out
-  for metric in $METRICS; do
-    for t in all choice noul score; do
-      out="$OUT/compare/compare-$(basename "$a")-vs-$(basename "$b")-$ev-$split-$metric$([ "$t" = all ] || echo "-$t").json"
-      [ "$out" -nt "$a/eval-$ev/evaluation.json" ] && [ "$out" -nt "$b/eval-$ev/evaluation.json" ] && continue
-      "${RLCD[@]}" compare "$a" "$b" --eval "$ev" --split "$split" --metric "$metric" \
-        $([ "$t" = all ] || echo "--type $t") --json-out "$out.tmp" > /dev/null 2>> "$OUT/compare/compare.log"
-      mv "$out.tmp" "$out"
-    done
-  done
 }
 save_unfinished() {  # SAVE=DIR: the small part of each unfinished run (config, samples, last checkpoint)
   [ -n "$SAVE" ] || return 0
@@ -305,14 +295,13 @@ arm() {
   if [ ! -e "$run/checkpoints/last" ] && [ "$(last_step "$ce")" != "$CE_STEPS" ]; then  # not started ("none"), or
     # stopped before its last update
     LABEL="train d$n-ce" train_or_resume "$ce" "$CE_STEPS" --data "$data" --model "$SPEC" --dtype float32 --seed 0 \
-      --objective ce --recipe head_only=true --recipe lr_head=0.005 --steps "$CE_STEPS" "${PREC[@]}"
+      "${CE_HEAD_RECIPE[@]}" --steps "$CE_STEPS" "${PREC[@]}"
   fi
   [ "$n" != "$BASE" ] || evaluate_once "$ce" ""  # the 1k head: continuity with the committed CE head (0.2860)
   if [ ! -f "$run/eval/evaluation.json" ] && ! done_training "$run" "$n"; then  # (a resume of a finished run would
     # build its cut states for nothing)
     LABEL="train d$n-$TOP" train_or_resume "$run" "$STEPS" --data "$data" --model "$SPEC" --dtype float32 --seed 0 \
-      --init "$ce" --objective ce --steps "$STEPS" --recipe lr_head=0.0005 --recipe select_by=nll \
-      --recipe "lora_layers=$K" --recipe batch_by=case --recipe lr_lora=0.001 "${PREC[@]}"
+      --init "$ce" --steps "$STEPS" "${TOPK_RECIPE[@]}" --recipe "lora_layers=$K" "${PREC[@]}"
     while [ "$n" = "$LARGEST" ] && [ "$(planned_steps "$run")" -lt "$MAX_STEPS" ] && dev_still_falling "$run"; do
       local more=$(( $(planned_steps "$run") + STEPS )); [ "$more" -le "$MAX_STEPS" ] || more=$MAX_STEPS
       stamp "extend $run to $more updates (its last dev NLL is its lowest)"
@@ -331,8 +320,8 @@ arm() {
     evaluate_once "$base_run" base --data "$OUT/d$BASE" --out base; verify_restored "$base_run" base
     evaluate_once "$base_run" sealed --data "$OUT/sealed" --out sealed; verify_restored "$base_run" sealed
     stamp "compare d$BASE-$TOP vs d$n-$TOP (sealed test, shared dev)"
-    compare_pair "$OUT/d$BASE-$TOP" "$run" sealed test
-    compare_pair "$OUT/d$BASE-$TOP" "$run" base dev
+    compare "d$BASE-$TOP" "$OUT/d$BASE-$TOP" "d$n-$TOP" "$run" sealed test
+    compare "d$BASE-$TOP" "$OUT/d$BASE-$TOP" "d$n-$TOP" "$run" base dev
   fi
 }
 
