@@ -3,7 +3,7 @@
 The experiment pages cite its JSON files by name, so the names are a contract: compare-A-vs-B[-EVAL][-SPLIT]-METRIC
 [-TYPE].json, one per metric and type. A re-run keeps a compare newer than both evaluations it reads and re-makes one
 that an evaluation has since replaced; a compare that fails stops the script and leaves no JSON behind. `rlcd` is
-replaced here by a stand-in that records its arguments, so these run in milliseconds.
+replaced here by a stand-in that records its arguments, so these run in seconds (10 s for the file).
 """
 
 import json
